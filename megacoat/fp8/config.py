@@ -1,0 +1,28 @@
+"""FP8Config: which activation precision mode the model runs in."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# bf16: baseline. fp8-linear: FP8 GEMMs, BF16 activations saved (like TransformerEngine's default).
+# coat: the full FP8 precision flow (FP8 linears and non-linears, FP8 tensors saved for backward).
+ACTIVATION_MODES = ("bf16", "fp8-linear", "coat")
+FP8_DTYPES = ("e4m3", "e5m2")
+
+
+@dataclass
+class FP8Config:
+    mode: str = "bf16"
+    grad_dtype: str = "e5m2"  # dtype of output gradients fed to the backward GEMMs
+    group_size: int = 128  # 1xG groups for non-linear layers
+
+    def __post_init__(self):
+        if self.mode not in ACTIVATION_MODES:
+            raise ValueError(f"--fp8-activations mode must be one of {ACTIVATION_MODES}, got {self.mode!r}")
+        if self.grad_dtype not in FP8_DTYPES:
+            raise ValueError(f"--fp8-grad-dtype must be one of {FP8_DTYPES}, got {self.grad_dtype!r}")
+        if self.group_size not in (16, 32, 64, 128, 256):
+            raise ValueError(f"--fp8-group-size must be one of 16/32/64/128/256, got {self.group_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "bf16"

@@ -1,0 +1,1 @@
+"""The GPT model: a plain-PyTorch Llama-style decoder that knows nothing of parallelism, FP8, data or training loops."""

@@ -1,0 +1,45 @@
+"""OptimizerConfig: AdamW / CoatAdamW hyper-parameters and the learning-rate schedule."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DECAY_STYLES = ("constant", "linear", "cosine")
+FP8_MOMENT_DTYPES = ("e4m3", "e5m2")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    lr_warmup_iters: int = 20
+    lr_decay_iters: int | None = None  # None: decay over all training iterations
+    lr_decay_style: str = "cosine"
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    # CoatAdamW (FP8 moments); off means torch AdamW with fp32 moments.
+    fp8_optimizer: bool = False
+    fp8_m_dtype: str = "e4m3"
+    fp8_v_dtype: str = "e4m3"
+    fp8_group_size: int = 128
+    fp8_expand: bool = True
+
+    def __post_init__(self):
+        if self.lr_decay_style not in DECAY_STYLES:
+            raise ValueError(f"--lr-decay-style must be one of {DECAY_STYLES}, got {self.lr_decay_style!r}")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}) and --lr > 0")
+        if self.lr_warmup_iters < 0:
+            raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if self.weight_decay < 0 or self.clip_grad < 0:
+            raise ValueError("--weight-decay and --clip-grad must be >= 0")
+        for name in ("fp8_m_dtype", "fp8_v_dtype"):
+            if getattr(self, name) not in FP8_MOMENT_DTYPES:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {FP8_MOMENT_DTYPES}")
+        if self.fp8_group_size not in (16, 32, 64, 128, 256):
+            raise ValueError(f"--fp8-group-size must be one of 16/32/64/128/256, got {self.fp8_group_size}")

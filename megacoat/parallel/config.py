@@ -1,0 +1,20 @@
+"""ParallelConfig: tensor / pipeline sizes (data parallel is what is left of the world)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    zero_stage: int = 1
+
+    def __post_init__(self):
+        if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
+            raise ValueError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"--zero-stage must be 0, 1 or 2, got {self.zero_stage}")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")

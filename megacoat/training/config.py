@@ -1,0 +1,49 @@
+"""TrainingConfig: batch sizes, iterations, precision, logging, evaluation and checkpoint cadence."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 8
+    global_batch_size: int = 16
+    train_iters: int = 200
+    seed: int = 1234
+    # auto: bf16 on CUDA, fp32 on CPU (bf16 matmuls on a CPU are slow and gain nothing).
+    precision: str = "auto"
+    log_interval: int = 10
+    log_json: str | None = None
+    eval_interval: int = 100
+    eval_iters: int = 10
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    deepspeed_config: str | None = None  # a user JSON; None: written from these flags
+
+    def __post_init__(self):
+        for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval", "eval_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.eval_iters < 0:
+            raise ValueError(f"--eval-iters must be >= 0, got {self.eval_iters}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"--global-batch-size ({self.global_batch_size}) must be divisible by "
+                             f"--micro-batch-size ({self.micro_batch_size})")
+        if self.save_interval is not None and self.save_interval <= 0:
+            raise ValueError(f"--save-interval must be positive, got {self.save_interval}")
+        if self.save_interval is not None and self.save is None:
+            raise ValueError("--save-interval needs --save DIR")
+
+    def gradient_accumulation_steps(self, data_parallel_size: int) -> int:
+        """Micro-batches per rank per step; the global batch must split evenly over the DP ranks."""
+        per_step = self.micro_batch_size * data_parallel_size
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"--global-batch-size ({self.global_batch_size}) must be divisible by --micro-batch-size "
+                f"({self.micro_batch_size}) x data-parallel size ({data_parallel_size})")
+        return self.global_batch_size // per_step
