@@ -122,11 +122,16 @@ class GPT(nn.Module):
         self.output = make_linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
-        # Buffers follow .to(device) but are not saved: they are a function of the config.
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # Plain attributes, not buffers: a model cast to bf16 must keep its rotary tables in fp32, and they
+        # are a function of the config, so nothing is saved. `_rope` moves them to the activations' device.
+        self._rope_cpu = rope_tables(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
+        self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.reset_parameters()
+
+    def _rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._rope_cache:
+            self._rope_cache[device] = tuple(t.to(device) for t in self._rope_cpu)
+        return self._rope_cache[device]
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -150,8 +155,9 @@ class GPT(nn.Module):
         if tokens.shape[1] > self.cfg.seq_length:
             raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds --seq-length {self.cfg.seq_length}")
         h = self.tok_embeddings(tokens)
+        cos, sin = self._rope(h.device)
         for layer in self.layers:
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin)
         logits = self.output(self.norm(h))
         if labels is None:
             return logits

@@ -1,1 +1,6 @@
-"""Optimizers and learning-rate schedules: parameter groups, warmup/decay schedules, CoatAdamW."""
+"""Optimizers (AdamW, CoatAdamW with FP8 moments), their parameter groups and the learning-rate schedule."""
+from megacoat.optim.builder import build_optimizer, param_groups
+from megacoat.optim.config import OptimizerConfig
+from megacoat.optim.lr_schedule import WarmupDecayLR, lr_at
+
+__all__ = ["OptimizerConfig", "WarmupDecayLR", "build_optimizer", "lr_at", "param_groups"]
