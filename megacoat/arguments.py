@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_not_implemented(args: argparse.Namespace) -> None:
     for key, what in NOT_IMPLEMENTED_YET.items():
         value = getattr(args, key)
-        if value not in (None, False, 1):
+        unset = value is None or value is False or (type(value) is int and value == 1)  # True == 1 in Python
+        if not unset:
             raise SystemExit(f"error: {what} is not implemented yet in this version of megacoat")
 
 

@@ -1,0 +1,41 @@
+"""Process start-up: one rank per GPU (NCCL) or per CPU process (gloo), through DeepSpeed's launcher or alone."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> torch.device:
+    """Join (or, run as plain `python`, create) the default process group; return this rank's device."""
+    import deepspeed
+
+    if "RANK" not in os.environ:  # `python pretrain_gpt.py`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    on_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if on_cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo", auto_mpi_discovery=False,
+                                   verbose=False)
+    return torch.device("cuda", local_rank) if on_cuda else torch.device("cpu")
+
+
+def all_reduce_mean(value: torch.Tensor, group=None) -> torch.Tensor:
+    value = value.detach().clone()
+    dist.all_reduce(value, group=group)
+    return value / dist.get_world_size(group)
+
+
+def is_main_process() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0

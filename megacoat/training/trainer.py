@@ -1,0 +1,239 @@
+"""The pretraining loop: build data, model and optimizer from a MegacoatConfig, hand them to the DeepSpeed
+engine (data parallelism, ZeRO-0/1/2, bf16, gradient accumulation and clipping), then train, evaluate, log
+and checkpoint."""
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from megacoat.config import MegacoatConfig
+from megacoat.model import GPT
+from megacoat.optim import WarmupDecayLR, build_optimizer, param_groups
+from megacoat.training.deepspeed_config import build_deepspeed_config
+from megacoat.training.distributed import all_reduce_mean, init_distributed, is_main_process
+from megacoat.training.flops import flops_per_token, peak_flops
+from megacoat.training.logger import TrainingLogger
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def check_data_paths(cfg: MegacoatConfig) -> None:
+    """Fail before any work when a --data-path shard or the tokenizer file is missing."""
+    for item in cfg.data.data_path:
+        try:
+            float(item)  # a blend weight
+            continue
+        except ValueError:
+            pass
+        for ext in (".bin", ".idx"):
+            if not os.path.exists(item + ext):
+                raise FileNotFoundError(f"--data-path {item}: {item + ext} does not exist")
+    if cfg.data.tokenizer_model and not os.path.exists(cfg.data.tokenizer_model):
+        raise FileNotFoundError(f"--tokenizer-model {cfg.data.tokenizer_model} does not exist")
+
+
+def resolve_data(cfg: MegacoatConfig, logger: TrainingLogger) -> MegacoatConfig:
+    """No --data-path and no --mock-data: the embedded default corpus (the Python standard library's sources),
+    prepared once by rank 0 and reused from the cache by everyone else."""
+    if cfg.data.data_path or cfg.data.mock_data:
+        data = cfg.data
+    else:
+        from megacoat.data import prepare_default_corpus
+
+        if is_main_process():
+            corpus = prepare_default_corpus(cfg.data.cache_dir, vocab_size=cfg.model.vocab_size)
+        dist.barrier()
+        if not is_main_process():
+            corpus = prepare_default_corpus(cfg.data.cache_dir, vocab_size=cfg.model.vocab_size, progress=False)
+        logger.info(f"data: embedded default corpus {corpus.data_prefix}")
+        data = replace(cfg.data, data_path=[corpus.data_prefix], tokenizer_model=corpus.tokenizer_model)
+    if data.tokenizer_model:
+        from megacoat.data import SentencePieceTokenizer
+
+        vocab = SentencePieceTokenizer(data.tokenizer_model).vocab_size
+        if vocab > cfg.model.vocab_size:
+            raise ValueError(f"--vocab-size {cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                             f"({vocab}, {data.tokenizer_model})")
+    return replace(cfg, data=data)
+
+
+def build_data(cfg: MegacoatConfig, dp_size: int):
+    from megacoat.data import build_train_valid_test_datasets
+
+    t = cfg.training
+    evals = t.train_iters // t.eval_interval + 1 if t.eval_iters else 0
+    return build_train_valid_test_datasets(
+        cfg.data, cfg.model.seq_length,
+        train_samples=t.train_iters * t.global_batch_size,
+        valid_samples=t.eval_iters * t.global_batch_size if evals else 0,
+        test_samples=0, seed=t.seed, vocab_size=cfg.model.vocab_size)
+
+
+def max_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS on CPU (Linux reports KiB)
+
+
+class Trainer:
+    def __init__(self, cfg: MegacoatConfig):
+        import deepspeed
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel(logging.WARNING)  # megacoat prints its own log; DeepSpeed's INFO lines drown it
+        check_data_paths(cfg)
+        self.device = init_distributed()
+        self.world_size = dist.get_world_size()
+        self.dp_rank, self.dp_size = dist.get_rank(), self.world_size
+        self.logger = TrainingLogger(cfg.training.log_json, enabled=is_main_process())
+        cfg = resolve_data(cfg, self.logger)
+        self.cfg = cfg
+        t = cfg.training
+        self.ds_config = build_deepspeed_config(cfg, self.dp_size, on_cuda=self.device.type == "cuda")
+        self.grad_accum = self.ds_config["gradient_accumulation_steps"]
+
+        # Same seed on every rank: DP replicas must start identical (DeepSpeed also broadcasts rank 0's).
+        torch.manual_seed(t.seed)
+        model = GPT(cfg.model)
+        if cfg.fp8.enabled:
+            from megacoat.fp8 import convert_to_fp8
+
+            model = convert_to_fp8(model, cfg.fp8)
+        model.to(self.device)
+        self.logger.info(f"model: {cfg.model.num_parameters() / 1e6:.2f}M parameters, {cfg.model.num_layers} layers, "
+                         f"hidden {cfg.model.hidden_size}; world size {self.world_size}, micro-batch "
+                         f"{t.micro_batch_size}, global batch {t.global_batch_size}, gradient accumulation "
+                         f"{self.grad_accum}; ZeRO-{cfg.parallel.zero_stage}; bf16 {self.ds_config['bf16']['enabled']}")
+        optimizer = build_optimizer(param_groups(model, cfg.optim.weight_decay), cfg.optim, self.device)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.ds_config, dist_init_required=False,
+            lr_scheduler=lambda opt: WarmupDecayLR(opt, cfg.optim, t.train_iters))
+
+        self.train_ds, self.valid_ds, _ = build_data(cfg, self.dp_size)
+        self.state = TrainState()
+        if t.load:
+            self.load_checkpoint(t.load)
+        self.flops_per_token = flops_per_token(cfg.model)
+        self.peak = peak_flops(self.device)
+
+    # --- data -------------------------------------------------------------------------------------------
+    def _loader(self, dataset, consumed_samples: int):
+        from megacoat.data import build_pretraining_data_loader
+
+        return iter(build_pretraining_data_loader(dataset, consumed_samples, self.cfg.training.micro_batch_size,
+                                                  self.dp_rank, self.dp_size, self.cfg.data.num_workers))
+
+    def _split(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = batch.to(self.device, non_blocking=True)
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    # --- one step -----------------------------------------------------------------------------------------
+    def train_step(self, data_iter) -> tuple[torch.Tensor, float | None]:
+        losses = []
+        for _ in range(self.grad_accum):
+            tokens, labels = self._split(next(data_iter))
+            loss = self.engine(tokens, labels)
+            self.engine.backward(loss)
+            grad_norm = self._grad_norm_if_boundary()
+            self.engine.step()
+            losses.append(loss.detach())
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            norm = grad_norm
+        return all_reduce_mean(torch.stack(losses).mean().float()), None if norm is None else float(norm)
+
+    def _grad_norm_if_boundary(self) -> float | None:
+        """ZeRO-1/2 and bf16 report their global grad norm through the engine; plain fp32 data parallelism
+        (ZeRO-0) does not, so take it here, after DeepSpeed's all-reduce and before clipping."""
+        if self.cfg.parallel.zero_stage or not self.engine.is_gradient_accumulation_boundary():
+            return None
+        if self.ds_config["bf16"]["enabled"]:
+            return None
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.engine.eval()
+        it = self._loader(self.valid_ds, 0)  # the same validation batches every time: comparable curves
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.cfg.training.eval_iters * self.grad_accum):
+            tokens, labels = self._split(next(it))
+            total += self.engine(tokens, labels).float()
+        self.engine.train()
+        return float(all_reduce_mean(total / (self.cfg.training.eval_iters * self.grad_accum)))
+
+    # --- checkpoints ----------------------------------------------------------------------------------------
+    def save_checkpoint(self, directory: str) -> None:
+        tag = f"iter_{self.state.iteration:07d}"
+        self.engine.save_checkpoint(directory, tag=tag, client_state={
+            "iteration": self.state.iteration, "consumed_samples": self.state.consumed_samples,
+            "megacoat_config": self.cfg.to_dict()})
+        self.logger.info(f"saved checkpoint {os.path.join(directory, tag)}")
+
+    def load_checkpoint(self, directory: str) -> None:
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"--load {directory}: no such directory")
+        path, client = self.engine.load_checkpoint(directory)
+        if path is None:
+            self.logger.info(f"--load {directory}: no checkpoint there yet, starting from scratch")
+            return
+        saved_model = client.get("megacoat_config", {}).get("model")
+        if saved_model is not None and saved_model != self.cfg.to_dict()["model"]:
+            diff = {k: (v, self.cfg.to_dict()["model"].get(k)) for k, v in saved_model.items()
+                    if self.cfg.to_dict()["model"].get(k) != v}
+            raise ValueError(f"--load {path}: the checkpoint's model differs from the flags (saved, now): {diff}")
+        self.state = TrainState(client["iteration"], client["consumed_samples"])
+        self.logger.info(f"resumed from {path} at iteration {self.state.iteration}")
+
+    # --- the loop ---------------------------------------------------------------------------------------------
+    def train(self) -> dict:
+        t = self.cfg.training
+        data_iter = self._loader(self.train_ds, self.state.consumed_samples)
+        tokens_per_step = t.global_batch_size * self.cfg.model.seq_length
+        history = {"loss": [], "val_loss": []}
+        last_time, last_iter = time.perf_counter(), self.state.iteration
+        while self.state.iteration < t.train_iters:
+            lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler moves on after it)
+            loss, grad_norm = self.train_step(data_iter)
+            self.state.iteration += 1
+            self.state.consumed_samples += t.global_batch_size
+            it = self.state.iteration
+            if it % t.log_interval == 0 or it == t.train_iters:
+                loss_value = float(loss)  # synchronises the device: the timing below is honest
+                now = time.perf_counter()
+                tokens_per_s = (it - last_iter) * tokens_per_step / (now - last_time)
+                tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
+                self.logger.log_train({
+                    "iteration": it, "loss": loss_value, "lr": lr,
+                    "grad_norm": grad_norm if grad_norm is not None else float("nan"),
+                    "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
+                    "mfu": None if self.peak is None else tflops * 1e12 / self.peak,
+                    "max_memory_bytes": max_memory_bytes(self.device)}, t.train_iters)
+                history["loss"].append((it, loss_value))
+                last_time, last_iter = time.perf_counter(), it
+            if t.eval_iters and (it % t.eval_interval == 0 or it == t.train_iters):
+                val = self.evaluate()
+                self.logger.log_eval(it, val)
+                history["val_loss"].append((it, val))
+                last_time = time.perf_counter()  # evaluation time is not training throughput
+            if t.save and t.save_interval and it % t.save_interval == 0:
+                self.save_checkpoint(t.save)
+                last_time = time.perf_counter()
+        if t.save and (not t.save_interval or self.state.iteration % t.save_interval):
+            self.save_checkpoint(t.save)
+        return history
+
+
+def pretrain(cfg: MegacoatConfig) -> dict:
+    return Trainer(cfg).train()

@@ -1,0 +1,25 @@
+"""Pretrain a Llama-style GPT with megacoat.
+
+    python pretrain_gpt.py                                   # tiny model on the embedded default corpus
+    deepspeed --num_gpus 8 pretrain_gpt.py --num-layers 24 --hidden-size 2048 ... --data-path my_text_document
+    deepspeed --num_gpus 8 pretrain_gpt.py ... --coat-fp8    # FP8 optimizer states + FP8 activations
+
+`python pretrain_gpt.py --help` lists every flag.
+"""
+from __future__ import annotations
+
+import sys
+
+from megacoat.arguments import parse_config
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_config(argv)  # bad flags stop here, before any work
+    from megacoat.training import pretrain
+
+    return pretrain(cfg)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    sys.exit(0)

@@ -1,0 +1,35 @@
+import json
+
+import pytest
+
+from megacoat.arguments import parse_config
+from megacoat.training.deepspeed_config import build_deepspeed_config
+
+
+def test_written_config_follows_flags():
+    cfg = parse_config(["--micro-batch-size", "2", "--global-batch-size", "16", "--zero-stage", "2",
+                        "--clip-grad", "0.5"])
+    ds = build_deepspeed_config(cfg, data_parallel_size=2, on_cuda=True)
+    assert ds["train_batch_size"] == 16 and ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["gradient_accumulation_steps"] == 4
+    assert ds["zero_optimization"]["stage"] == 2 and ds["gradient_clipping"] == 0.5
+    assert ds["bf16"]["enabled"] is True
+    assert build_deepspeed_config(cfg, 2, on_cuda=False)["bf16"]["enabled"] is False  # auto: fp32 on CPU
+
+
+def test_global_batch_not_divisible_by_data_parallel_is_an_error():
+    cfg = parse_config(["--micro-batch-size", "4", "--global-batch-size", "8"])
+    with pytest.raises(ValueError, match="global-batch-size.*data-parallel size \\(3\\)"):
+        build_deepspeed_config(cfg, data_parallel_size=3, on_cuda=False)
+
+
+def test_user_config_that_contradicts_flags_is_an_error(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 32, "zero_optimization": {"stage": 2}}))
+    cfg = parse_config(["--global-batch-size", "16", "--deepspeed_config", str(path)])
+    with pytest.raises(ValueError, match="train_batch_size=32"):
+        build_deepspeed_config(cfg, 1, on_cuda=False)
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True}}))
+    cfg = parse_config(["--zero-stage", "2", "--deepspeed_config", str(path)])
+    ds = build_deepspeed_config(cfg, 1, on_cuda=False)
+    assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True}
