@@ -1,0 +1,103 @@
+"""From a DataConfig to train/valid/test datasets: --data-path blends, --split ranges, mock data."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from megacoat.data.blended_dataset import BlendedDataset, blend_indices
+from megacoat.data.config import DataConfig
+from megacoat.data.gpt_dataset import GPTDataset, MockGPTDataset
+from megacoat.data.indexed_dataset import IndexedDataset
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("MEGACOAT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megacoat")
+
+
+def parse_data_path(data_path: list[str]) -> tuple[list[float] | None, list[str]]:
+    """["a"] or ["a", "b"] (weights None: in proportion to size) or ["0.7", "a", "0.3", "b"]."""
+    if not data_path:
+        raise ValueError("--data-path is empty")
+
+    def number(s):
+        try:
+            return float(s)
+        except ValueError:
+            return None
+
+    if number(data_path[0]) is None:
+        if any(number(p) is not None for p in data_path):
+            raise ValueError(f"--data-path mixes weights and prefixes: {' '.join(data_path)} "
+                             f"(give 'W1 PREFIX1 W2 PREFIX2 ...' or only prefixes)")
+        return None, list(data_path)
+    if len(data_path) % 2:
+        raise ValueError(f"--data-path with weights needs 'WEIGHT PREFIX' pairs, got {' '.join(data_path)}")
+    weights = [number(w) for w in data_path[0::2]]
+    prefixes = list(data_path[1::2])
+    if any(w is None or not np.isfinite(w) or w <= 0 for w in weights):
+        raise ValueError(f"--data-path weights must be positive numbers, got {data_path[0::2]}")
+    return weights, prefixes
+
+
+def split_weights(split: str) -> list[float]:
+    w = [float(p) for p in split.split(",")]
+    w += [0.0] * (3 - len(w))
+    total = sum(w)
+    return [x / total for x in w]
+
+
+def split_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
+    """Contiguous document ranges for train/valid/test (Megatron's rounding: the last split absorbs the rest)."""
+    bounds = [0]
+    for w in split_weights(split):
+        bounds.append(bounds[-1] + int(round(w * num_documents)))
+    diff = bounds[-1] - num_documents
+    bounds = [bounds[0]] + [b - diff for b in bounds[1:]]
+    return [(max(lo, 0), max(hi, 0)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def build_train_valid_test_datasets(data_config: DataConfig, seq_length: int, train_samples: int,
+                                    valid_samples: int, test_samples: int, seed: int, *,
+                                    vocab_size: int | None = None):
+    """(train, valid, test); a split asked for 0 samples is None. Items are int64 arrays of seq_length + 1.
+
+    With several --data-path prefixes each one is split by --split and the splits are blended by weight.
+    A split that is asked for samples but has too little data raises, naming the prefix and split.
+    """
+    wanted = (train_samples, valid_samples, test_samples)
+    if any(n < 0 for n in wanted):
+        raise ValueError(f"sample counts must be >= 0, got {wanted}")
+    if data_config.mock_data:
+        if vocab_size is None:
+            raise ValueError("mock data needs vocab_size= (the model's vocabulary)")
+        return tuple(MockGPTDataset(n, seq_length, vocab_size, seed + i, name) if n else None
+                     for i, (n, name) in enumerate(zip(wanted, SPLIT_NAMES)))
+    if not data_config.data_path:
+        raise ValueError("no --data-path given: pass shard prefixes, --mock-data, or use "
+                         "megacoat.data.prepare_default_corpus() for the embedded corpus")
+    weights, prefixes = parse_data_path(data_config.data_path)
+    indexed = [IndexedDataset(p) for p in prefixes]
+    if weights is None:
+        weights = [max(d.num_tokens, 1) for d in indexed]
+    cache_dir = os.path.join(data_config.cache_dir or default_cache_dir(), "index")
+    split_weight = split_weights(data_config.split)
+
+    out = []
+    for s, (n, name) in enumerate(zip(wanted, SPLIT_NAMES)):
+        if n == 0:
+            out.append(None)
+            continue
+        if split_weight[s] == 0:
+            raise ValueError(f"{n} {name} samples requested but --split {data_config.split} gives {name} no data")
+        counts = blend_indices(weights, n)[2] if len(indexed) > 1 else [n]
+        parts = []
+        for ds, count in zip(indexed, counts):
+            lo, hi = split_ranges(len(ds), data_config.split)[s]
+            # Every component gets at least one sample so that a small request still validates all of them.
+            parts.append(GPTDataset(ds, lo, hi, seq_length, max(int(count), 1), seed,
+                                    cache_dir=cache_dir, name=name))
+        out.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, n))
+    return tuple(out)
