@@ -15,8 +15,12 @@ from megacoat.arguments import parse_config
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(argv)  # bad flags stop here, before any work
-    from megacoat.training import pretrain
+    from megacoat.training.trainer import check_data_paths, pretrain
 
+    try:
+        check_data_paths(cfg)  # a missing shard or tokenizer file also stops before any work
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {e}") from None
     return pretrain(cfg)
 
 
