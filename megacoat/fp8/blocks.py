@@ -1,0 +1,55 @@
+"""The COAT transformer block: the plain model's block with its forward routed through the FP8 precision flow.
+
+It adopts the original block's submodules (`attention_norm`, `attention.wq/wk/wv/wo`, `ffn_norm`,
+`feed_forward.w1/w2/w3`), so parameter names and objects are unchanged. Per block:
+    h   = x + wo(SDPA(rope(q), rope(k), v))   with [q|k|v] = coat_norm_linear(x)   (wo: Fp8Linear)
+    out = h + coat_mlp(h)
+The residual stream itself stays in the activation dtype (adds save nothing for backward); attention's core
+stays BF16 (flash SDPA on GPU) and what it saves is counted in the measurements.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megacoat.fp8.config import FP8Config
+from megacoat.fp8.formats import get_format
+from megacoat.fp8.linear import Fp8Linear, Fp8WeightCache
+from megacoat.fp8.precision_flow import coat_mlp, coat_norm_linear
+from megacoat.model.gpt import apply_rope
+
+
+class CoatTransformerBlock(nn.Module):
+    def __init__(self, block: nn.Module, fp8: FP8Config):
+        super().__init__()
+        self.layer_id = getattr(block, "layer_id", None)
+        self.attention_norm = block.attention_norm
+        self.attention = block.attention
+        self.ffn_norm = block.ffn_norm
+        self.feed_forward = block.feed_forward
+        if not isinstance(self.attention.wo, Fp8Linear):
+            self.attention.wo = Fp8Linear.from_linear(self.attention.wo, fp8.grad_dtype)
+        self.group_size = fp8.group_size
+        self.grad_dtype = get_format(fp8.grad_dtype).dtype
+        self.qkv_cache, self.w13_cache, self.w2_cache = Fp8WeightCache(), Fp8WeightCache(), Fp8WeightCache()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        a, ff = self.attention, self.feed_forward
+        b, s, _ = x.shape
+        qkv = coat_norm_linear(x, self.attention_norm.weight, (a.wq.weight, a.wk.weight, a.wv.weight),
+                               self.qkv_cache, self.attention_norm.eps, self.group_size, self.grad_dtype)
+        q, k, v = qkv.split([a.wq.weight.shape[0], a.wk.weight.shape[0], a.wv.weight.shape[0]], dim=-1)
+        q = apply_rope(q.view(b, s, -1, a.head_dim), cos, sin)
+        k = apply_rope(k.view(b, s, -1, a.head_dim), cos, sin)
+        # contiguous: a view would keep the whole BF16 [q|k|v] GEMM output alive as SDPA's saved v.
+        v = v.contiguous().view(b, s, -1, a.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        repeats = q.shape[1] // k.shape[1]
+        if repeats > 1:
+            k = k.repeat_interleave(repeats, dim=1)
+            v = v.repeat_interleave(repeats, dim=1)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = x + a.wo(attn.transpose(1, 2).reshape(b, s, -1))
+        return h + coat_mlp(h, self.ffn_norm.weight, ff.w1.weight, ff.w3.weight, ff.w2.weight, self.w13_cache,
+                            self.w2_cache, self.ffn_norm.eps, self.group_size, self.grad_dtype)

@@ -1,0 +1,52 @@
+"""convert_to_fp8(model, fp8_config): the model converter for the FP8 activation modes (torchtitan-style).
+
+It swaps modules of the plain model from outside and keeps every parameter object and name, so checkpoints
+and an optimizer built before or after see the same parameters:
+  * `bf16`:       nothing changes.
+  * `fp8-linear`: every nn.Linear inside the transformer blocks becomes an Fp8Linear (FP8 GEMMs, the FP8
+                  input saved); norms, SwiGLU and attention stay in the activation dtype.
+  * `coat`:       each TransformerBlock becomes a CoatTransformerBlock (the full FP8 precision flow).
+The embedding and the output head stay in high precision in every mode (as in COAT and TransformerEngine):
+the vocabulary need not meet FP8 GEMM alignment, and the logits feed a softmax over ~1e4-1e5 classes.
+
+After an optimizer step that writes weights behind autograd's back (`param.data`), call
+megacoat.fp8.linear.invalidate_fp8_weight_caches() so the next forward re-quantizes them.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from megacoat.fp8.blocks import CoatTransformerBlock
+from megacoat.fp8.config import FP8Config
+from megacoat.fp8.linear import Fp8Linear
+
+
+def _check_dims(model: nn.Module) -> None:
+    for name, mod in model.layers.named_modules():
+        if isinstance(mod, nn.Linear):
+            for what, n in (("in_features", mod.in_features), ("out_features", mod.out_features)):
+                if n % 16:
+                    raise ValueError(f"FP8 mode needs every block linear's dims to be multiples of 16; "
+                                     f"layers.{name}.{what} = {n}")
+
+
+def convert_to_fp8(model: nn.Module, fp8: FP8Config) -> nn.Module:
+    """Convert `model` (a megacoat GPT, before any DeepSpeed wrapping) in place and return it."""
+    if fp8.mode == "bf16":
+        return model
+    if not hasattr(model, "layers"):
+        raise TypeError(f"convert_to_fp8 expects a megacoat GPT with .layers, got {type(model).__name__}")
+    _check_dims(model)
+    for i, block in enumerate(model.layers):
+        if isinstance(block, CoatTransformerBlock):
+            continue  # already converted: converting twice is a no-op
+        if fp8.mode == "coat":
+            model.layers[i] = CoatTransformerBlock(block, fp8)
+        elif fp8.mode == "fp8-linear":
+            for parent in block.modules():
+                for child_name, child in list(parent.named_children()):
+                    if type(child) is nn.Linear:
+                        setattr(parent, child_name, Fp8Linear.from_linear(child, fp8.grad_dtype))
+        else:
+            raise ValueError(f"unknown FP8 activation mode {fp8.mode!r}")
+    return model

@@ -1,0 +1,106 @@
+"""COAT's precision flow as autograd functions: what passes between the layers inside them is FP8.
+
+Two fused functions cover a Llama block's FP8 part (attention's core stays BF16 in SDPA):
+  * `coat_norm_linear`: RMSNorm → FP8 GEMM against the concatenated weights (wq|wk|wv).
+  * `coat_mlp`: RMSNorm → w1|w3 GEMM → SwiGLU → w2 GEMM.
+Inside, the norm and SwiGLU read their input as E4M3 with 1xG group scales, compute in fp32 and write E4M3
+with a per-tensor scale from group scaling, which the next GEMM consumes directly (no BF16 tensor in between).
+
+Saved for backward, per token: the norm's input (H bytes + H/G scales) and SwiGLU's input pair (2F bytes +
+scales): FP8 only. The GEMM inputs that wgrad needs (normed x, silu(a1)*a3) are cheap functions of those and
+are made again in backward, transposed, by the kernels that made them in forward. Gradients between the
+layers are FP8 too (E5M2 by default): SwiGLU's backward writes da1|da3 straight into the layouts of the two
+GEMMs that consume it.
+"""
+from __future__ import annotations
+
+import torch
+
+from megacoat.fp8.linear import Fp8WeightCache, check_gemm_dims, quantize_grad, scaled_mm
+from megacoat.ops.rmsnorm import rmsnorm_fp8_bwd, rmsnorm_fp8_fwd, rmsnorm_fp8_out
+from megacoat.ops.swiglu import swiglu_fp8_bwd, swiglu_fp8_fwd, swiglu_fp8_out
+
+
+def _split_rows(t: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    return tuple(t.split(sizes, dim=0))
+
+
+class CoatNormLinearFunction(torch.autograd.Function):
+    """out = RMSNorm(x) @ cat(weights)^T with the normed x in FP8; x [M, H] → [M, sum of out dims]."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, cache, eps, group_size, grad_dtype, *weights):
+        check_gemm_dims(tokens_per_micro_batch=x.shape[0])
+        x8, xs, rstd, y_scale = rmsnorm_fp8_fwd(x, norm_weight, eps, group_size)
+        y8 = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, group_size, transpose=False)
+        w8, w8t, w_scale = cache.get(weights)
+        out = scaled_mm(y8, w8.t(), y_scale, w_scale, x.dtype)
+        ctx.save_for_backward(x8, xs, rstd, y_scale, norm_weight)
+        ctx.w8t, ctx.w_scale, ctx.group_size, ctx.grad_dtype = w8t, w_scale, group_size, grad_dtype
+        ctx.sizes, ctx.w_dtype = [w.shape[0] for w in weights], weights[0].dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x8, xs, rstd, y_scale, norm_weight = ctx.saved_tensors
+        g8, g8t, g_scale = quantize_grad(grad_out.contiguous(), ctx.grad_dtype)
+        dy = scaled_mm(g8, ctx.w8t.t(), g_scale, ctx.w_scale, grad_out.dtype)
+        y8t = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, ctx.group_size, transpose=True)
+        dw = scaled_mm(g8t, y8t.t(), g_scale, y_scale, ctx.w_dtype)
+        dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, ctx.group_size)
+        return (dx, dnorm.to(norm_weight.dtype), None, None, None, None, *_split_rows(dw, ctx.sizes))
+
+
+class CoatMLPFunction(torch.autograd.Function):
+    """w2(silu(w1 n) * w3 n) with n = RMSNorm(x), all in the FP8 flow; x [M, H] → [M, H]."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, w1, w3, w2, cache13, cache2, eps, group_size, grad_dtype):
+        check_gemm_dims(tokens_per_micro_batch=x.shape[0])
+        x8, xs, rstd, y_scale = rmsnorm_fp8_fwd(x, norm_weight, eps, group_size)
+        y8 = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, group_size, transpose=False)
+        w13_8, w13_8t, w13_scale = cache13.get((w1, w3))
+        a13 = scaled_mm(y8, w13_8.t(), y_scale, w13_scale, x.dtype)  # [M, 2F]: gate | up
+        a1_8, s1, a3_8, s3, s_scale = swiglu_fp8_fwd(a13, group_size)
+        del a13  # the BF16 GEMM output dies here; backward keeps its FP8 copy
+        s8 = swiglu_fp8_out(a1_8, s1, a3_8, s3, s_scale, group_size, transpose=False)
+        w2_8, w2_8t, w2_scale = cache2.get((w2,))
+        out = scaled_mm(s8, w2_8.t(), s_scale, w2_scale, x.dtype)
+        ctx.save_for_backward(x8, xs, rstd, y_scale, a1_8, s1, a3_8, s3, s_scale, norm_weight)
+        ctx.w13_8t, ctx.w13_scale, ctx.w2_8t, ctx.w2_scale = w13_8t, w13_scale, w2_8t, w2_scale
+        ctx.group_size, ctx.grad_dtype, ctx.w_dtype, ctx.ffn = group_size, grad_dtype, w1.dtype, w1.shape[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x8, xs, rstd, y_scale, a1_8, s1, a3_8, s3, s_scale, norm_weight = ctx.saved_tensors
+        g = ctx.group_size
+        g8, g8t, g_scale = quantize_grad(grad_out.contiguous(), ctx.grad_dtype)
+        ds = scaled_mm(g8, ctx.w2_8t.t(), g_scale, ctx.w2_scale, grad_out.dtype)  # [M, F]
+        s8t = swiglu_fp8_out(a1_8, s1, a3_8, s3, s_scale, g, transpose=True)
+        dw2 = scaled_mm(g8t, s8t.t(), g_scale, s_scale, ctx.w_dtype)
+        del g8, g8t, s8t
+        da8, da8t, da_scale = swiglu_fp8_bwd(ds, a1_8, s1, a3_8, s3, g, ctx.grad_dtype)
+        del ds
+        dy = scaled_mm(da8, ctx.w13_8t.t(), da_scale, ctx.w13_scale, grad_out.dtype)  # [M, H]
+        y8t = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, g, transpose=True)
+        dw13 = scaled_mm(da8t, y8t.t(), da_scale, y_scale, ctx.w_dtype)
+        dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, g)
+        dw1, dw3 = _split_rows(dw13, [ctx.ffn, ctx.ffn])
+        return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, None, None, None, None, None
+
+
+def coat_norm_linear(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, group_size: int,
+                     grad_dtype: torch.dtype):
+    lead = x.shape[:-1]
+    out = CoatNormLinearFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, cache, eps, group_size,
+                                       grad_dtype, *weights)
+    return out.view(*lead, out.shape[-1])
+
+
+def coat_mlp(x, norm_weight, w1, w3, w2, cache13: Fp8WeightCache, cache2: Fp8WeightCache, eps: float,
+             group_size: int, grad_dtype: torch.dtype):
+    out = CoatMLPFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w1, w3, w2, cache13, cache2, eps,
+                                group_size, grad_dtype)
+    return out.view(x.shape)
+

@@ -1,0 +1,215 @@
+"""Fused FP8 SwiGLU, silu(a1) * a3, for the COAT precision flow (Triton, forward and backward, torch references).
+
+a13 [M, 2F] is the output of the fused w1|w3 GEMM (gate in the first F columns, up in the last F).
+Forward, two launches:
+  1. `swiglu_fp8_fwd`: read a13 once; write a1 and a3 as E4M3 with 1xG group scales (what backward keeps:
+     2 bytes per pair instead of BF16's 4 plus silu's output) and each block's amax of s = silu(a1) * a3,
+     computed from the dequantized values (stage 1 of group scaling).
+  2. `swiglu_fp8_out`: re-read the FP8 pair and write s with that per-tensor scale, row-major for the down
+     projection's GEMM, or transposed for its weight gradient (made again in backward, not saved).
+Backward, two launches of one kernel: `swiglu_fp8_bwd` takes ds, computes da1 and da3 from the saved pair,
+reduces their amax, then writes them in the gradient format with one per-tensor scale, as da13 [M, 2F] for
+the dgrad GEMM and da13^T [2F, M] for the wgrad GEMM.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megacoat.ops.cast_transpose import use_triton
+from megacoat.ops.group_cast_ref import TINY, group_dequantize, group_quantize
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _check(a13: torch.Tensor, group_size: int) -> int:
+    if a13.dim() != 2 or a13.shape[1] % 2:
+        raise ValueError(f"swiglu expects a13 [M, 2F] (gate | up), got shape {tuple(a13.shape)}")
+    if group_size < 16 or group_size & (group_size - 1):
+        raise ValueError(f"group size must be a power of two >= 16, got {group_size}")
+    return a13.shape[1] // 2
+
+
+def _scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (amax.amax().clamp(min=TINY) / torch.finfo(dtype).max).reshape(1)
+
+
+# ----------------------------------------------------------------------------------------------- references
+def swiglu_fp8_fwd_ref(a13, group_size: int, out_dtype=E4M3):
+    """→ (a1_8, a1_scales, a3_8, a3_scales, s_scale): the saved FP8 pair and the output's per-tensor scale."""
+    f = _check(a13, group_size)
+    a1_8, s1 = group_quantize(a13[:, :f], group_size, E4M3)
+    a3_8, s3 = group_quantize(a13[:, f:], group_size, E4M3)
+    s = _silu_mul(group_dequantize(a1_8, s1, group_size), group_dequantize(a3_8, s3, group_size))
+    return a1_8, s1, a3_8, s3, _scale(s.abs().amax(), out_dtype)
+
+
+def _silu_mul(a1, a3):
+    return a1 * torch.sigmoid(a1) * a3
+
+
+def swiglu_fp8_out_ref(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpose: bool, out_dtype=E4M3):
+    fmax = torch.finfo(out_dtype).max
+    s = _silu_mul(group_dequantize(a1_8, s1, group_size), group_dequantize(a3_8, s3, group_size))
+    q = (s / s_scale).clamp(-fmax, fmax).to(out_dtype)
+    return q.t().contiguous() if transpose else q
+
+
+def swiglu_fp8_bwd_ref(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=torch.float8_e5m2):
+    """→ (da13 [M, 2F], da13^T [2F, M], scale): d(silu(a1) a3) in `grad_dtype` with one per-tensor scale."""
+    a1 = group_dequantize(a1_8, s1, group_size)
+    a3 = group_dequantize(a3_8, s3, group_size)
+    sig = torch.sigmoid(a1)
+    dsf = ds.float()
+    da = torch.cat((dsf * a3 * sig * (1 + a1 * (1 - sig)), dsf * a1 * sig), dim=1)
+    scale = _scale(da.abs().amax(), grad_dtype)
+    fmax = torch.finfo(grad_dtype).max
+    q = (da / scale).clamp(-fmax, fmax).to(grad_dtype)
+    return q, q.t().contiguous(), scale
+
+
+# --------------------------------------------------------------------------------------------------- triton
+@triton.jit
+def _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, mask, M, F, NG,
+               G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Dequantized a1, a3 tiles [BM, BN] from their E4M3 data and 1xG scales."""
+    rg = tl.program_id(1) * (BN // G) + tl.arange(0, BN // G)
+    gmask = (rm[:, None] < M) & (rg[None, :] < NG)
+    offs = rm[:, None] * F + rn[None, :]
+    q1 = tl.reshape(tl.load(a1_ptr + offs, mask=mask, other=0.0).to(tl.float32), [BM, BN // G, G])
+    q3 = tl.reshape(tl.load(a3_ptr + offs, mask=mask, other=0.0).to(tl.float32), [BM, BN // G, G])
+    g1 = tl.load(s1_ptr + rm[:, None] * NG + rg[None, :], mask=gmask, other=0.0)
+    g3 = tl.load(s3_ptr + rm[:, None] * NG + rg[None, :], mask=gmask, other=0.0)
+    return tl.reshape(q1 * g1[:, :, None], [BM, BN]), tl.reshape(q3 * g3[:, :, None], [BM, BN])
+
+
+@triton.jit
+def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, M, F, NG, fmax_in, tiny,
+                G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
+    mask = (rm[:, None] < M) & (rn[None, :] < F)
+    rg = tl.program_id(1) * (BN // G) + tl.arange(0, BN // G)
+    gmask = (rm[:, None] < M) & (rg[None, :] < NG)
+    offs = rm[:, None] * F + rn[None, :]
+    x1 = tl.reshape(tl.load(a_ptr + rm[:, None] * (2 * F) + rn[None, :], mask=mask, other=0.0).to(tl.float32),
+                    [BM, BN // G, G])
+    x3 = tl.reshape(tl.load(a_ptr + rm[:, None] * (2 * F) + F + rn[None, :], mask=mask, other=0.0).to(tl.float32),
+                    [BM, BN // G, G])
+    g1 = tl.maximum(tl.max(tl.abs(x1), axis=2), tiny) / fmax_in
+    g3 = tl.maximum(tl.max(tl.abs(x3), axis=2), tiny) / fmax_in
+    q1 = tl.clamp(x1 / g1[:, :, None], -fmax_in, fmax_in).to(a1_ptr.dtype.element_ty)
+    q3 = tl.clamp(x3 / g3[:, :, None], -fmax_in, fmax_in).to(a3_ptr.dtype.element_ty)
+    tl.store(a1_ptr + offs, tl.reshape(q1, [BM, BN]), mask=mask)
+    tl.store(a3_ptr + offs, tl.reshape(q3, [BM, BN]), mask=mask)
+    tl.store(s1_ptr + rm[:, None] * NG + rg[None, :], g1, mask=gmask)
+    tl.store(s3_ptr + rm[:, None] * NG + rg[None, :], g3, mask=gmask)
+    a1 = tl.reshape(q1.to(tl.float32) * g1[:, :, None], [BM, BN])
+    a3 = tl.reshape(q3.to(tl.float32) * g3[:, :, None], [BM, BN])
+    s = a1 * tl.sigmoid(a1) * a3
+    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    tl.store(amax_ptr + pid, tl.max(tl.max(tl.abs(s), axis=1), axis=0))
+
+
+@triton.jit
+def _out_kernel(a1_ptr, s1_ptr, a3_ptr, s3_ptr, scale_ptr, y_ptr, M, F, NG, fmax_out,
+                TRANSPOSE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
+    mask = (rm[:, None] < M) & (rn[None, :] < F)
+    a1, a3 = _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, mask, M, F, NG, G, BM, BN)
+    q = tl.clamp(a1 * tl.sigmoid(a1) * a3 / tl.load(scale_ptr), -fmax_out, fmax_out)
+    if TRANSPOSE:
+        tl.store(y_ptr + rn[:, None] * M + rm[None, :], tl.trans(q).to(y_ptr.dtype.element_ty), mask=tl.trans(mask))
+    else:
+        tl.store(y_ptr + rm[:, None] * F + rn[None, :], q.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, da_ptr, dat_ptr, M, F, NG, fmax_g,
+                STAGE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
+    mask = (rm[:, None] < M) & (rn[None, :] < F)
+    a1, a3 = _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, mask, M, F, NG, G, BM, BN)
+    ds = tl.load(ds_ptr + rm[:, None] * F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(a1)
+    da1 = ds * a3 * sig * (1 + a1 * (1 - sig))
+    da3 = ds * a1 * sig
+    if STAGE == 1:  # amax of both halves: they share one scale, as one [M, 2F] operand of the GEMMs
+        pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        tl.store(amax_ptr + pid, tl.maximum(tl.max(tl.max(tl.abs(da1), axis=1), axis=0),
+                                             tl.max(tl.max(tl.abs(da3), axis=1), axis=0)))
+    else:
+        scale = tl.load(scale_ptr)
+        q1 = tl.clamp(da1 / scale, -fmax_g, fmax_g).to(da_ptr.dtype.element_ty)
+        q3 = tl.clamp(da3 / scale, -fmax_g, fmax_g).to(da_ptr.dtype.element_ty)
+        tl.store(da_ptr + rm[:, None] * (2 * F) + rn[None, :], q1, mask=mask)
+        tl.store(da_ptr + rm[:, None] * (2 * F) + F + rn[None, :], q3, mask=mask)
+        tl.store(dat_ptr + rn[:, None] * M + rm[None, :], tl.trans(q1), mask=tl.trans(mask))
+        tl.store(dat_ptr + (rn[:, None] + F) * M + rm[None, :], tl.trans(q3), mask=tl.trans(mask))
+
+
+def _blocks(group_size: int) -> tuple[int, int]:
+    return 32, max(group_size, 64)
+
+
+def swiglu_fp8_fwd_triton(a13, group_size: int, out_dtype=E4M3):
+    f = _check(a13, group_size)
+    a13 = a13.contiguous()
+    m = a13.shape[0]
+    ng = triton.cdiv(f, group_size)
+    bm, bn = _blocks(group_size)
+    grid = (triton.cdiv(m, bm), triton.cdiv(f, bn))
+    dev = a13.device
+    a1_8, a3_8 = (torch.empty((m, f), dtype=E4M3, device=dev) for _ in range(2))
+    s1, s3 = (torch.empty((m, ng), dtype=torch.float32, device=dev) for _ in range(2))
+    amax = torch.empty((grid[0] * grid[1],), dtype=torch.float32, device=dev)
+    _fwd_kernel[grid](a13, a1_8, s1, a3_8, s3, amax, m, f, ng, torch.finfo(E4M3).max, TINY,
+                      G=group_size, BM=bm, BN=bn, num_warps=4)
+    return a1_8, s1, a3_8, s3, _scale(amax, out_dtype)
+
+
+def swiglu_fp8_out_triton(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpose: bool, out_dtype=E4M3):
+    m, f = a1_8.shape
+    bm, bn = _blocks(group_size)
+    y = torch.empty((f, m) if transpose else (m, f), dtype=out_dtype, device=a1_8.device)
+    _out_kernel[(triton.cdiv(m, bm), triton.cdiv(f, bn))](
+        a1_8, s1, a3_8, s3, s_scale, y, m, f, s1.shape[1], torch.finfo(out_dtype).max,
+        TRANSPOSE=transpose, G=group_size, BM=bm, BN=bn, num_warps=4)
+    return y
+
+
+def swiglu_fp8_bwd_triton(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=torch.float8_e5m2):
+    ds = ds.contiguous()
+    m, f = a1_8.shape
+    bm, bn = _blocks(group_size)
+    grid = (triton.cdiv(m, bm), triton.cdiv(f, bn))
+    dev = ds.device
+    amax = torch.empty((grid[0] * grid[1],), dtype=torch.float32, device=dev)
+    da = torch.empty((m, 2 * f), dtype=grad_dtype, device=dev)
+    dat = torch.empty((2 * f, m), dtype=grad_dtype, device=dev)
+    fmax = torch.finfo(grad_dtype).max
+    args = (ds, a1_8, s1, a3_8, s3, amax)
+    _bwd_kernel[grid](*args, amax, da, dat, m, f, s1.shape[1], fmax, STAGE=1, G=group_size, BM=bm, BN=bn,
+                      num_warps=4)
+    scale = _scale(amax, grad_dtype)
+    _bwd_kernel[grid](*args, scale, da, dat, m, f, s1.shape[1], fmax, STAGE=2, G=group_size, BM=bm, BN=bn,
+                      num_warps=4)
+    return da, dat, scale
+
+
+# ---------------------------------------------------------------------------------------------- dispatchers
+def swiglu_fp8_fwd(a13, group_size: int, out_dtype=E4M3):
+    return (swiglu_fp8_fwd_triton if use_triton(a13) else swiglu_fp8_fwd_ref)(a13, group_size, out_dtype)
+
+
+def swiglu_fp8_out(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpose: bool, out_dtype=E4M3):
+    fn = swiglu_fp8_out_triton if use_triton(a1_8) else swiglu_fp8_out_ref
+    return fn(a1_8, s1, a3_8, s3, s_scale, group_size, transpose, out_dtype)
+
+
+def swiglu_fp8_bwd(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=torch.float8_e5m2):
+    fn = swiglu_fp8_bwd_triton if use_triton(ds) else swiglu_fp8_bwd_ref
+    return fn(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype)
