@@ -1,0 +1,75 @@
+"""Triton: FP8 quantization with per-group dynamic range expansion. Reference: megacoat.fp8.expansion.
+
+Per [BLOCK_G, G] tile: amax and non-zero amin per group, k = log2(R_F) / log2(amax / amin) clamped and rounded
+to bf16 (1 for all-zero / single-magnitude / non-finite groups), then q = fp8(sign(x) F.max (|x|/amax)^k).
+log2/exp2 are libdevice's (tl.log2/tl.exp2 lower to the approximate PTX lg2/ex2), divisions are div_rn, and
+the float32 operations follow the reference's order, so the GPU result is bit-exact with torch's.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from megacoat.ops import expand_math
+
+from megacoat.ops.quantize_cast import cast_fp8
+from megacoat.ops.quantize_layout import fp8_max, group_layout, group_scale_shape
+from megacoat.ops.quantize_per_group import group_tile
+
+
+@triton.jit
+def round_to_bf16(x):
+    """Round-to-nearest-even to bf16 by integer ops on the float32 bits (finite x): exact in any cast mode, so
+    the interpreter, whose float32->bf16 cast truncates, agrees with torch too."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _expand_quantize_kernel(x_ptr, q_ptr, scale_ptr, k_ptr, cols, n_groups, blocks_per_row, log2_range,
+                            k_min, k_max, FP8_MAX: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr):
+    row, g, offs, mask = group_tile(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    a = tl.where(x != x, float("inf"), tl.abs(x))
+    amax = tl.max(a, axis=1)
+    amin = tl.min(tl.where(a > 0, a, float("inf")), axis=1)
+    finite = amax < float("inf")
+    live = finite & (amax > 0)
+    safe_amax = tl.where(live, amax, 1.0)
+    safe_amin = tl.where(live, amin, 1.0)
+
+    lr = expand_math.log2(tl.div_rn(safe_amax, safe_amin))
+    k = tl.div_rn(tl.full(lr.shape, log2_range, tl.float32), lr)  # lr = 0 -> inf, clamped, then replaced by 1
+    k = tl.clamp(k, k_min, k_max)
+    k = round_to_bf16(tl.where(live & (amax > amin), k, 1.0))
+    kf = k.to(tl.float32)
+
+    ones = tl.full(amax.shape, 1.0, tl.float32)
+    scale = tl.where(finite, tl.div_rn(amax, ones * FP8_MAX), float("nan"))
+    inv_amax = tl.where(live, tl.div_rn(ones, safe_amax), 0.0)
+    r = a * inv_amax[:, None]
+    f = tl.where(kf[:, None] == 1.0, r, expand_math.exp2(kf[:, None] * expand_math.log2(r)))
+    mag = tl.minimum(f * FP8_MAX, FP8_MAX)
+    y = tl.where(x < 0, -mag, mag)
+    y = tl.where(finite[:, None], y, 0.0)
+    tl.store(q_ptr + offs, cast_fp8(y, q_ptr.dtype.element_ty), mask=mask)
+    gmask = g < n_groups
+    tl.store(scale_ptr + row * n_groups + g, scale, mask=gmask)
+    tl.store(k_ptr + row * n_groups + g, k, mask=gmask)
+
+
+def expand_quantize(x: torch.Tensor, fp8_dtype: torch.dtype, group_size: int, log2_range: float, k_min: float,
+                    k_max: float, *, block: int | None = None, num_warps: int | None = None):
+    """(q fp8 with x's shape, scale float32 and k bfloat16 of shape (*lead, ceil(C/G)))."""
+    x = x.contiguous()
+    q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    gshape = group_scale_shape(x.shape, group_size)
+    scale = torch.empty(gshape, dtype=torch.float32, device=x.device)
+    k = torch.empty(gshape, dtype=torch.bfloat16, device=x.device)
+    lay = group_layout(x.shape, group_size, block, num_warps)
+    if x.numel():
+        _expand_quantize_kernel[lay.grid](x, q, scale, k, lay.cols, lay.n_groups, lay.blocks_per_row, log2_range,
+                                          k_min, k_max, FP8_MAX=fp8_max(fp8_dtype), G=group_size,
+                                          BLOCK_G=lay.block_g, num_warps=lay.num_warps)
+    return q, scale, k

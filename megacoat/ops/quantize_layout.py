@@ -1,0 +1,60 @@
+"""Launch geometry shared by the FP8 quantization kernels: 1xG groups along the last dim, in tiles of groups.
+
+A program handles a tile of BLOCK_G groups x G elements of one row. When G divides the last dim, groups never
+straddle rows, so the whole tensor is treated as one flat row (fewer, fuller tiles, no per-row tails); else
+each row ends in a short tail group, masked in the kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+# Elements per program and warps: 8K elements / 8 warps keeps 8 loads of 16 B in flight per thread (fp32 input),
+# enough to cover HBM latency on an H100; benchmarks/bench_quant.py sweeps the alternatives.
+DEFAULT_BLOCK = 8192
+DEFAULT_WARPS = 8
+
+
+def fp8_max(fp8_dtype: torch.dtype) -> float:
+    if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"not an FP8 dtype: {fp8_dtype}")
+    return float(torch.finfo(fp8_dtype).max)
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    rows: int
+    cols: int  # elements per row
+    n_groups: int  # groups per row (the last one may be short)
+    block_g: int  # groups per program
+    num_warps: int
+
+    @property
+    def blocks_per_row(self) -> int:
+        return triton.cdiv(self.n_groups, self.block_g)
+
+    @property
+    def grid(self) -> tuple:
+        return (self.rows * self.blocks_per_row,)
+
+
+def group_layout(shape: torch.Size, group_size: int, block: int | None = None,
+                 num_warps: int | None = None) -> GroupLayout:
+    cols = shape[-1] if len(shape) else 1
+    numel = 1
+    for s in shape:
+        numel *= s
+    rows = numel // cols if cols else 0
+    if cols and cols % group_size == 0:
+        rows, cols = (1, numel) if numel else (0, 0)
+    n_groups = triton.cdiv(cols, group_size) if cols else 0
+    block_g = max(1, (block or DEFAULT_BLOCK) // group_size)
+    return GroupLayout(rows, cols, n_groups, block_g, num_warps or DEFAULT_WARPS)
+
+
+def group_scale_shape(shape: torch.Size, group_size: int) -> torch.Size:
+    if len(shape) == 0:
+        return torch.Size([1])
+    return torch.Size([*shape[:-1], triton.cdiv(shape[-1], group_size)])
