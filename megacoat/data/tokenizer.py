@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import random
 from collections.abc import Iterable
 
 import sentencepiece as spm
@@ -54,32 +55,24 @@ class SentencePieceTokenizer:
 def train_sentencepiece(documents: Iterable[str], output_model: str, vocab_size: int, *,
                         model_type: str = "bpe", byte_fallback: bool = True,
                         user_defined_symbols: list[str] = (), max_sentences: int = 200_000,
-                        max_sentence_length: int = 4192, num_threads: int | None = None) -> str:
+                        max_sentence_length: int = 4192, num_threads: int | None = None, seed: int = 0) -> str:
     """Train a sentencepiece model on `documents` and write it to `output_model` (atomically). Returns the path.
 
     Settings suit source code and prose alike: text is not normalized and whitespace is kept, so
     decode(encode(text)) == text for any text; byte fallback covers characters outside the vocabulary.
-    Documents are cut into lines (sentencepiece trains on sentences); at most `max_sentences` lines are
-    sampled, which bounds the time on large inputs.
+    Documents are cut into lines (sentencepiece trains on sentences); a uniform sample of at most
+    `max_sentences` lines, seeded, bounds the time on large inputs.
     """
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
     if vocab_size < 260 and byte_fallback:
         raise ValueError(f"vocab_size {vocab_size} is too small: byte fallback alone needs 256 pieces + specials")
-    # Deterministic sample without holding every line: take lines in order up to the cap. Callers who want a
-    # random subset of a huge corpus shuffle their document order (sentencepiece's own sampler is not seeded).
-    lines = []
-    for doc in documents:
-        for line in doc.split("\n"):
-            if line.strip():
-                lines.append(line[:max_sentence_length])
-        if len(lines) >= max_sentences:
-            break
+    lines = sample_lines(documents, max_sentences, max_sentence_length, seed)
     if not lines:
         raise ValueError("no text to train the tokenizer on (all documents were empty)")
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines[:max_sentences]), model_writer=model, vocab_size=vocab_size,
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size,
         model_type=model_type, byte_fallback=byte_fallback, user_defined_symbols=list(user_defined_symbols),
         normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
         split_digits=True, allow_whitespace_only_pieces=True, split_by_whitespace=True,
@@ -93,3 +86,22 @@ def train_sentencepiece(documents: Iterable[str], output_model: str, vocab_size:
         f.write(model.getvalue())
     os.replace(tmp, output_model)
     return output_model
+
+
+def sample_lines(documents: Iterable[str], k: int, max_length: int, seed: int = 0) -> list[str]:
+    """A uniform, seeded sample of k non-blank lines (reservoir sampling: one pass, k lines in memory)."""
+    rng = random.Random(seed)
+    reservoir: list[str] = []
+    seen = 0
+    for doc in documents:
+        for line in doc.split("\n"):
+            if not line.strip():
+                continue
+            if seen < k:
+                reservoir.append(line[:max_length])
+            else:
+                j = rng.randrange(seen + 1)
+                if j < k:
+                    reservoir[j] = line[:max_length]
+            seen += 1
+    return reservoir

@@ -1,0 +1,62 @@
+"""Sentencepiece training and the tokenizer wrapper: lossless round trip, special ids, identity."""
+import pickle
+
+import pytest
+import sentencepiece as spm
+
+from megacoat.data.tokenizer import SentencePieceTokenizer, sample_lines, train_sentencepiece
+
+
+def test_round_trip_is_lossless(tokenizer_model, documents):
+    tok = SentencePieceTokenizer(tokenizer_model)
+    assert tok.vocab_size == 512 and tok.eod == 2 and tok.pad == 3
+    for text in documents[:20] + ["  leading and trailing spaces  \n\n\n", "\t\ttabs\r\nwindows", "😀 ünïcödé 中文"]:
+        ids = tok.encode(text)
+        assert all(0 <= i < tok.vocab_size for i in ids)
+        assert tok.decode(ids) == text
+    assert tok.encode_batch(documents[:3]) == [tok.encode(d) for d in documents[:3]]
+
+
+def test_identity_is_a_content_hash(tmp_path, tokenizer_model, documents):
+    tok = SentencePieceTokenizer(tokenizer_model)
+    copy = tmp_path / "copy.model"
+    copy.write_bytes(open(tokenizer_model, "rb").read())
+    assert SentencePieceTokenizer(str(copy)).identity() == tok.identity()
+    other = train_sentencepiece(documents, str(tmp_path / "other.model"), vocab_size=400)
+    assert SentencePieceTokenizer(other).identity() != tok.identity()
+    assert pickle.loads(pickle.dumps(tok)).encode("alpha beta") == tok.encode("alpha beta")
+
+
+def test_user_symbols_and_unigram(tmp_path, documents):
+    path = train_sentencepiece(documents, str(tmp_path / "u.model"), 400, model_type="unigram",
+                               user_defined_symbols=["<|sep|>"])
+    tok = SentencePieceTokenizer(path)
+    ids = tok.encode("alpha<|sep|>beta")
+    assert tok._sp.piece_to_id("<|sep|>") in ids
+    assert tok.decode(ids) == "alpha<|sep|>beta"
+
+
+def test_bad_inputs(tmp_path, documents):
+    with pytest.raises(FileNotFoundError, match="nope.model"):
+        SentencePieceTokenizer(str(tmp_path / "nope.model"))
+    with pytest.raises(ValueError, match="model_type"):
+        train_sentencepiece(documents, str(tmp_path / "x.model"), 400, model_type="wordpiece")
+    with pytest.raises(ValueError, match="no text"):
+        train_sentencepiece(["", "  \n"], str(tmp_path / "x.model"), 400)
+
+
+def test_model_without_eos_is_refused(tmp_path, documents):
+    prefix = str(tmp_path / "noeos")
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(documents), model_prefix=prefix, vocab_size=100,
+                                   hard_vocab_limit=False, eos_id=-1, minloglevel=2)
+    with pytest.raises(ValueError, match="no EOS"):
+        SentencePieceTokenizer(prefix + ".model")
+
+
+def test_line_sample_is_seeded_and_capped():
+    docs = [f"line {i}\nsecond {i}\n" for i in range(1000)]
+    a = sample_lines(docs, 50, 100, seed=1)
+    assert len(a) == 50 and a == sample_lines(docs, 50, 100, seed=1) and a != sample_lines(docs, 50, 100, seed=2)
+    # A uniform sample reaches the end of the input, unlike taking the first lines.
+    assert max(int(x.split()[1]) for x in a) > 500
+    assert len(sample_lines(docs, 5000, 100)) == 2000
