@@ -31,8 +31,9 @@ def div(a: torch.Tensor, b) -> torch.Tensor:
 
 def to_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
     """float32 view (rows, groups, G) of x grouped along its last dim; the short tail group is zero-padded."""
-    x2 = x.reshape(1, 1) if x.dim() == 0 else x.reshape(-1, x.shape[-1])
-    rows, cols = x2.shape
+    cols = 1 if x.dim() == 0 else x.shape[-1]
+    x2 = x.reshape(x.numel() // cols if cols else 0, cols)
+    rows = x2.shape[0]
     n_groups = -(-cols // group_size)
     xf = x2.float()
     pad = n_groups * group_size - cols
@@ -44,7 +45,7 @@ def to_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
 def from_groups(xg: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """Inverse of to_groups: drop the padding and restore `shape`."""
     cols = 1 if len(shape) == 0 else shape[-1]
-    return xg.reshape(xg.shape[0], -1)[:, :cols].reshape(shape)
+    return xg.reshape(xg.shape[0], xg.shape[1] * xg.shape[2])[:, :cols].reshape(shape)
 
 
 def abs_nan_as_inf(x: torch.Tensor) -> torch.Tensor:
