@@ -1,0 +1,278 @@
+// CoatAdamW fused step (CUDA): AdamW with FP8 moments under per-group dynamic range expansion.
+//
+// One launch covers every tensor of a list (pointer table + chunk table, see coat_adamw.h). A block of 256 threads
+// takes one chunk at a time (grid-stride); each thread holds VEC consecutive elements (16-byte fp32 loads) for
+// UNROLL slices, so a group of G elements lives in L = G / VEC neighbouring lanes and its amax / amin are shuffle
+// reductions inside the warp. Per element the step reads p, g, m_q, v_q and writes p, m_q, v_q once; scales and
+// exponents are read and written once per group. Formulas and their float32 order follow
+// megacoat/ops/coat_adamw_ref.py; exp2 / log2 use the hardware approximations (ex2.approx, lg2.approx: ~2 ulp),
+// the dequantization inverts the same stored bf16 k and fp32 scale the quantization wrote.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "coat_adamw.h"
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 2;
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float fp8_to_float(uint8_t b, bool e5m2) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), e5m2 ? __NV_E5M2 : __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+__device__ __forceinline__ uint8_t float_to_fp8(float x, bool e5m2) {
+  // Round to nearest even, saturating: |x| <= F.max already, so this never saturates a finite value.
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3));
+}
+
+template <typename T> __device__ __forceinline__ float to_float(T x);
+template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+template <typename T> __device__ __forceinline__ T zero_of() { return T(0); }
+template <> __device__ __forceinline__ __nv_bfloat16 zero_of<__nv_bfloat16>() { return __ushort_as_bfloat16(0); }
+
+// An unsigned type of exactly N bytes, for one vector load / store.
+template <int N> struct Word;
+template <> struct Word<1> { using type = uint8_t; };
+template <> struct Word<2> { using type = uint16_t; };
+template <> struct Word<4> { using type = uint32_t; };
+template <> struct Word<8> { using type = uint2; };
+template <> struct Word<16> { using type = uint4; };
+
+// VEC elements of T starting at i: one (or two, for 32 bytes) vector load when whole and aligned, else masked.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_vec(const T* ptr, int64_t i, int64_t n, bool vector_ok, T (&out)[VEC]) {
+  constexpr int kBytes = VEC * sizeof(T);
+  if (vector_ok && i + VEC <= n) {
+    constexpr int kWord = kBytes > 16 ? 16 : kBytes;
+    using W = typename Word<kWord>::type;
+    const W* src = reinterpret_cast<const W*>(ptr + i);
+    W* dst = reinterpret_cast<W*>(out);
+#pragma unroll
+    for (int w = 0; w < kBytes / kWord; ++w) dst[w] = src[w];
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] = (i + j < n) ? ptr[i + j] : zero_of<T>();
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_vec(T* ptr, int64_t i, int64_t n, bool vector_ok, const T (&in)[VEC]) {
+  constexpr int kBytes = VEC * sizeof(T);
+  if (vector_ok && i + VEC <= n) {
+    constexpr int kWord = kBytes > 16 ? 16 : kBytes;
+    using W = typename Word<kWord>::type;
+    W* dst = reinterpret_cast<W*>(ptr + i);
+    const W* src = reinterpret_cast<const W*>(in);
+#pragma unroll
+    for (int w = 0; w < kBytes / kWord; ++w) dst[w] = src[w];
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+      if (i + j < n) ptr[i + j] = in[j];
+  }
+}
+
+// Reduction over the L lanes of one group (L divides 32, groups start at multiples of L).
+template <int L> __device__ __forceinline__ float group_max(float x) {
+#pragma unroll
+  for (int o = L / 2; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+template <int L> __device__ __forceinline__ float group_min(float x) {
+#pragma unroll
+  for (int o = L / 2; o > 0; o >>= 1) x = fminf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+struct Moment {
+  uint8_t* q;
+  float* scale;
+  __nv_bfloat16* k;
+  float fmax, inv_fmax, log2_range;
+  bool e5m2;
+};
+
+// Dequantize VEC codes of one group: x = sign(q) * (|q| * fp32(1/F.max))^(1/k) * (scale * F.max).
+template <int VEC>
+__device__ __forceinline__ void dequantize(const uint8_t (&q)[VEC], float scale, float k, const Moment& mo,
+                                           float (&x)[VEC]) {
+  const float mult = scale * mo.fmax;
+  const float inv_k = 1.0f / k;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const float qf = fp8_to_float(q[j], mo.e5m2);
+    const float rq = fabsf(qf) * mo.inv_fmax;
+    const float e = (k == 1.0f) ? rq : fast_exp2(fast_log2(rq) * inv_k);
+    const float v = e * mult;
+    x[j] = qf < 0.0f ? -v : v;
+  }
+}
+
+// Quantize VEC values of one group (its other values sit in the neighbouring lanes); returns false for a
+// non-finite group. The lane holding the group's first element writes its scale and k.
+template <int VEC, int L>
+__device__ __forceinline__ bool quantize(const float (&x)[VEC], const Moment& mo, const CoatAdamWArgs& a,
+                                         int64_t group, bool group_leader, bool group_valid, uint8_t (&q)[VEC]) {
+  float amax = 0.0f, amin = INFINITY;
+  float ax[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    ax[j] = isnan(x[j]) ? INFINITY : fabsf(x[j]);  // NaN counts as non-finite
+    amax = fmaxf(amax, ax[j]);
+    if (ax[j] > 0.0f) amin = fminf(amin, ax[j]);
+  }
+  amax = group_max<L>(amax);
+  amin = group_min<L>(amin);
+  const bool finite = amax < INFINITY;
+  float k = 1.0f;
+  if (a.expand && finite && amax > amin) {
+    // Once per group: the accurate log2f, so k agrees with the reference's except on bf16 rounding ties.
+    k = fminf(fmaxf(mo.log2_range / log2f(amax / amin), a.k_min), a.k_max);
+  }
+  const __nv_bfloat16 k_bf16 = __float2bfloat16_rn(k);
+  const float kf = __bfloat162float(k_bf16);
+  const float inv_amax = (finite && amax > 0.0f) ? 1.0f / amax : 0.0f;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const float r = ax[j] * inv_amax;
+    const float f = (kf == 1.0f) ? r : fast_exp2(kf * fast_log2(r));
+    const float mag = fminf(f * mo.fmax, mo.fmax);
+    q[j] = float_to_fp8(finite ? (x[j] < 0.0f ? -mag : mag) : 0.0f, mo.e5m2);
+  }
+  if (group_leader && group_valid) {
+    mo.scale[group] = finite ? amax / mo.fmax : NAN;
+    mo.k[group] = k_bf16;
+  }
+  return finite;
+}
+
+template <int G, typename PT, typename GT>
+__global__ void __launch_bounds__(kThreads) coat_adamw_kernel(const CoatAdamWArgs a) {
+  constexpr int VEC = G <= 128 ? 4 : 8;
+  constexpr int L = G / VEC;
+  constexpr int kChunk = kThreads * VEC * kUnroll;
+  static_assert(L <= 32 && 32 % L == 0, "a group must sit inside one warp");
+
+  for (int64_t c = blockIdx.x; c < a.n_chunks; c += gridDim.x) {
+    const int64_t t = a.chunk_table[2 * c];
+    const int64_t chunk = a.chunk_table[2 * c + 1];
+    const int64_t* row = a.ptr_table + 9 * t;
+    PT* p_ptr = reinterpret_cast<PT*>(row[0]);
+    const GT* g_ptr = reinterpret_cast<const GT*>(row[1]);
+    const Moment mm{reinterpret_cast<uint8_t*>(row[2]), reinterpret_cast<float*>(row[3]),
+                    reinterpret_cast<__nv_bfloat16*>(row[4]), a.m_max, a.inv_m_max, a.log2_range_m, a.m_e5m2};
+    const Moment vm{reinterpret_cast<uint8_t*>(row[5]), reinterpret_cast<float*>(row[6]),
+                    reinterpret_cast<__nv_bfloat16*>(row[7]), a.v_max, a.inv_v_max, a.log2_range_v, a.v_e5m2};
+    const int64_t n = row[8];
+    // Vector accesses need every base aligned to its vector width (views into a flat buffer may not be).
+    const bool vector_ok = ((row[0] | row[1]) % 16 == 0) && ((row[2] | row[5]) % (VEC) == 0);
+
+    PT p[kUnroll][VEC];
+    GT g[kUnroll][VEC];
+    uint8_t mq[kUnroll][VEC], vq[kUnroll][VEC];
+    float ms[kUnroll], mk[kUnroll], vs[kUnroll], vk[kUnroll];
+    int64_t base[kUnroll];
+    // All loads of both slices first: more independent bytes in flight per thread.
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      base[u] = chunk * kChunk + (int64_t)(u * kThreads + threadIdx.x) * VEC;
+      load_vec<PT, VEC>(p_ptr, base[u], n, vector_ok, p[u]);
+      load_vec<GT, VEC>(g_ptr, base[u], n, vector_ok, g[u]);
+      load_vec<uint8_t, VEC>(mm.q, base[u], n, vector_ok, mq[u]);
+      load_vec<uint8_t, VEC>(vm.q, base[u], n, vector_ok, vq[u]);
+      const int64_t group = base[u] / G;
+      const bool valid = base[u] < n;
+      ms[u] = valid ? mm.scale[group] : 0.0f;
+      vs[u] = valid ? vm.scale[group] : 0.0f;
+      mk[u] = valid ? __bfloat162float(mm.k[group]) : 1.0f;
+      vk[u] = valid ? __bfloat162float(vm.k[group]) : 1.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float m[VEC], v[VEC];
+      dequantize<VEC>(mq[u], ms[u], mk[u], mm, m);
+      dequantize<VEC>(vq[u], vs[u], vk[u], vm, v);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float gj = to_float<GT>(g[u][j]);
+        m[j] = a.beta1 * m[j] + a.one_minus_beta1 * gj;
+        v[j] = a.beta2 * v[j] + a.one_minus_beta2 * (gj * gj);
+        const float denom = sqrtf(v[j]) / a.bc2_sqrt + a.eps;
+        const float pj = to_float<PT>(p[u][j]);
+        p[u][j] = from_float<PT>(pj * (1.0f - a.lr_wd) - a.step_size * (m[j] / denom));
+      }
+      store_vec<PT, VEC>(p_ptr, base[u], n, vector_ok, p[u]);
+      const int64_t group = base[u] / G;
+      const bool leader = (threadIdx.x % L) == 0;
+      const bool valid = base[u] < n;  // the group's first element exists (leader's view)
+      const bool m_ok = quantize<VEC, L>(m, mm, a, group, leader, valid, mq[u]);
+      const bool v_ok = quantize<VEC, L>(v, vm, a, group, leader, valid, vq[u]);
+      store_vec<uint8_t, VEC>(mm.q, base[u], n, vector_ok, mq[u]);
+      store_vec<uint8_t, VEC>(vm.q, base[u], n, vector_ok, vq[u]);
+      if (a.nonfinite != nullptr && leader && valid && !(m_ok && v_ok))
+        atomicAdd(a.nonfinite, (m_ok ? 0 : 1) + (v_ok ? 0 : 1));
+    }
+  }
+}
+
+template <int G, typename PT, typename GT>
+cudaError_t launch_typed(const CoatAdamWArgs& a, int num_sms, cudaStream_t stream) {
+  if (a.n_chunks == 0) return cudaSuccess;
+  // Enough resident blocks to hide memory latency (8 x 256 threads fill an SM), the rest grid-strides.
+  const int64_t max_blocks = (int64_t)num_sms * 8;
+  const int blocks = (int)(a.n_chunks < max_blocks ? a.n_chunks : max_blocks);
+  coat_adamw_kernel<G, PT, GT><<<blocks, kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <int G>
+cudaError_t launch_group(const CoatAdamWArgs& a, int num_sms, cudaStream_t stream) {
+#ifdef COAT_ADAMW_COMPILE_CHECK  // CI's compile-only test: one fp32 and one bf16 instantiation cover every path
+  if (a.param_bf16) return launch_typed<G, __nv_bfloat16, __nv_bfloat16>(a, num_sms, stream);
+  return launch_typed<G, float, float>(a, num_sms, stream);
+#else
+  if (a.param_bf16) {
+    if (a.grad_bf16) return launch_typed<G, __nv_bfloat16, __nv_bfloat16>(a, num_sms, stream);
+    return launch_typed<G, __nv_bfloat16, float>(a, num_sms, stream);
+  }
+  if (a.grad_bf16) return launch_typed<G, float, __nv_bfloat16>(a, num_sms, stream);
+  return launch_typed<G, float, float>(a, num_sms, stream);
+#endif
+}
+
+}  // namespace
+
+cudaError_t coat_adamw_launch(const CoatAdamWArgs& a, int num_sms, cudaStream_t stream) {
+  switch (a.group_size) {
+#ifndef COAT_ADAMW_COMPILE_CHECK
+    case 16: return launch_group<16>(a, num_sms, stream);
+    case 32: return launch_group<32>(a, num_sms, stream);
+    case 64: return launch_group<64>(a, num_sms, stream);
+    case 256: return launch_group<256>(a, num_sms, stream);
+#endif
+    case 128: return launch_group<128>(a, num_sms, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}

@@ -1,0 +1,45 @@
+"""CUDA backend of the fused CoatAdamW step: kernels/coat_adamw.cu, built through `CoatAdamWBuilder`.
+
+Same signature and contract as `coat_adamw_step_ref`; one launch for the whole list of tensors.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megacoat.fp8.formats import E5M2, get_format
+from megacoat.ops.coat_adamw_ref import K_MAX, K_MIN, adam_scalars
+from megacoat.ops.coat_adamw_tables import build_tables, check_lists, chunk_elems
+
+_module = None
+
+
+def load_extension(verbose: bool = False):
+    """Build (first call; cached on disk by torch) and import the extension."""
+    global _module
+    if _module is None:
+        from megacoat.ops.op_builder import CoatAdamWBuilder
+
+        _module = CoatAdamWBuilder().load(verbose=verbose)
+        if _module.chunk_elems(128) != chunk_elems(128) or _module.chunk_elems(256) != chunk_elems(256):
+            raise RuntimeError("kernels/coat_adamw.h and megacoat/ops/coat_adamw_tables.py disagree on chunk size")
+    return _module
+
+
+def coat_adamw_step_cuda(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, lr: float, beta1: float,
+                         beta2: float, eps: float, weight_decay: float, step: int, group_size: int, expand: bool,
+                         nonfinite: torch.Tensor | None = None) -> None:
+    if not params:
+        return
+    if not params[0].is_cuda:
+        raise ValueError("the CUDA backend needs CUDA tensors")
+    check_lists(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size)
+    ext = load_extension()
+    ptr_table, chunk_table, _ = build_tables(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size)
+    step_size, bc2_sqrt = adam_scalars(lr, beta1, beta2, step)
+    fm, fv = get_format(m_q[0].dtype), get_format(v_q[0].dtype)
+    ext.coat_adamw_step(ptr_table, chunk_table, nonfinite, lr * weight_decay, step_size, beta1, beta2, bc2_sqrt,
+                        eps, fm.max, fv.max, math.log2(fm.dynamic_range), math.log2(fv.dynamic_range), K_MIN,
+                        K_MAX, fm == E5M2, fv == E5M2, bool(expand), params[0].dtype == torch.bfloat16,
+                        grads[0].dtype == torch.bfloat16, group_size)

@@ -1,0 +1,127 @@
+"""Plain-torch reference of the fused CoatAdamW step: the contract the Triton and CUDA kernels are tested against.
+
+Each moment of a parameter with n elements is stored flat: `q` (n FP8 values), `scale` (ceil(n/G) float32:
+amax / F.max, the dequantization multiplier) and `k` (ceil(n/G) bfloat16 expansion exponents). Groups are G
+consecutive elements of the flattened tensor; the last one may be shorter. The formulas follow the dynamic range
+expansion contract shared with `megacoat.fp8` (quantize: q = F.max * (|x|/amax)^k, dequantize: the inverse with the
+same stored k and scale), so a moment dequantized by either side is the same number.
+
+All backends share this signature: lists of tensors (one launch for many parameters in the kernels), updated in place.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megacoat.fp8.formats import get_format
+from megacoat.ops.coat_adamw_tables import check_lists, num_groups
+
+# Bounds of the expansion exponent (same values as megacoat/fp8/expansion.py; see the contract in its docstring):
+# K_MAX keeps near-constant groups from pointless expansion, K_MIN covers any finite fp32 range.
+K_MIN = 1.0 / 16.0
+K_MAX = 64.0
+_SLICE = 1 << 20  # elements per slice of the reference step (a multiple of every group size)
+
+
+def _grouped(x: torch.Tensor, group_size: int, fill: float = 0.0) -> torch.Tensor:
+    """Flat x padded with `fill` to whole groups, viewed as [groups, G]."""
+    n = x.numel()
+    ng = num_groups(n, group_size)
+    out = x.new_full((ng * group_size,), fill)
+    out[:n] = x.reshape(-1)
+    return out.view(ng, group_size)
+
+
+def dequantize_moment_ref(q: torch.Tensor, scale: torch.Tensor, k: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x = sign(q) * (F.max * scale) * (|q| / F.max)^(1/k), in fp32, flat, length q.numel().
+
+    The float32 operations and their order are those of `megacoat.fp8.expansion` (|q| * fp32(1/F.max), 1/k once
+    per group, IEEE tensor/tensor divisions) so both sides read the same moment from the same stored bytes.
+    """
+    fmt = get_format(q.dtype)
+    qf = _grouped(q.reshape(-1).float(), group_size)
+    kf = k.float()[:, None]
+    inv_k = torch.ones_like(kf) / kf
+    mult = scale.float()[:, None] * fmt.max
+    rq = qf.abs() * (1.0 / fmt.max)
+    # k == 1 is plain per-group quantization: skip exp2/log2 so that path is exact.
+    e = torch.where(kf == 1.0, rq, torch.exp2(torch.log2(rq) * inv_k))
+    x = e * mult
+    x = torch.where(qf < 0, -x, x)
+    return x.reshape(-1)[: q.numel()]
+
+
+def quantize_moment_ref(x: torch.Tensor, fmt, group_size: int, expand: bool):
+    """Flat fp32 x -> (q FP8, scale fp32, k bf16, number of non-finite groups). Follows the expansion contract."""
+    fmt = get_format(fmt)
+    xg = _grouped(x.reshape(-1).float(), group_size)
+    a = torch.where(torch.isnan(xg), torch.full_like(xg, math.inf), xg.abs())  # NaN counts as non-finite
+    amax = a.amax(dim=1)
+    finite = torch.isfinite(amax)
+    amin = torch.where(a > 0, a, torch.full_like(a, math.inf)).amin(dim=1)
+    if expand:
+        k = torch.full_like(amax, math.log2(fmt.dynamic_range)) / torch.log2(amax / amin)
+        k = k.clamp(K_MIN, K_MAX)  # a ratio overflowing to inf gives k = 0 -> K_MIN
+        k = torch.where(finite & (amax > amin), k, torch.ones_like(k))  # all-zero, one magnitude, non-finite: 1
+    else:
+        k = torch.ones_like(amax)
+    k_bf16 = k.to(torch.bfloat16)
+    kf = k_bf16.float()[:, None]
+    inv_amax = torch.where(finite & (amax > 0), torch.ones_like(amax) / amax, torch.zeros_like(amax))
+    r = a * inv_amax[:, None]
+    f = torch.where(kf == 1.0, r, torch.exp2(kf * torch.log2(r)))  # r = 0: log2 = -inf, exp2 -> 0
+    mag = (f * fmt.max).clamp(max=fmt.max)
+    q = torch.where(xg < 0, -mag, mag)
+    q = torch.where(finite[:, None], q, torch.zeros_like(q)).to(fmt.dtype)
+    # A non-finite group keeps a NaN scale so it dequantizes to NaN: visible, never silently repaired.
+    scale = torch.where(finite, amax / torch.full_like(amax, fmt.max), torch.full_like(amax, math.nan))
+    nonfinite = int((~finite).sum())
+    return q.reshape(-1)[: x.numel()], scale, k_bf16, nonfinite
+
+
+def adam_scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[float, float]:
+    """Bias corrections folded into two scalars (computed once in float64): step size and sqrt(1 - beta2^t)."""
+    if step < 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    return lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step)
+
+
+def coat_adamw_step_ref(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, lr: float, beta1: float,
+                        beta2: float, eps: float, weight_decay: float, step: int, group_size: int, expand: bool,
+                        nonfinite: torch.Tensor | None = None) -> None:
+    """One AdamW step (decoupled weight decay, bias correction, torch.optim.AdamW's formula) with FP8 moments.
+
+    Per parameter: dequantize m and v, update them and the parameter in fp32, re-quantize. In place.
+    `nonfinite` (int32 [1]), if given, is incremented by the number of non-finite moment groups (m and v counted
+    separately); those groups are stored with a NaN scale.
+    """
+    if not params:
+        return
+    check_lists(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size)
+    step_size, bc2_sqrt = adam_scalars(lr, beta1, beta2, step)
+    gs = group_size
+    bad = 0
+    for i, p in enumerate(params):
+        n = p.numel()
+        flat = [t.view(-1) for t in (p, grads[i], m_q[i], v_q[i])]
+        # Slices of whole groups bound the fp32 temporaries: no full-precision m or v of a whole tensor.
+        for s in range(0, n, _SLICE):
+            e = min(s + _SLICE, n)
+            gsl = slice(s // gs, num_groups(e, gs))
+            pv, gv, mqv, vqv = (t[s:e] for t in flat)
+            moments = ((mqv, m_scale[i][gsl], m_k[i][gsl]), (vqv, v_scale[i][gsl], v_k[i][gsl]))
+            m, v = (dequantize_moment_ref(q, sc, k, gs) for q, sc, k in moments)
+            g = gv.float()
+            m = beta1 * m + (1.0 - beta1) * g
+            v = beta2 * v + (1.0 - beta2) * (g * g)
+            denom = torch.sqrt(v) / bc2_sqrt + eps
+            pv.copy_(pv.float() * (1.0 - lr * weight_decay) - step_size * (m / denom))
+            for x, (q, sc, k) in zip((m, v), moments):
+                nq, ns, nk, nbad = quantize_moment_ref(x, q.dtype, gs, expand)
+                q.copy_(nq)
+                sc.copy_(ns)
+                k.copy_(nk)
+                bad += nbad
+    if nonfinite is not None and bad:
+        nonfinite += bad

@@ -1,0 +1,145 @@
+"""Triton kernel of the fused CoatAdamW step: one launch for a whole list of parameters.
+
+Each program takes one chunk (a few groups of G elements) of one tensor, found through the chunk table; the tensors'
+addresses come from the pointer table (see `megacoat.ops.coat_adamw_tables`). Same formulas and signature as
+`coat_adamw_step_ref`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from megacoat.fp8.formats import get_format
+from megacoat.ops.coat_adamw_ref import K_MAX, K_MIN, adam_scalars
+from megacoat.ops.coat_adamw_tables import build_tables, check_lists
+
+_TL_DTYPES = {
+    torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+    torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5,
+}
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """Round-to-nearest-even fp32 -> bf16 by bit arithmetic (the interpreter's cast truncates); x finite."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _dequantize(q, scale, k, FMAX, INV_FMAX):
+    """Same float32 operations, same order, as dequantize_moment_ref; scale and k are [groups, 1]."""
+    inv_k = tl.div_rn(tl.full(k.shape, 1.0, tl.float32), k)
+    rq = tl.abs(q) * INV_FMAX
+    e = tl.where(k == 1.0, rq, tl.exp2(tl.log2(rq) * inv_k))
+    x = e * (scale * FMAX)
+    return tl.where(q < 0, -x, x)
+
+
+@triton.jit
+def _quantize(x, FMAX, LOG2_RANGE, EXPAND: tl.constexpr, K_LO: tl.constexpr, K_HI: tl.constexpr):
+    """x [groups, G] fp32 (padding = 0) -> q (FP8-representable fp32), scale, k (bf16), bad (per group)."""
+    a = tl.where(x != x, float("inf"), tl.abs(x))  # NaN counts as non-finite
+    amax = tl.max(a, axis=1)
+    finite = amax < float("inf")
+    amin = tl.min(tl.where(a > 0, a, float("inf")), axis=1)
+    one = tl.full(amax.shape, 1.0, tl.float32)
+    if EXPAND:
+        k = tl.div_rn(tl.full(amax.shape, LOG2_RANGE, tl.float32), tl.log2(tl.div_rn(amax, amin)))
+        k = tl.minimum(tl.maximum(k, K_LO), K_HI)
+        k = tl.where(finite & (amax > amin), k, 1.0)
+    else:
+        k = one
+    k_bf16 = _round_to_bf16(k)
+    kf = k_bf16.to(tl.float32)[:, None]
+    inv_amax = tl.where(finite & (amax > 0), tl.div_rn(one, amax), 0.0)
+    r = a * inv_amax[:, None]
+    f = tl.where(kf == 1.0, r, tl.exp2(kf * tl.log2(r)))
+    mag = tl.minimum(f * FMAX, FMAX)
+    q = tl.where(x < 0, -mag, mag)
+    q = tl.where(finite[:, None], q, 0.0)
+    scale = tl.where(finite, tl.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), float("nan"))
+    bad = tl.where(finite, 0, 1)
+    return q, scale, k_bf16, bad
+
+
+@triton.jit
+def _coat_adamw_kernel(ptr_table, chunk_table, nonfinite_ptr, lr_wd, step_size, beta1, beta2, bc2_sqrt, eps,
+                       M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M, LOG2_RANGE_V,
+                       P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
+                       G: tl.constexpr, GPC: tl.constexpr, EXPAND: tl.constexpr, COUNT: tl.constexpr,
+                       K_LO: tl.constexpr, K_HI: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(chunk_table + 2 * pid).to(tl.int64)
+    c = tl.load(chunk_table + 2 * pid + 1).to(tl.int64)
+    row = ptr_table + 9 * t
+    p_ptr = tl.load(row + 0).to(tl.pointer_type(P_DT))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DT))
+    mq_ptr = tl.load(row + 2).to(tl.pointer_type(M_DT))
+    ms_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    mk_ptr = tl.load(row + 4).to(tl.pointer_type(tl.bfloat16))
+    vq_ptr = tl.load(row + 5).to(tl.pointer_type(V_DT))
+    vs_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
+    vk_ptr = tl.load(row + 7).to(tl.pointer_type(tl.bfloat16))
+    n = tl.load(row + 8)
+
+    grp = c * GPC + tl.arange(0, GPC)
+    offs = grp[:, None] * G + tl.arange(0, G)[None, :]
+    mask = offs < n
+    gmask = grp * G < n
+
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    mq = tl.load(mq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    vq = tl.load(vq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    ms = tl.load(ms_ptr + grp, mask=gmask, other=0.0)
+    vs = tl.load(vs_ptr + grp, mask=gmask, other=0.0)
+    mk = tl.load(mk_ptr + grp, mask=gmask, other=1.0).to(tl.float32)
+    vk = tl.load(vk_ptr + grp, mask=gmask, other=1.0).to(tl.float32)
+
+    m = _dequantize(mq, ms[:, None], mk[:, None], M_MAX, INV_M_MAX)
+    v = _dequantize(vq, vs[:, None], vk[:, None], V_MAX, INV_V_MAX)
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * (g * g)
+    denom = tl.sqrt(v) / bc2_sqrt + eps
+    p = p * (1.0 - lr_wd) - step_size * (m / denom)
+    tl.store(p_ptr + offs, p.to(P_DT), mask=mask)
+
+    q, s, k, bad_m = _quantize(m, M_MAX, LOG2_RANGE_M, EXPAND, K_LO, K_HI)
+    tl.store(mq_ptr + offs, q.to(M_DT), mask=mask)
+    tl.store(ms_ptr + grp, s, mask=gmask)
+    tl.store(mk_ptr + grp, k, mask=gmask)
+    q, s, k, bad_v = _quantize(v, V_MAX, LOG2_RANGE_V, EXPAND, K_LO, K_HI)
+    tl.store(vq_ptr + offs, q.to(V_DT), mask=mask)
+    tl.store(vs_ptr + grp, s, mask=gmask)
+    tl.store(vk_ptr + grp, k, mask=gmask)
+    if COUNT:
+        nbad = tl.sum(tl.where(gmask, bad_m + bad_v, 0))
+        if nbad > 0:
+            tl.atomic_add(nonfinite_ptr, nbad)
+
+
+def coat_adamw_step_triton(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, lr: float, beta1: float,
+                           beta2: float, eps: float, weight_decay: float, step: int, group_size: int, expand: bool,
+                           nonfinite: torch.Tensor | None = None) -> None:
+    """Same contract as `coat_adamw_step_ref`; all tensors must share one dtype per role and one device."""
+    if not params:
+        return
+    check_lists(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size)
+    ptr_table, chunk_table, groups_per_chunk = build_tables(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k,
+                                                            group_size)
+    step_size, bc2_sqrt = adam_scalars(lr, beta1, beta2, step)
+    fm, fv = get_format(m_q[0].dtype), get_format(v_q[0].dtype)
+    count = nonfinite is not None
+    nb = nonfinite if count else ptr_table  # any pointer; unused when COUNT is False
+    n_chunks = chunk_table.shape[0]
+    _coat_adamw_kernel[(n_chunks,)](
+        ptr_table, chunk_table, nb, lr * weight_decay, step_size, beta1, beta2, bc2_sqrt, eps,
+        fm.max, fv.max, 1.0 / fm.max, 1.0 / fv.max, math.log2(fm.dynamic_range), math.log2(fv.dynamic_range),
+        P_DT=_TL_DTYPES[params[0].dtype], G_DT=_TL_DTYPES[grads[0].dtype], M_DT=_TL_DTYPES[m_q[0].dtype],
+        V_DT=_TL_DTYPES[v_q[0].dtype], G=group_size, GPC=groups_per_chunk, EXPAND=bool(expand), COUNT=count,
+        K_LO=K_MIN, K_HI=K_MAX, num_warps=8)
