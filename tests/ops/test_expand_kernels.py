@@ -1,0 +1,72 @@
+"""Triton expansion quantize/dequantize against the torch references (megacoat.fp8.expansion).
+
+GPU (marker gpu): bit-exact -- same float32 operations in the same order, libdevice log2/exp2 like torch's CUDA
+log2f/exp2f. CPU interpreter: k and scale must match exactly; q may differ by one FP8 step in a few elements,
+because there the kernel's log2/exp2 are numpy's float32 ones while the reference uses torch's CPU (SLEEF)
+versions, which can differ by one float32 ulp and so flip the FP8 rounding of a value sitting on a rounding
+boundary (we allow at most 1 in 1000 elements, each by at most one step).
+"""
+import pytest
+import torch
+
+from tests.ops.kernel_cases import DEVICE, INTERPRETED, SHAPES, same, same_output, wide, with_edge_groups
+from megacoat.fp8 import expand_dequantize, expand_quantize
+
+
+def _within_one_step(a, b, fmt_dtype):
+    a, b = a.float(), b.float()
+    fi = torch.finfo(fmt_dtype)
+    step = torch.maximum(b.abs() * fi.eps, torch.full_like(b, fi.smallest_normal * fi.eps))
+    diff = a != b
+    return bool(((a - b).abs()[diff] <= step[diff] * 1.0001).all()) and diff.float().mean() <= 1e-3
+
+
+def _check(x, fmt, group_size):
+    ref = expand_quantize(x, fmt, group_size, backend="torch")
+    tri = expand_quantize(x, fmt, group_size, backend="triton")
+    assert same(tri.k, ref.k) and same(tri.scale, ref.scale)
+    if INTERPRETED:
+        assert _within_one_step(tri.data, ref.data, ref.data.dtype)
+    else:
+        assert same(tri.data, ref.data)
+    for dtype in (torch.float32, torch.bfloat16):
+        a = expand_dequantize(ref, dtype, backend="triton")
+        b = expand_dequantize(ref, dtype, backend="torch")
+        if INTERPRETED and dtype == torch.float32:  # numpy vs SLEEF log2/exp2: a few float32 ulps
+            torch.testing.assert_close(a, b, rtol=8 * 2 ** -24, atol=0, equal_nan=True)
+        elif INTERPRETED:
+            assert same_output(a, b) or torch.allclose(a.float(), b.float(), rtol=2 ** -7, equal_nan=True)
+        else:
+            assert same(a, b)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape,group_size", SHAPES)
+def test_expand_matches_reference(fmt, shape, group_size):
+    _check(wide(shape), fmt, group_size)
+
+
+def test_expand_nonnegative_and_narrow():
+    x = wide((4, 512)).square()  # second-moment-like
+    _check(x, "e4m3", 128)
+    _check(x, "e5m2", 128)
+    _check(1 + torch.rand(3, 256, device=DEVICE), "e4m3", 128)  # k > 1, clamped at K_MAX in places
+
+
+def test_expand_edge_groups():
+    x = with_edge_groups(wide((5 * 128,)), 128)
+    x[3 * 128:4 * 128] = -0.5  # one distinct magnitude
+    _check(x, "e4m3", 128)
+    qt = expand_quantize(x, "e4m3", 128, backend="triton")
+    assert qt.nonfinite_groups().item() == 2 and qt.k.float().tolist()[:4] == [1.0, 1.0, 1.0, 1.0]
+    xh = qt.dequantize()
+    assert (xh[:128] == 0).all() and torch.isnan(xh[128:384]).all() and torch.equal(xh[384:512], x[384:512])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_gpu_bit_exact_large(fmt):
+    for shape, g in [(((1 << 22) + 77,), 128), ((4096, 1000), 128), ((2048, 4096), 32)]:
+        _check(wide(shape, seed=3), fmt, g)
+    _check(wide((1 << 22,), seed=4).square(), fmt, 128)
+    _check(with_edge_groups(wide((1 << 20,)), 128), fmt, 128)
