@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megacoat.config import MegacoatConfig
+from megacoat.fp8.linear import invalidate_fp8_weight_caches
 from megacoat.model import GPT
 from megacoat.optim import WarmupDecayLR, build_optimizer, param_groups
 from megacoat.training.deepspeed_config import build_deepspeed_config
@@ -106,7 +107,7 @@ class Trainer:
         torch.manual_seed(t.seed)
         model = GPT(cfg.model)
         if cfg.fp8.enabled:
-            from megacoat.fp8 import convert_to_fp8
+            from megacoat.fp8.convert import convert_to_fp8
 
             model = convert_to_fp8(model, cfg.fp8)
         model.to(self.device)
@@ -145,7 +146,10 @@ class Trainer:
             loss = self.engine(tokens, labels)
             self.engine.backward(loss)
             grad_norm = self._grad_norm_if_boundary()
+            boundary = self.engine.is_gradient_accumulation_boundary()
             self.engine.step()
+            if boundary:  # DeepSpeed updates weights through .data, which autograd's version counter misses
+                invalidate_fp8_weight_caches()
             losses.append(loss.detach())
         norm = self.engine.get_global_grad_norm()
         if norm is None:
