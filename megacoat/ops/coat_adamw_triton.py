@@ -31,6 +31,20 @@ def _round_to_bf16(x):
 
 
 @triton.jit
+def _round_to_fp8_grid(v, MBITS: tl.constexpr, MIN_NORMAL, SUB_MAGIC):
+    """Round finite fp32 |v| <= F.max to the nearest FP8 value (ties to even) in fp32 arithmetic, so the cast that
+    follows is exact whatever its own rounding (the interpreter's FP8 cast truncates and loses mantissa carries)."""
+    drop: tl.constexpr = 23 - MBITS
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = ((bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) >> drop) << drop
+    normal = bits.to(tl.float32, bitcast=True)
+    # Below the smallest normal the grid is uniform (min_subnormal): adding and removing 1.5 * 2^23 * min_subnormal
+    # rounds to it, ties to even.
+    sub = (v + SUB_MAGIC) - SUB_MAGIC
+    return tl.where(tl.abs(v) < MIN_NORMAL, sub, normal)
+
+
+@triton.jit
 def _dequantize(q, scale, k, FMAX, INV_FMAX):
     """Same float32 operations, same order, as dequantize_moment_ref; scale and k are [groups, 1]."""
     inv_k = tl.div_rn(tl.full(k.shape, 1.0, tl.float32), k)
@@ -41,7 +55,8 @@ def _dequantize(q, scale, k, FMAX, INV_FMAX):
 
 
 @triton.jit
-def _quantize(x, FMAX, LOG2_RANGE, EXPAND: tl.constexpr, K_LO: tl.constexpr, K_HI: tl.constexpr):
+def _quantize(x, FMAX, LOG2_RANGE, MIN_NORMAL, SUB_MAGIC, MBITS: tl.constexpr, EXPAND: tl.constexpr,
+              K_LO: tl.constexpr, K_HI: tl.constexpr):
     """x [groups, G] fp32 (padding = 0) -> q (FP8-representable fp32), scale, k (bf16), bad (per group)."""
     a = tl.where(x != x, float("inf"), tl.abs(x))  # NaN counts as non-finite
     amax = tl.max(a, axis=1)
@@ -61,7 +76,7 @@ def _quantize(x, FMAX, LOG2_RANGE, EXPAND: tl.constexpr, K_LO: tl.constexpr, K_H
     f = tl.where(kf == 1.0, r, tl.exp2(kf * tl.log2(r)))
     mag = tl.minimum(f * FMAX, FMAX)
     q = tl.where(x < 0, -mag, mag)
-    q = tl.where(finite[:, None], q, 0.0)
+    q = _round_to_fp8_grid(tl.where(finite[:, None], q, 0.0), MBITS, MIN_NORMAL, SUB_MAGIC)
     scale = tl.where(finite, tl.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), float("nan"))
     bad = tl.where(finite, 0, 1)
     return q, scale, k_bf16, bad
@@ -69,7 +84,8 @@ def _quantize(x, FMAX, LOG2_RANGE, EXPAND: tl.constexpr, K_LO: tl.constexpr, K_H
 
 @triton.jit
 def _coat_adamw_kernel(ptr_table, chunk_table, nonfinite_ptr, lr_wd, step_size, beta1, beta2, bc2_sqrt, eps,
-                       M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M, LOG2_RANGE_V,
+                       M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M, LOG2_RANGE_V, M_MIN_NORMAL,
+                       V_MIN_NORMAL, M_SUB_MAGIC, V_SUB_MAGIC, M_MBITS: tl.constexpr, V_MBITS: tl.constexpr,
                        P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
                        G: tl.constexpr, GPC: tl.constexpr, EXPAND: tl.constexpr, COUNT: tl.constexpr,
                        K_LO: tl.constexpr, K_HI: tl.constexpr):
@@ -109,11 +125,11 @@ def _coat_adamw_kernel(ptr_table, chunk_table, nonfinite_ptr, lr_wd, step_size, 
     p = p * (1.0 - lr_wd) - step_size * (m / denom)
     tl.store(p_ptr + offs, p.to(P_DT), mask=mask)
 
-    q, s, k, bad_m = _quantize(m, M_MAX, LOG2_RANGE_M, EXPAND, K_LO, K_HI)
+    q, s, k, bad_m = _quantize(m, M_MAX, LOG2_RANGE_M, M_MIN_NORMAL, M_SUB_MAGIC, M_MBITS, EXPAND, K_LO, K_HI)
     tl.store(mq_ptr + offs, q.to(M_DT), mask=mask)
     tl.store(ms_ptr + grp, s, mask=gmask)
     tl.store(mk_ptr + grp, k, mask=gmask)
-    q, s, k, bad_v = _quantize(v, V_MAX, LOG2_RANGE_V, EXPAND, K_LO, K_HI)
+    q, s, k, bad_v = _quantize(v, V_MAX, LOG2_RANGE_V, V_MIN_NORMAL, V_SUB_MAGIC, V_MBITS, EXPAND, K_LO, K_HI)
     tl.store(vq_ptr + offs, q.to(V_DT), mask=mask)
     tl.store(vs_ptr + grp, s, mask=gmask)
     tl.store(vk_ptr + grp, k, mask=gmask)
@@ -140,6 +156,8 @@ def coat_adamw_step_triton(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, 
     _coat_adamw_kernel[(n_chunks,)](
         ptr_table, chunk_table, nb, lr * weight_decay, step_size, beta1, beta2, bc2_sqrt, eps,
         fm.max, fv.max, 1.0 / fm.max, 1.0 / fv.max, math.log2(fm.dynamic_range), math.log2(fv.dynamic_range),
+        fm.smallest_normal, fv.smallest_normal, 1.5 * 2 ** 23 * fm.min_subnormal, 1.5 * 2 ** 23 * fv.min_subnormal,
+        M_MBITS=fm.mantissa_bits, V_MBITS=fv.mantissa_bits,
         P_DT=_TL_DTYPES[params[0].dtype], G_DT=_TL_DTYPES[grads[0].dtype], M_DT=_TL_DTYPES[m_q[0].dtype],
         V_DT=_TL_DTYPES[v_q[0].dtype], G=group_size, GPC=groups_per_chunk, EXPAND=bool(expand), COUNT=count,
         K_LO=K_MIN, K_HI=K_MAX, num_warps=8)

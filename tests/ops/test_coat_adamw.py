@@ -1,0 +1,301 @@
+"""The fused CoatAdamW step: torch reference against the contract and float64 AdamW, Triton (interpreter on the CPU,
+compiled on the GPU) and CUDA against the reference.
+
+Tolerances, from the formats: E4M3 unit roundoff u = 2^-4 (E5M2 2^-3). A moment mapped to a normal FP8 value
+round-trips with relative error <= (1+u)^(1/k) - 1 (~u/k) plus float32 log2/exp2 error; one mapped into the
+subnormal range has absolute error <= F.min_subnormal/2 in f = (|x|/amax)^k space. Kernels against the reference:
+the fp32 arithmetic is the same up to fused multiply-adds and exp2/log2 implementations (hardware ex2/lg2 in the
+kernels: ~2 ulp); an FP8 code may therefore land on the neighbouring value where the reference sits within a few ulp
+of a rounding midpoint (and always where the Triton interpreter's cast truncates), so codes must agree within one
+FP8 step and exactly in >= 90% (interpreter) / 99% (GPU) of elements; scales and exponents, computed once per group
+from the same fp32 moments, agree to float32 rounding (k: within one bf16 step at a rounding tie).
+"""
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: lets the Triton kernel run on the CPU
+
+import pytest
+import torch
+
+from megacoat.fp8 import QuantizedTensor, expand_dequantize, expand_quantize
+from megacoat.fp8.formats import get_format
+from megacoat.ops.coat_adamw import coat_adamw_step
+from megacoat.ops.coat_adamw_ref import (K_MAX, K_MIN, adam_scalars, coat_adamw_step_ref, dequantize_moment_ref,
+                                         quantize_moment_ref)
+from megacoat.ops.coat_adamw_tables import num_groups
+
+HP = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def wide_range(n, lo=-6.0, hi=1.0, device="cpu"):
+    """Random signs and magnitudes spread over 10^lo..10^hi: the ranges Adam moments really have."""
+    return torch.randn(n, device=device) * 10 ** torch.empty(n, device=device).uniform_(lo, hi)
+
+
+def make_state(sizes, group_size, m_fmt="e4m3", v_fmt="e4m3", device="cpu", p_dtype=torch.float32,
+               g_dtype=torch.float32, warm=True, expand=True):
+    """Params, grads and a non-trivial FP8 state (quantized from wide-range moments, or zeros)."""
+    params = [torch.randn(n, device=device).to(p_dtype) for n in sizes]
+    grads = [wide_range(n, device=device).to(g_dtype) for n in sizes]
+    state = [[] for _ in range(6)]
+    for n in sizes:
+        ng = num_groups(n, group_size)
+        for j, fmt in enumerate((m_fmt, v_fmt)):
+            x = wide_range(n, device=device)
+            if j == 1:
+                x = x.abs() * 1e-3
+            if warm:
+                q, s, k, _ = quantize_moment_ref(x, fmt, group_size, expand)
+            else:
+                q = torch.zeros(n, dtype=get_format(fmt).dtype, device=device)
+                s = torch.zeros(ng, device=device)
+                k = torch.ones(ng, dtype=torch.bfloat16, device=device)
+            state[3 * j].append(q)
+            state[3 * j + 1].append(s)
+            state[3 * j + 2].append(k)
+    return params, grads, state
+
+
+def clone_all(params, state):
+    return [p.clone() for p in params], [[t.clone() for t in col] for col in state]
+
+
+def fp8_steps_apart(a, b):
+    """How many representable FP8 values lie between a and b (same dtype), elementwise."""
+    ia = a.view(torch.uint8).to(torch.int32)
+    ib = b.view(torch.uint8).to(torch.int32)
+    # sign-magnitude to a monotone integer line
+    ia = torch.where(ia >= 128, 128 - ia, ia)
+    ib = torch.where(ib >= 128, 128 - ib, ib)
+    return (ia - ib).abs()
+
+
+def assert_state_close(state_a, state_b, exact_fraction):
+    for col in (0, 3):  # codes
+        for a, b in zip(state_a[col], state_b[col]):
+            steps = fp8_steps_apart(a, b)
+            assert int(steps.max()) <= 1, f"FP8 codes differ by {int(steps.max())} steps"
+            assert (steps == 0).float().mean() >= exact_fraction
+    for col in (1, 4):  # scales
+        for a, b in zip(state_a[col], state_b[col]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0, equal_nan=True)
+    for col in (2, 5):  # exponents: equal, or one bf16 step apart at a rounding tie
+        for a, b in zip(state_a[col], state_b[col]):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=0)
+
+
+def run_backend(backend, params, grads, state, **kw):
+    nf = torch.zeros(1, dtype=torch.int32, device=params[0].device)
+    coat_adamw_step(params, grads, *state, nonfinite=nf, backend=backend, **{**HP, **kw})
+    return nf
+
+
+# ---------------------------------------------------------------- the reference against the contract
+
+def assert_roundtrip_bound(x, q, scale, k, G):
+    """The contract's bound for every element: normal-mapped relative error <= (1+u)^(1/k) - 1 (+ 1e-5 for
+    float32 log2/exp2 and x's own float32 rounding); subnormal-mapped absolute f-space error <= min_subnormal/2."""
+    F = get_format(q.dtype)
+    x = x.double()
+    xh = dequantize_moment_ref(q, scale, k, G).double()
+    kf = k.double().repeat_interleave(G)[: x.numel()]
+    amax = (scale.double() * F.max).repeat_interleave(G)[: x.numel()]
+    f = (x.abs() / amax) ** kf  # the element's place in f-space
+    normal = f * F.max >= F.smallest_normal
+    rel = (xh - x).abs() / x.abs()
+    bound = (1 + F.unit_roundoff) ** (1 / kf) - 1 + 1e-5
+    assert (rel[normal] <= bound[normal]).all(), float((rel - bound)[normal].max())
+    fh = (xh.abs() / amax) ** kf
+    sub = ~normal & (x != 0)
+    assert ((fh - f).abs()[sub] * F.max <= F.min_subnormal / 2 * (1 + 1e-3) + 1e-12).all()
+    return xh
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("expand", [True, False])
+def test_reference_roundtrip_error_bound(fmt, expand):
+    F = get_format(fmt)
+    G = 128
+    x = wide_range(50 * G + 37, lo=-8, hi=2)
+    q, scale, k, bad = quantize_moment_ref(x, fmt, G, expand)
+    assert bad == 0 and q.dtype == F.dtype and scale.dtype == torch.float32 and k.dtype == torch.bfloat16
+    xh = assert_roundtrip_bound(x, q, scale, k, G)
+    if expand:
+        assert ((k.float() >= K_MIN) & (k.float() <= K_MAX)).all() and (k.float() != 1).all()
+    else:
+        assert (k.float() == 1).all()
+
+
+def test_expansion_reduces_error():
+    """The point of expansion (E4M3, groups spanning 10^5): plain per-group scaling flushes the smallest moments
+    to zero (relative error 1), expansion keeps every element and lowers the mean error."""
+    x = wide_range(200 * 128, lo=-5, hi=0)
+    err = {}
+    for expand in (True, False):
+        q, s, k, _ = quantize_moment_ref(x, "e4m3", 128, expand)
+        err[expand] = (dequantize_moment_ref(q, s, k, 128) - x).abs() / x.abs()
+    assert err[False].max() == 1.0 and err[True].max() < 0.5
+    assert err[True].mean() < 0.75 * err[False].mean()
+
+
+def test_reference_matches_fp8_package_contract():
+    """A moment quantized here equals megacoat.fp8's expand_quantize, and both dequantize it to the same bits."""
+    for fmt in ("e4m3", "e5m2"):
+        for G in (32, 128):
+            x = wide_range(17 * G + 5)
+            x[: G] = 0.0  # an all-zero group
+            x[G: 2 * G] = 3.0  # one magnitude
+            q, s, k, _ = quantize_moment_ref(x, fmt, G, True)
+            qt = expand_quantize(x, fmt, G, backend="torch")
+            assert torch.equal(qt.data.view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(qt.scale, s) and torch.equal(qt.k, k)
+            mine = dequantize_moment_ref(q, s, k, G)
+            theirs = expand_dequantize(QuantizedTensor(data=q, scale=s, group_size=G, orig_dtype=torch.float32, k=k),
+                                       backend="torch")
+            assert torch.equal(mine, theirs)
+
+
+def test_reference_step_is_adamw_on_the_dequantized_state():
+    """p follows AdamW (float64) from the moments the state holds; the new state holds the new moments."""
+    G = 128
+    params, grads, state = make_state([1000, 3 * G], G)
+    p0 = [p.double() for p in params]
+    m0 = [dequantize_moment_ref(q, s, k, G).double() for q, s, k in zip(*state[:3])]
+    v0 = [dequantize_moment_ref(q, s, k, G).double() for q, s, k in zip(*state[3:])]
+    step = 7
+    coat_adamw_step_ref(params, grads, *state, step=step, group_size=G, expand=True, **HP)
+    step_size, bc2_sqrt = adam_scalars(HP["lr"], HP["beta1"], HP["beta2"], step)
+    for i, p in enumerate(params):
+        g = grads[i].double()
+        m = HP["beta1"] * m0[i] + (1 - HP["beta1"]) * g
+        v = HP["beta2"] * v0[i] + (1 - HP["beta2"]) * g * g
+        want = p0[i] * (1 - HP["lr"] * HP["weight_decay"]) - step_size * m / (v.sqrt() / bc2_sqrt + HP["eps"])
+        torch.testing.assert_close(p.double(), want, rtol=1e-5, atol=1e-6)  # float32 arithmetic
+        for x, (q, s, k) in ((m, (state[0][i], state[1][i], state[2][i])), (v, (state[3][i], state[4][i], state[5][i]))):
+            assert_roundtrip_bound(x, q, s, k, G)
+
+
+def test_reference_nonfinite_group_is_visible_and_contained():
+    G = 64
+    params, grads, state = make_state([5 * G + 3], G)
+    grads[0][2 * G + 5] = float("nan")
+    grads[0][4 * G] = float("inf")
+    nf = run_backend("torch", params, grads, state, step=3, group_size=G, expand=True)
+    assert int(nf) == 4  # groups 2 and 4, m and v each
+    for col in (1, 4):
+        s = state[col][0]
+        assert torch.isnan(s[[2, 4]]).all() and torch.isfinite(s[[0, 1, 3, 5]]).all()
+    m = dequantize_moment_ref(state[0][0], state[1][0], state[2][0], G)
+    assert torch.isnan(m[2 * G: 3 * G]).all() and torch.isfinite(m[: 2 * G]).all()
+
+
+def test_reference_checks_its_inputs():
+    params, grads, state = make_state([100], 128)
+    with pytest.raises(ValueError, match="group_size"):
+        coat_adamw_step_ref(params, grads, *state, step=1, group_size=100, expand=True, **HP)
+    bad = [list(c) for c in state]
+    bad[1] = [torch.zeros(5)]
+    with pytest.raises(ValueError, match="m_scale must have 1 entries"):
+        coat_adamw_step_ref(params, grads, *bad, step=1, group_size=128, expand=True, **HP)
+    with pytest.raises(ValueError, match="step must be >= 1"):
+        coat_adamw_step_ref(params, grads, *state, step=0, group_size=128, expand=True, **HP)
+
+
+# ---------------------------------------------------------------- Triton (interpreter) against the reference
+
+@pytest.mark.parametrize("case", [
+    dict(G=128, m="e4m3", v="e4m3", expand=True, g=torch.float32),
+    dict(G=32, m="e4m3", v="e5m2", expand=True, g=torch.bfloat16),
+    dict(G=256, m="e5m2", v="e4m3", expand=False, g=torch.float32),
+])
+def test_triton_interpreter_matches_reference(case):
+    G = case["G"]
+    sizes = [3000, 2 * G + 1, 17]  # tails shorter than a group, a tensor shorter than a group
+    params, grads, state = make_state(sizes, G, case["m"], case["v"], g_dtype=case["g"], expand=case["expand"])
+    p2, s2 = clone_all(params, state)
+    kw = dict(step=5, group_size=G, expand=case["expand"])
+    run_backend("torch", params, grads, state, **kw)
+    run_backend("triton", p2, grads, s2, **kw)
+    for a, b in zip(params, p2):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert_state_close(s2, state, exact_fraction=0.9)
+
+
+def test_triton_interpreter_nonfinite():
+    G = 64
+    params, grads, state = make_state([4 * G], G)
+    grads[0][G + 1] = float("nan")
+    nf = run_backend("triton", params, grads, state, step=2, group_size=G, expand=True)
+    assert int(nf) == 2
+    assert torch.isnan(state[1][0][1]) and torch.isfinite(state[1][0][[0, 2, 3]]).all()
+
+
+# ---------------------------------------------------------------- GPU: Triton and CUDA against the reference
+
+GPU_CASES = [
+    dict(G=128, m="e4m3", v="e4m3", expand=True, p=torch.float32, g=torch.float32),
+    dict(G=128, m="e4m3", v="e5m2", expand=True, p=torch.float32, g=torch.bfloat16),
+    dict(G=16, m="e4m3", v="e4m3", expand=True, p=torch.bfloat16, g=torch.bfloat16),
+    dict(G=64, m="e5m2", v="e5m2", expand=True, p=torch.float32, g=torch.float32),
+    dict(G=256, m="e4m3", v="e4m3", expand=True, p=torch.float32, g=torch.float32),
+    dict(G=128, m="e4m3", v="e4m3", expand=False, p=torch.float32, g=torch.float32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"G{c['G']}-{c['m']}-{c['v']}-x{int(c['expand'])}-"
+                                                         f"{str(c['p'])[6:]}-{str(c['g'])[6:]}")
+def test_gpu_kernel_matches_reference(backend, case):
+    G = case["G"]
+    torch.manual_seed(1)
+    sizes = [1 << 20, 5 * 4096 + 3, 999, 7]
+    params, grads, state = make_state(sizes, G, case["m"], case["v"], device="cuda", p_dtype=case["p"],
+                                      g_dtype=case["g"], expand=case["expand"])
+    p2, s2 = clone_all(params, state)
+    kw = dict(step=11, group_size=G, expand=case["expand"])
+    run_backend("torch", params, grads, state, **kw)
+    nf = run_backend(backend, p2, grads, s2, **kw)
+    torch.cuda.synchronize()
+    assert int(nf) == 0
+    ptol = dict(rtol=1e-5, atol=1e-6) if case["p"] == torch.float32 else dict(rtol=2 ** -8, atol=1e-5)
+    for a, b in zip(params, p2):
+        torch.testing.assert_close(b, a, **ptol)
+    assert_state_close(s2, state, exact_fraction=0.99)
+    if not case["expand"] and backend == "cuda":
+        # k = 1 takes no transcendental path: the codes equal the reference's but for FMA-contraction ties
+        for a, b in zip(state[0], s2[0]):
+            assert (fp8_steps_apart(a, b) == 0).float().mean() > 0.999
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_kernel_first_step_and_nonfinite(backend):
+    G = 128
+    params, grads, state = make_state([10 * G + 1], G, device="cuda", warm=False)
+    grads[0][3 * G + 2] = float("inf")
+    p2, s2 = clone_all(params, state)
+    run_backend("torch", params, grads, state, step=1, group_size=G, expand=True)
+    nf = run_backend(backend, p2, grads, s2, step=1, group_size=G, expand=True)
+    assert int(nf) == 2
+    assert torch.isnan(s2[1][0][3]) and torch.isnan(s2[4][0][3])
+    ok = torch.ones(11, dtype=torch.bool, device="cuda")
+    ok[3] = False
+    torch.testing.assert_close(s2[1][0][ok], state[1][0][ok], rtol=1e-6, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_unaligned_views():
+    """Views at odd offsets take the masked (scalar) path and still match."""
+    G = 128
+    base_p = torch.randn(5000, device="cuda")
+    base_g = wide_range(5000, device="cuda")
+    base_p2 = base_p.clone()
+    params, p2, grads = [base_p[3:3 + 4000]], [base_p2[3:3 + 4000]], [base_g[1:1 + 4000]]
+    _, _, state = make_state([4000], G, device="cuda")
+    _, s2 = clone_all([], state)
+    run_backend("torch", params, grads, state, step=2, group_size=G, expand=True)
+    run_backend("cuda", p2, grads, s2, step=2, group_size=G, expand=True)
+    torch.testing.assert_close(p2[0], params[0], rtol=1e-5, atol=1e-6)
+    assert_state_close(s2, state, exact_fraction=0.99)
