@@ -28,7 +28,8 @@ def round_to_bf16(x):
 
 @triton.jit
 def _expand_quantize_kernel(x_ptr, q_ptr, scale_ptr, k_ptr, cols, n_groups, blocks_per_row, log2_range,
-                            k_min, k_max, FP8_MAX: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr):
+                            k_min, k_max, FP8_MAX: tl.constexpr, APPROX: tl.constexpr, G: tl.constexpr,
+                            BLOCK_G: tl.constexpr):
     row, g, offs, mask = group_tile(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     a = tl.where(x != x, float("inf"), tl.abs(x))
@@ -40,7 +41,7 @@ def _expand_quantize_kernel(x_ptr, q_ptr, scale_ptr, k_ptr, cols, n_groups, bloc
     safe_amin = tl.where(live, amin, 1.0)
 
     lr = expand_math.log2(tl.div_rn(safe_amax, safe_amin))
-    k = tl.div_rn(tl.full(lr.shape, log2_range, tl.float32), lr)  # lr = 0 -> inf, clamped, then replaced by 1
+    k = tl.div_rn(tl.zeros_like(lr) + log2_range, lr)  # lr = 0 -> inf, clamped, then replaced by 1
     k = tl.clamp(k, k_min, k_max)
     k = round_to_bf16(tl.where(live & (amax > amin), k, 1.0))
     kf = k.to(tl.float32)
@@ -49,7 +50,10 @@ def _expand_quantize_kernel(x_ptr, q_ptr, scale_ptr, k_ptr, cols, n_groups, bloc
     scale = tl.where(finite, tl.div_rn(amax, ones * FP8_MAX), float("nan"))
     inv_amax = tl.where(live, tl.div_rn(ones, safe_amax), 0.0)
     r = a * inv_amax[:, None]
-    f = tl.where(kf[:, None] == 1.0, r, expand_math.exp2(kf[:, None] * expand_math.log2(r)))
+    if APPROX:  # PTX lg2/ex2.approx: measures what accurate math costs; not bit-exact with torch
+        f = tl.where(kf[:, None] == 1.0, r, tl.exp2(kf[:, None] * tl.log2(r)))
+    else:
+        f = tl.where(kf[:, None] == 1.0, r, expand_math.exp2(kf[:, None] * expand_math.log2(r)))
     mag = tl.minimum(f * FP8_MAX, FP8_MAX)
     y = tl.where(x < 0, -mag, mag)
     y = tl.where(finite[:, None], y, 0.0)
@@ -60,8 +64,10 @@ def _expand_quantize_kernel(x_ptr, q_ptr, scale_ptr, k_ptr, cols, n_groups, bloc
 
 
 def expand_quantize(x: torch.Tensor, fp8_dtype: torch.dtype, group_size: int, log2_range: float, k_min: float,
-                    k_max: float, *, block: int | None = None, num_warps: int | None = None):
-    """(q fp8 with x's shape, scale float32 and k bfloat16 of shape (*lead, ceil(C/G)))."""
+                    k_max: float, *, approx_math: bool = False, block: int | None = None,
+                    num_warps: int | None = None):
+    """(q fp8 with x's shape, scale float32 and k bfloat16 of shape (*lead, ceil(C/G))).
+    approx_math=True is for benchmarks/bench_quant.py only (the cost of libdevice's accurate log2/exp2)."""
     x = x.contiguous()
     q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     gshape = group_scale_shape(x.shape, group_size)
@@ -70,6 +76,6 @@ def expand_quantize(x: torch.Tensor, fp8_dtype: torch.dtype, group_size: int, lo
     lay = group_layout(x.shape, group_size, block, num_warps)
     if x.numel():
         _expand_quantize_kernel[lay.grid](x, q, scale, k, lay.cols, lay.n_groups, lay.blocks_per_row, log2_range,
-                                          k_min, k_max, FP8_MAX=fp8_max(fp8_dtype), G=group_size,
-                                          BLOCK_G=lay.block_g, num_warps=lay.num_warps)
+                                          k_min, k_max, FP8_MAX=fp8_max(fp8_dtype), APPROX=approx_math,
+                                          G=group_size, BLOCK_G=lay.block_g, num_warps=lay.num_warps)
     return q, scale, k

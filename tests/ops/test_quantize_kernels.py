@@ -7,7 +7,8 @@ covers large tensors and the native conversion.
 import pytest
 import torch
 
-from tests.ops.kernel_cases import DEVICE, SHAPES, same, same_output, wide, with_edge_groups  # sets TRITON_INTERPRET first
+# kernel_cases first: it sets TRITON_INTERPRET before megacoat.ops is imported
+from tests.ops.kernel_cases import DEVICE, SHAPES, same, same_output, wide, with_edge_groups
 from megacoat.fp8 import dequantize, quantize_group_scaled, quantize_per_group, quantize_per_tensor
 from megacoat.ops.group_amax import group_amax as group_amax_kernel
 

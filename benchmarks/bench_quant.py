@@ -1,0 +1,200 @@
+"""Throughput of the FP8 quantization kernels on the GPU against a device-to-device copy measured in the same run.
+
+For each kernel: median time (triton.testing.do_bench), bytes moved (each input read once, each output written
+once, scales and exponents included) and GB/s as a fraction of the copy's GB/s (bytes read + written). Also:
+a (block, warps) sweep of the group kernels, the cost of fusing group scaling's stage 1 into an elementwise op
+(+ stage 2), and a bit-exactness census of every kernel against its torch reference on the same GPU.
+
+    python benchmarks/bench_quant.py [--sizes 64 256] [--out benchmarks/results/bench_quant.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from megacoat.fp8 import expand_quantize, quantize_per_group, quantize_per_tensor
+from megacoat.fp8.expansion import K_MAX, K_MIN, log2_range
+from megacoat.fp8.formats import get_format
+from megacoat.ops import dequantize as deq_ops
+from megacoat.ops import expand_dequantize as exdeq_ops
+from megacoat.ops import expand_quantize as exq_ops
+from megacoat.ops import group_amax as gamax_ops
+from megacoat.ops import quantize_per_group as qpg_ops
+from megacoat.ops import quantize_per_tensor as qpt_ops
+
+G = 128
+SWEEP = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16)]
+
+
+def bench(fn) -> float:
+    """Median milliseconds."""
+    return do_bench(fn, warmup=25, rep=120, return_mode="median")
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / ms / 1e6
+
+
+def kernels(n: int, in_dtype: torch.dtype, fp8=torch.float8_e4m3fn, **cfg):
+    """name -> (callable, bytes moved) for N elements of in_dtype (dequantize writes in_dtype)."""
+    x = torch.randn(n, device="cuda", dtype=in_dtype) * torch.rand(n, device="cuda", dtype=in_dtype)
+    e = x.element_size()
+    q, s = qpg_ops.quantize_per_group(x, fp8, G)
+    qe, se, ke = exq_ops.expand_quantize(x, fp8, G, log2_range(get_format(fp8)), K_MIN, K_MAX)
+    qt, st = qpt_ops.quantize_per_tensor(x, fp8)
+    amax = x.abs().amax().float()
+    ng = n // G
+    return {
+        "quantize_per_group": (lambda: qpg_ops.quantize_per_group(x, fp8, G, **cfg), n * e + n + 4 * ng),
+        "dequantize_per_group": (lambda: deq_ops.dequantize(q, s, G, in_dtype, **cfg), n + 4 * ng + n * e),
+        "expand_quantize": (lambda: exq_ops.expand_quantize(x, fp8, G, log2_range(get_format(fp8)), K_MIN, K_MAX,
+                                                            **cfg), n * e + n + 6 * ng),
+        "expand_dequantize": (lambda: exdeq_ops.expand_dequantize(qe, se, ke, G, in_dtype, **cfg),
+                              n + 6 * ng + n * e),
+        # Variants that show where expansion's time goes (not the library's defaults).
+        "expand_quantize_approx_math": (lambda: exq_ops.expand_quantize(
+            x, fp8, G, log2_range(get_format(fp8)), K_MIN, K_MAX, approx_math=True, **cfg), n * e + n + 6 * ng),
+        "expand_dequantize_no_lut": (lambda: exdeq_ops.expand_dequantize(qe, se, ke, G, in_dtype, lut=False, **cfg),
+                                     n + 6 * ng + n * e),
+        # Per tensor with a known amax (group scaling supplied it): one pass.
+        "quantize_per_tensor_given_amax": (lambda: qpt_ops.quantize_per_tensor(x, fp8, amax, **cfg), n * e + n),
+        "dequantize_per_tensor": (lambda: deq_ops.dequantize(qt, st, None, in_dtype, **cfg), n + n * e),
+        # Per tensor finding its own amax: stage 1 pass + quantize pass, so x is read twice (counted).
+        "quantize_per_tensor_own_amax": (lambda: qpt_ops.quantize_per_tensor(x, fp8, **cfg), 2 * n * e + n),
+    }
+
+
+def bit_exact_census(n: int) -> dict:
+    """Every kernel vs its torch reference on the GPU: mismatching elements (bitwise, NaN==NaN)."""
+    def diff(a, b):
+        if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
+        return int(((a != b) & ~(a.isnan() & b.isnan())).sum())
+
+    out = {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    base = torch.randn(n, device="cuda", generator=g) * torch.rand(n, device="cuda", generator=g).pow(6)
+    inputs = {"signed": base, "nonneg": base.square(), "rows_tail": base[: (n // 1000) * 1000].view(-1, 1000)}
+    for fmt in ("e4m3", "e5m2"):
+        for name, x in inputs.items():
+            for dt in (torch.float32, torch.bfloat16):
+                xi = x.to(dt)
+                key = f"{fmt}/{name}/{str(dt).removeprefix('torch.')}"
+                r = quantize_per_group(xi, fmt, G, backend="torch")
+                t = quantize_per_group(xi, fmt, G, backend="triton")
+                out[f"quantize_per_group/{key}"] = diff(t.data, r.data) + diff(t.scale, r.scale)
+                out[f"dequantize_per_group/{key}"] = diff(r.dequantize(backend="triton"),
+                                                          r.dequantize(backend="torch"))
+                r = expand_quantize(xi, fmt, G, backend="torch")
+                t = expand_quantize(xi, fmt, G, backend="triton")
+                out[f"expand_quantize/{key}"] = diff(t.data, r.data) + diff(t.scale, r.scale) + diff(t.k, r.k)
+                out[f"expand_dequantize/{key}"] = diff(r.dequantize(torch.float32, backend="triton"),
+                                                       r.dequantize(torch.float32, backend="torch"))
+                r = quantize_per_tensor(xi, fmt, backend="torch")
+                t = quantize_per_tensor(xi, fmt, backend="triton")
+                out[f"quantize_per_tensor/{key}"] = diff(t.data, r.data) + diff(t.scale, r.scale)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256], help="millions of elements (2^20)")
+    ap.add_argument("--out", default="benchmarks/results/bench_quant.json")
+    ap.add_argument("--skip-sweep", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "cuda": torch.version.cuda, "python": platform.python_version(), "command": " ".join(sys.argv),
+           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "group_size": G, "fp8": "e4m3",
+           "bytes": "read + written, each input once, scales/exponents included", "sizes": {}}
+
+    t0 = time.time()
+    res["bit_exact_mismatches"] = bit_exact_census(1 << 22)
+    print("bit-exact census (mismatching elements; 0 = bit-exact):")
+    for k, v in res["bit_exact_mismatches"].items():
+        if v:
+            print(f"  {k}: {v}")
+    print(f"  total {sum(res['bit_exact_mismatches'].values())} over {len(res['bit_exact_mismatches'])} checks "
+          f"({time.time() - t0:.0f}s)")
+    save(res, args.out)
+
+    for m in args.sizes:
+        n = m << 20
+        src = torch.empty(n, device="cuda", dtype=torch.float32).normal_()
+        dst = torch.empty_like(src)
+        copy_gbps = gbps(2 * src.nbytes, bench(lambda: dst.copy_(src)))
+        del src, dst
+        entry = {"copy_GBps": copy_gbps, "kernels": {}}
+        for in_dtype in (torch.float32, torch.bfloat16):
+            for name, (fn, nbytes) in kernels(n, in_dtype).items():
+                ms = bench(fn)
+                entry["kernels"][f"{name}/{str(in_dtype).removeprefix('torch.')}"] = {
+                    "ms": ms, "bytes": nbytes, "GBps": gbps(nbytes, ms), "frac_of_copy": gbps(nbytes, ms) / copy_gbps}
+            torch.cuda.empty_cache()
+
+        # Group scaling: stage 1 fused into an elementwise op (silu, bf16 -> bf16) + stage 2, vs the op alone.
+        x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        plain = bench(lambda: gamax_ops.elementwise_group_amax(x, "silu", G, torch.bfloat16, with_amax=False))
+        fused = bench(lambda: gamax_ops.elementwise_group_amax(x, "silu", G, torch.bfloat16))
+        both = bench(lambda: gamax_ops.reduce_group_amax(
+            gamax_ops.elementwise_group_amax(x, "silu", G, torch.bfloat16)[1]))
+        entry["group_scaling_silu_bf16"] = {
+            "op_alone_ms": plain, "op_plus_stage1_ms": fused, "op_plus_stage1_stage2_ms": both,
+            "overhead_stage1": fused / plain - 1, "overhead_two_stage": both / plain - 1,
+            "op_alone_frac_of_copy": gbps(4 * n, plain) / copy_gbps}
+        del x
+
+        if not args.skip_sweep and m == max(args.sizes):
+            sweep = {}
+            for in_dtype in (torch.float32, torch.bfloat16):
+                for block, warps in SWEEP:
+                    ks = kernels(n, in_dtype, block=block, num_warps=warps)
+                    for name in ("quantize_per_group", "dequantize_per_group", "expand_quantize",
+                                 "expand_dequantize"):
+                        fn, nbytes = ks[name]
+                        sweep[f"{name}/{str(in_dtype).removeprefix('torch.')}/block{block}_warps{warps}"] = \
+                            gbps(nbytes, bench(fn)) / copy_gbps
+                    del ks
+                    torch.cuda.empty_cache()
+            entry["sweep_frac_of_copy"] = sweep
+        res["sizes"][f"{m}M"] = entry
+        save(res, args.out)
+        torch.cuda.empty_cache()
+
+        print(f"\n{m}M elements (2^20), copy {copy_gbps:.0f} GB/s")
+        print(f"  {'kernel':44s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}")
+        for k, v in entry["kernels"].items():
+            print(f"  {k:44s} {v['ms']:8.3f} {v['GBps']:8.0f} {v['frac_of_copy']:8.1%}")
+        gs = entry["group_scaling_silu_bf16"]
+        print(f"  group scaling on silu bf16: stage 1 +{gs['overhead_stage1']:.1%}, "
+              f"stage 1+2 +{gs['overhead_two_stage']:.1%} (op alone {gs['op_alone_frac_of_copy']:.0%} of copy)")
+        if "sweep_frac_of_copy" in entry:
+            best = {}
+            for k, v in entry["sweep_frac_of_copy"].items():
+                kern = k.rsplit("/", 1)[0]
+                if v > best.get(kern, ("", 0))[1]:
+                    best[kern] = (k.rsplit("/", 1)[1], v)
+            for kern, (cfg, v) in best.items():
+                print(f"  best {kern:34s} {cfg:20s} {v:.1%}")
+
+    save(res, args.out)
+    print(f"\nwrote {args.out}")
+
+
+def save(res: dict, path: str) -> None:
+    """Written after every section, so a run cut short still leaves what it measured."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
