@@ -82,9 +82,6 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, cache, grad_dtype):
-        m, k = x.shape
-        if x.requires_grad or weight.requires_grad:
-            check_gemm_dims(tokens_per_micro_batch=m)
         w8, w8t, w_scale = (cache or Fp8WeightCache()).get((weight,))
         x_scale = amax_scale(x, E4M3.dtype)
         x8, x8t = cast_transpose(x, x_scale, E4M3.dtype, transpose=weight.requires_grad)
@@ -110,6 +107,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | No
     """FP8 x @ weight^T over any leading dims. `cache` keeps the weight's FP8 copies across micro-batches
     (None: quantize the weight on every call). A tensor-parallel layer passes its shard."""
     lead = x.shape[:-1]
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        check_gemm_dims(tokens_per_micro_batch=lead.numel())  # wgrad contracts over the tokens
     out = Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, cache, get_format(grad_dtype).dtype)
     return out.view(*lead, weight.shape[0])
 

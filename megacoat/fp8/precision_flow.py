@@ -30,7 +30,6 @@ class CoatNormLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, norm_weight, cache, eps, group_size, grad_dtype, *weights):
-        check_gemm_dims(tokens_per_micro_batch=x.shape[0])
         x8, xs, rstd, y_scale = rmsnorm_fp8_fwd(x, norm_weight, eps, group_size)
         y8 = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, group_size, transpose=False)
         w8, w8t, w_scale = cache.get(weights)
@@ -56,7 +55,6 @@ class CoatMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, norm_weight, w1, w3, w2, cache13, cache2, eps, group_size, grad_dtype):
-        check_gemm_dims(tokens_per_micro_batch=x.shape[0])
         x8, xs, rstd, y_scale = rmsnorm_fp8_fwd(x, norm_weight, eps, group_size)
         y8 = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, group_size, transpose=False)
         w13_8, w13_8t, w13_scale = cache13.get((w1, w3))
@@ -93,6 +91,8 @@ class CoatMLPFunction(torch.autograd.Function):
 def coat_norm_linear(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, group_size: int,
                      grad_dtype: torch.dtype):
     lead = x.shape[:-1]
+    if torch.is_grad_enabled():
+        check_gemm_dims(tokens_per_micro_batch=lead.numel())  # wgrad contracts over the tokens
     out = CoatNormLinearFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, cache, eps, group_size,
                                        grad_dtype, *weights)
     return out.view(*lead, out.shape[-1])
@@ -100,6 +100,8 @@ def coat_norm_linear(x, norm_weight, weights, cache: Fp8WeightCache, eps: float,
 
 def coat_mlp(x, norm_weight, w1, w3, w2, cache13: Fp8WeightCache, cache2: Fp8WeightCache, eps: float,
              group_size: int, grad_dtype: torch.dtype):
+    if torch.is_grad_enabled():
+        check_gemm_dims(tokens_per_micro_batch=x[..., 0].numel())
     out = CoatMLPFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w1, w3, w2, cache13, cache2, eps,
                                 group_size, grad_dtype)
     return out.view(x.shape)

@@ -8,16 +8,9 @@ both from one read of the high-precision tensor costs one extra byte per element
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    """Triton on CUDA tensors, or anywhere under the interpreter (CPU tests); the torch reference otherwise."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def amax_scale(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -72,6 +65,7 @@ def cast_transpose_triton(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch
 
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
                    rowwise: bool = True, transpose: bool = True):
-    """(q, q^T) with q = fp8(x / scale); either may be skipped. Triton on CUDA, the reference on CPU."""
-    fn = cast_transpose_triton if use_triton(x) else cast_transpose_ref
+    """(q, q^T) with q = fp8(x / scale); either may be skipped. Triton on CUDA, the reference on CPU (the
+    CPU tests run the Triton versions under the interpreter by calling them by name)."""
+    fn = cast_transpose_triton if x.is_cuda else cast_transpose_ref
     return fn(x, scale, out_dtype, rowwise, transpose)

@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.cast_transpose import use_triton
 from megacoat.ops.group_cast_ref import TINY, group_dequantize, group_quantize
 
 E4M3 = torch.float8_e4m3fn
@@ -186,15 +185,15 @@ def rmsnorm_fp8_bwd_triton(dy, x8, x_scales, rstd, weight, group_size: int):
 
 # ---------------------------------------------------------------------------------------------- dispatchers
 def rmsnorm_fp8_fwd(x, weight, eps: float, group_size: int, out_dtype=E4M3):
-    fn = rmsnorm_fp8_fwd_triton if use_triton(x) else rmsnorm_fp8_fwd_ref
+    fn = rmsnorm_fp8_fwd_triton if x.is_cuda else rmsnorm_fp8_fwd_ref
     return fn(x, weight, eps, group_size, out_dtype)
 
 
 def rmsnorm_fp8_out(x8, x_scales, rstd, weight, y_scale, group_size: int, transpose: bool, out_dtype=E4M3):
-    fn = rmsnorm_fp8_out_triton if use_triton(x8) else rmsnorm_fp8_out_ref
+    fn = rmsnorm_fp8_out_triton if x8.is_cuda else rmsnorm_fp8_out_ref
     return fn(x8, x_scales, rstd, weight, y_scale, group_size, transpose, out_dtype)
 
 
 def rmsnorm_fp8_bwd(dy, x8, x_scales, rstd, weight, group_size: int):
-    fn = rmsnorm_fp8_bwd_triton if use_triton(dy) else rmsnorm_fp8_bwd_ref
+    fn = rmsnorm_fp8_bwd_triton if dy.is_cuda else rmsnorm_fp8_bwd_ref
     return fn(dy, x8, x_scales, rstd, weight, group_size)

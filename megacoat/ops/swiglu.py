@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.cast_transpose import use_triton
 from megacoat.ops.group_cast_ref import TINY, group_dequantize, group_quantize
 
 E4M3 = torch.float8_e4m3fn
@@ -202,14 +201,14 @@ def swiglu_fp8_bwd_triton(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=to
 
 # ---------------------------------------------------------------------------------------------- dispatchers
 def swiglu_fp8_fwd(a13, group_size: int, out_dtype=E4M3):
-    return (swiglu_fp8_fwd_triton if use_triton(a13) else swiglu_fp8_fwd_ref)(a13, group_size, out_dtype)
+    return (swiglu_fp8_fwd_triton if a13.is_cuda else swiglu_fp8_fwd_ref)(a13, group_size, out_dtype)
 
 
 def swiglu_fp8_out(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpose: bool, out_dtype=E4M3):
-    fn = swiglu_fp8_out_triton if use_triton(a1_8) else swiglu_fp8_out_ref
+    fn = swiglu_fp8_out_triton if a1_8.is_cuda else swiglu_fp8_out_ref
     return fn(a1_8, s1, a3_8, s3, s_scale, group_size, transpose, out_dtype)
 
 
 def swiglu_fp8_bwd(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=torch.float8_e5m2):
-    fn = swiglu_fp8_bwd_triton if use_triton(ds) else swiglu_fp8_bwd_ref
+    fn = swiglu_fp8_bwd_triton if ds.is_cuda else swiglu_fp8_bwd_ref
     return fn(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype)

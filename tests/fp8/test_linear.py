@@ -1,0 +1,98 @@
+"""FP8 linear: numerics against fp32, FP8-only saved tensors, the weight cache, and the shape rules."""
+import pytest
+import torch
+
+from tests.ops.fp8_compare import DEV, rel_err  # noqa: I001
+from megacoat.fp8.formats import E4M3, E5M2
+from megacoat.fp8.linear import Fp8Linear, Fp8WeightCache, fp8_linear, invalidate_fp8_weight_caches
+from megacoat.fp8.saved_memory import saved_activation_bytes
+
+U4, U5 = E4M3.unit_roundoff, E5M2.unit_roundoff
+
+
+def _case(m=64, k=96, n=48, dtype=torch.bfloat16):
+    x = torch.randn(m, k, device=DEV, dtype=dtype, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(n, k, device=DEV, dtype=dtype) * 0.05)
+    return x, w
+
+
+@pytest.mark.parametrize("grad_dtype,u_grad", [("e5m2", U5), ("e4m3", U4)])
+def test_against_fp32_linear(grad_dtype, u_grad):
+    x, w = _case()
+    y = fp8_linear(x, w, grad_dtype=grad_dtype)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    yf = xf @ wf.t()
+    yf.backward(dy.float())
+    # forward: x and W each cast once to E4M3; backward: the output gradient once more in grad_dtype
+    assert rel_err(y, yf) <= 2 * U4
+    assert rel_err(x.grad, xf.grad) <= U4 + u_grad
+    assert rel_err(w.grad, wf.grad) <= U4 + u_grad
+    assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
+
+
+def test_saves_only_fp8_activations():
+    x, w = _case()
+    total, by_dtype = saved_activation_bytes(lambda: fp8_linear(x, w), [w])
+    assert set(by_dtype) <= {"float8_e4m3fn", "float32"}
+    assert by_dtype["float8_e4m3fn"] == x.numel()  # the input, one byte per element, nothing in BF16
+    assert by_dtype.get("float32", 0) <= 16  # its scale
+
+
+def test_weight_cache_reused_across_micro_batches_and_rebuilt_after_step():
+    lin = Fp8Linear.from_linear(torch.nn.Linear(32, 16, bias=False).to(DEV))
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    for _ in range(3):  # gradient accumulation: three micro-batches, one FP8 copy of the weight
+        lin(torch.randn(16, 32, device=DEV)).sum().backward()
+    assert lin.fp8_cache.builds == 1
+    opt.step()  # in-place update bumps the version counter
+    before = lin.fp8_cache.w8.clone()
+    lin(torch.randn(16, 32, device=DEV))
+    assert lin.fp8_cache.builds == 2 and not torch.equal(before, lin.fp8_cache.w8)
+
+
+def test_data_writes_need_the_explicit_invalidation():
+    lin = Fp8Linear.from_linear(torch.nn.Linear(32, 16, bias=False).to(DEV))
+    x = torch.randn(16, 32, device=DEV)
+    lin(x)
+    lin.weight.data.mul_(2.0)  # what DeepSpeed does: the version counter does not move
+    lin(x)
+    assert lin.fp8_cache.builds == 1
+    invalidate_fp8_weight_caches()
+    y = lin(x)
+    assert lin.fp8_cache.builds == 2
+    assert rel_err(y, x @ lin.weight.detach().t()) <= 2 * U4
+
+
+def test_from_linear_shares_the_parameter():
+    base = torch.nn.Linear(32, 16, bias=False)
+    lin = Fp8Linear.from_linear(base)
+    assert lin.weight is base.weight and [n for n, _ in lin.named_parameters()] == ["weight"]
+
+
+def test_shapes_that_break_the_gemm_rules_are_named():
+    with pytest.raises(ValueError, match="in_features"):
+        Fp8Linear.from_linear(torch.nn.Linear(24, 16, bias=False))
+    with pytest.raises(ValueError, match="bias"):
+        Fp8Linear.from_linear(torch.nn.Linear(32, 16))
+    x, w = _case(m=20)
+    with pytest.raises(ValueError, match="tokens_per_micro_batch"):
+        fp8_linear(x, w)
+    with torch.no_grad():  # inference has no wgrad, so any token count works
+        assert fp8_linear(x, w).shape == (20, 48)
+
+
+def test_cache_concatenates_weights():
+    a, b = torch.randn(16, 32), torch.randn(32, 32)
+    w8, w8t, scale = Fp8WeightCache().get((a, b))
+    assert w8.shape == (48, 32) and w8t.shape == (32, 48)
+    assert rel_err(w8.float() * scale, torch.cat((a, b))) <= U4
+
+
+@pytest.mark.gpu
+def test_gpu_large_linear():
+    x, w = _case(4096, 4096, 11008)
+    y = fp8_linear(x, w)
+    y.backward(torch.randn_like(y))
+    assert rel_err(y, x.detach().float() @ w.detach().float().t()) <= 2 * U4

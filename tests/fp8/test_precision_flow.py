@@ -1,0 +1,87 @@
+"""The COAT precision-flow functions against fp32 autograd of the same math, and what they save."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.ops.fp8_compare import DEV, rel_err  # noqa: I001
+from megacoat.fp8.formats import E4M3, E5M2
+from megacoat.fp8.linear import Fp8WeightCache
+from megacoat.fp8.precision_flow import coat_mlp, coat_norm_linear
+from megacoat.fp8.saved_memory import saved_activation_bytes
+
+U4, U5 = E4M3.unit_roundoff, E5M2.unit_roundoff
+
+
+def _rmsnorm(x, w, eps=1e-5):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _params(h, f, dtype):
+    mk = lambda *s: torch.nn.Parameter((torch.randn(*s, device=DEV) * 0.05).to(dtype))  # noqa: E731
+    return torch.nn.Parameter((1 + 0.1 * torch.randn(h, device=DEV)).to(dtype)), mk(f, h), mk(f, h), mk(h, f)
+
+
+def _fp32_copies(ps):
+    return [p.detach().float().requires_grad_() for p in ps]
+
+
+@pytest.mark.parametrize("h,f,g", [(128, 352, 64), (192, 512, 128)])
+def test_mlp_against_fp32(h, f, g):
+    dtype = torch.bfloat16
+    nw, w1, w3, w2 = _params(h, f, dtype)
+    x = torch.randn(64, h, device=DEV, dtype=dtype, requires_grad=True)
+    out = coat_mlp(x, nw, w1, w3, w2, Fp8WeightCache(), Fp8WeightCache(), 1e-5, g, torch.float8_e5m2)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    xf, nwf, w1f, w3f, w2f = _fp32_copies([x, nw, w1, w3, w2])
+    n = _rmsnorm(xf, nwf)
+    outf = (F.silu(n @ w1f.t()) * (n @ w3f.t())) @ w2f.t()
+    outf.backward(dy.float())
+    # forward: E4M3 casts of x (group), norm output, w1|w3, a1 and a3 (group), s, w2: error compounds to a few U
+    assert rel_err(out, outf) <= 4 * U4
+    # backward adds the E5M2 casts of the output gradient and of da1|da3
+    for got, want in ((x.grad, xf.grad), (w1.grad, w1f.grad), (w3.grad, w3f.grad), (w2.grad, w2f.grad),
+                      (nw.grad, nwf.grad)):
+        assert F.cosine_similarity(got.float().flatten(), want.flatten(), dim=0) >= 0.98
+        assert rel_err(got, want) <= 4 * U4 + 2 * U5
+
+
+def test_norm_linear_against_fp32():
+    nw, wq, wk, _ = _params(128, 128, torch.bfloat16)
+    x = torch.randn(32, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    out = coat_norm_linear(x, nw, (wq, wk), Fp8WeightCache(), 1e-5, 64, torch.float8_e5m2)
+    assert out.shape == (32, 256)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    xf, nwf, wqf, wkf = _fp32_copies([x, nw, wq, wk])
+    outf = _rmsnorm(xf, nwf) @ torch.cat((wqf, wkf)).t()
+    outf.backward(dy.float())
+    assert rel_err(out, outf) <= 3 * U4  # x (group), norm output, weights
+    for got, want in ((x.grad, xf.grad), (wq.grad, wqf.grad), (wk.grad, wkf.grad), (nw.grad, nwf.grad)):
+        assert rel_err(got, want) <= 3 * U4 + U5
+
+
+def test_mlp_saves_only_fp8_and_small_scales():
+    h, f, m = 128, 352, 64
+    nw, w1, w3, w2 = _params(h, f, torch.bfloat16)
+    x = torch.randn(m, h, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    total, by_dtype = saved_activation_bytes(
+        lambda: coat_mlp(x, nw, w1, w3, w2, Fp8WeightCache(), Fp8WeightCache(), 1e-5, 64, torch.float8_e5m2),
+        [nw, w1, w3, w2])
+    assert "bfloat16" not in by_dtype
+    assert by_dtype["float8_e4m3fn"] == m * h + 2 * m * f  # norm input + SwiGLU's pair, one byte each
+    assert by_dtype["float32"] < 0.1 * total  # group scales (1/G of the data, 4 bytes) and rstd
+
+
+@pytest.mark.gpu
+def test_gpu_mlp_llama_shape():
+    nw, w1, w3, w2 = _params(4096, 11008, torch.bfloat16)
+    x = torch.randn(2048, 4096, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    out = coat_mlp(x, nw, w1, w3, w2, Fp8WeightCache(), Fp8WeightCache(), 1e-5, 128, torch.float8_e5m2)
+    out.backward(torch.randn_like(out))
+    with torch.no_grad():
+        xf = x.float()
+        n = _rmsnorm(xf, nw.float())
+        outf = (F.silu(n @ w1.float().t()) * (n @ w3.float().t())) @ w2.float().t()
+    assert rel_err(out, outf) <= 4 * U4
+    assert torch.isfinite(x.grad).all() and torch.isfinite(w1.grad).all()

@@ -1,0 +1,39 @@
+"""Comparing FP8 kernel outputs with their torch references, shared by the ops tests of the precision flow.
+
+On CUDA the Triton casts round to nearest even like torch's: almost every byte matches and the rest differ
+by one code (a division rounded differently). Under the CPU interpreter (TRITON_INTERPRET=1) the FP8 casts
+are not torch's: values just under a power of two come out one binade low, so there we bound the share of
+mismatched elements and the norm-wise error instead.
+"""
+import os
+
+import torch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (decorated)
+
+
+def interpreted(kernel) -> bool:
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def assert_fp8_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    af, bf = a.float(), b.float()
+    assert torch.isfinite(af).all()
+    mismatch = (af != bf).float().mean().item()
+    if a.is_cuda:
+        codes = (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
+        assert mismatch <= 1e-3 and codes.max().item() <= 1, (mismatch, codes.max().item())
+    else:
+        rel = ((af - bf).norm() / bf.norm().clamp(min=1e-30)).item()
+        assert mismatch <= 0.06 and rel <= 0.15, (mismatch, rel)
+
+
+def assert_close_f32(a, b, rtol=1e-5, atol=1e-6):
+    torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol)
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()

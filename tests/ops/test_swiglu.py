@@ -1,0 +1,73 @@
+"""Fused FP8 SwiGLU: Triton against its torch reference, and the reference against fp32 silu(a1) * a3."""
+import pytest
+import torch
+
+from tests.ops.fp8_compare import DEV, assert_close_f32, assert_fp8_close, interpreted, rel_err  # noqa: I001
+from megacoat.fp8.formats import E4M3, E5M2
+from megacoat.ops import swiglu as S
+from megacoat.ops.group_cast_ref import group_dequantize
+
+U4, U5 = E4M3.unit_roundoff, E5M2.unit_roundoff  # 2^-4, 2^-3
+SHAPES = [(40, 200, 128), (33, 256, 64)]
+
+
+def _a13(m, f):
+    return (torch.randn(m, 2 * f, device=DEV) * 2).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("m,f,g", SHAPES)
+def test_triton_matches_reference(m, f, g):
+    if DEV == "cpu" and not interpreted(S._fwd_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+    a13 = _a13(m, f)
+    ta, ra = S.swiglu_fp8_fwd_triton(a13, g), S.swiglu_fp8_fwd_ref(a13, g)
+    assert_fp8_close(ta[0], ra[0])
+    assert_fp8_close(ta[2], ra[2])
+    assert_close_f32(ta[1], ra[1])
+    assert_close_f32(ta[3], ra[3])
+    assert_close_f32(ta[4], ra[4], rtol=1e-5 if DEV == "cuda" else 0.1, atol=0)
+    for transpose in (False, True):
+        assert_fp8_close(S.swiglu_fp8_out_triton(*ra, g, transpose), S.swiglu_fp8_out_ref(*ra, g, transpose))
+    ds = torch.randn(m, f, device=DEV).to(torch.bfloat16)
+    tb, rb = S.swiglu_fp8_bwd_triton(ds, *ra[:4], g), S.swiglu_fp8_bwd_ref(ds, *ra[:4], g)
+    assert_close_f32(tb[2], rb[2], rtol=1e-5, atol=0)
+    assert_fp8_close(tb[0], rb[0])
+    assert_fp8_close(tb[1], rb[1])
+
+
+def test_reference_against_fp32():
+    a13 = _a13(64, 256)
+    a1_8, s1, a3_8, s3, ss = S.swiglu_fp8_fwd_ref(a13, 64)
+    a1, a3 = a13.float().chunk(2, dim=1)
+    want = torch.nn.functional.silu(a1) * a3
+    got = S.swiglu_fp8_out_ref(a1_8, s1, a3_8, s3, ss, 64, transpose=False).float() * ss
+    assert rel_err(got, want) <= 3 * U4  # a1, a3 and the output: three E4M3 casts
+
+
+def test_backward_reference_is_the_gradient():
+    a13 = _a13(32, 128)
+    a1_8, s1, a3_8, s3, _ = S.swiglu_fp8_fwd_ref(a13, 32)
+    a1 = group_dequantize(a1_8, s1, 32).requires_grad_()
+    a3 = group_dequantize(a3_8, s3, 32).requires_grad_()
+    ds = torch.randn(32, 128)
+    (torch.nn.functional.silu(a1) * a3).backward(ds)
+    da, dat, scale = S.swiglu_fp8_bwd_ref(ds, a1_8, s1, a3_8, s3, 32)
+    want = torch.cat((a1.grad, a3.grad), dim=1)
+    assert da.dtype == torch.float8_e5m2
+    assert rel_err(da.float() * scale, want) <= U5  # one E5M2 cast
+    assert torch.equal(dat, da.t().contiguous())
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="a13"):
+        S.swiglu_fp8_fwd(torch.randn(4, 15), 16)
+
+
+@pytest.mark.gpu
+def test_gpu_large_shape_matches_reference():
+    a13 = _a13(2048, 11008)
+    ta, ra = S.swiglu_fp8_fwd_triton(a13, 128), S.swiglu_fp8_fwd_ref(a13, 128)
+    assert_fp8_close(ta[0], ra[0])
+    assert_fp8_close(S.swiglu_fp8_out_triton(*ra, 128, True), S.swiglu_fp8_out_ref(*ra, 128, True))
+    ds = torch.randn(2048, 11008, device=DEV).to(torch.bfloat16)
+    assert_fp8_close(S.swiglu_fp8_bwd_triton(ds, *ra[:4], 128)[1], S.swiglu_fp8_bwd_ref(ds, *ra[:4], 128)[1])
