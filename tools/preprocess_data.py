@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megacoat.data.preprocess import MalformedInputError, preprocess  # noqa: E402
+from megacoat.data.preprocessing import MalformedInputError, preprocess  # noqa: E402
 from megacoat.data.sources import INPUT_FORMATS  # noqa: E402
 
 SHOWN_ERRORS = 20

@@ -9,7 +9,7 @@ _EXPORTS = {
     "IndexedDataset": "indexed_dataset",
     "IndexedDatasetWriter": "indexed_dataset",
     "IndexFormatError": "indexed_dataset",
-    "preprocess": "preprocess",
+    "preprocess": "preprocessing",
     "GPTDataset": "gpt_dataset",
     "MockGPTDataset": "gpt_dataset",
     "BlendedDataset": "blended_dataset",

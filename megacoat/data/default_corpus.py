@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from megacoat.data.builders import default_cache_dir
-from megacoat.data.preprocess import preprocess
+from megacoat.data.preprocessing import preprocess
 from megacoat.data.sources import iter_documents
 from megacoat.data.tokenizer import train_sentencepiece
 

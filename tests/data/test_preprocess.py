@@ -4,9 +4,9 @@ import os
 import numpy as np
 import pytest
 
-from megacoat.data import preprocess as preprocess_module
+from megacoat.data import preprocessing as preprocess_module
 from megacoat.data.indexed_dataset import IndexedDataset
-from megacoat.data.preprocess import MalformedInputError, preprocess
+from megacoat.data.preprocessing import MalformedInputError, preprocess
 from megacoat.data.tokenizer import SentencePieceTokenizer
 from tests.data.conftest import write_jsonl
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -157,24 +159,16 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_model: str, *, j
     result = PreprocessResult(prefixes=[])
     chunks = _chunks(iter_records(files, input_format), chunk_bytes)
     start = time.perf_counter()
-    pool = None
-    if workers == 1:  # in-process: no pickling, the fastest single-core path
-        _init_worker(tokenizer_model, json_key)
-        encoded = map(_encode_chunk, chunks)
-    else:
-        ctx = mp.get_context("spawn")  # fork is unsafe once torch or sentencepiece threads exist
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_model, json_key))
-        encoded = pool.imap(_encode_chunk, chunks)
     bar = _progress_bar(progress)
     try:
-        for enc in encoded:
+        for enc in _encode_all(chunks, tokenizer_model, json_key, workers):
             for path, line, reason in enc.errors:
+                where = f"{path}:{line}" if line else path
                 if strict:
-                    raise MalformedInputError(f"{path}:{line}: {reason} (--strict stops at the first malformed "
-                                              f"record)" if line else f"{path}: {reason} (--strict)")
+                    raise MalformedInputError(f"{where}: {reason} (--strict stops at the first malformed record)")
                 result.num_malformed += 1
                 if len(result.errors) < MAX_REPORTED_ERRORS:
-                    result.errors.append(f"{path}:{line}: {reason}" if line else f"{path}: {reason}")
+                    result.errors.append(f"{where}: {reason}")
             out.add(enc.tokens, enc.lengths)
             result.num_documents += len(enc.lengths)
             result.num_tokens += len(enc.tokens)
@@ -189,14 +183,35 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_model: str, *, j
         out.abort()
         raise
     finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
         if bar is not None:
             bar.close()
     result.seconds = time.perf_counter() - start
     result.prefixes, result.shard_tokens = out.prefixes, out.shard_sizes
     return result
+
+
+def _encode_all(chunks: Iterator[list[Record]], tokenizer_model: str, json_key: str,
+                workers: int) -> Iterator[_Encoded]:
+    """Encoded chunks in input order. With several workers, a bounded number of chunks is in flight so memory
+    stays flat on inputs of any size; a worker that dies fails the run (BrokenProcessPool) instead of hanging."""
+    if workers == 1:  # in-process: no pickling, the fastest single-core path
+        _init_worker(tokenizer_model, json_key)
+        yield from map(_encode_chunk, chunks)
+        return
+    # spawn, not fork: the caller may hold threads (torch, a CUDA context) that a fork would copy half-locked.
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                             initargs=(tokenizer_model, json_key)) as pool:
+        pending = deque()
+        try:
+            for chunk in chunks:
+                pending.append(pool.submit(_encode_chunk, chunk))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
 
 
 def _progress_bar(enabled: bool):
