@@ -15,7 +15,6 @@ from megacoat.training.config import TrainingConfig
 # message rather than being ignored. Each feature removes its entry when it works.
 NOT_IMPLEMENTED_YET = {
     "coat_fp8": "--coat-fp8 (FP8 optimizer + FP8 activations)",
-    "fp8_optimizer": "--fp8-optimizer (CoatAdamW)",
     "tensor_model_parallel_size": "--tensor-model-parallel-size > 1",
     "pipeline_model_parallel_size": "--pipeline-model-parallel-size > 1",
     "sequence_parallel": "--sequence-parallel",

@@ -56,7 +56,8 @@ class CoatAdamWBuilder(CUDAOpBuilder):
         return [a for a in super().nvcc_args() if a != "--use_fast_math"] + ["-lineinfo"]
 
     def filter_ccs(self, ccs):
-        return [normalize_arch_list(".".join(cc)).split(".") for cc in ccs]
+        # DeepSpeed passes entries such as "9.0a" / "9.0+PTX" and expects [major, minor(+PTX)] back.
+        return [normalize_arch_list(cc).split(".") for cc in ccs]
 
     def jit_load(self, verbose=True):
         key = "TORCH_CUDA_ARCH_LIST"

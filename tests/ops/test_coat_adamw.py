@@ -235,6 +235,25 @@ def test_triton_interpreter_nonfinite():
 
 # ---------------------------------------------------------------- GPU: Triton and CUDA against the reference
 
+def update_error_bounds(params, grads, state, G, step, p_dtype):
+    """Per-element bound on |p_kernel - p_ref|. The kernels' ex2/lg2 approximations (relative error <= 2^-22,
+    absolute <= 2^-22 on log2, times 1/k <= 1/K_MIN = 16: ~3e-6) perturb each dequantized moment by < 1e-5
+    relatively; m = b1*m_prev + (1-b1)*g can cancel, so the bound is taken on the terms' magnitudes, not on m:
+    step_size * 2e-5 * (|b1 m_prev| + |(1-b1) g|) / denom, plus float32 rounding of p (and one bf16 ulp, 2^-7
+    relative, for bf16 parameters)."""
+    step_size, bc2_sqrt = adam_scalars(HP["lr"], HP["beta1"], HP["beta2"], step)
+    out = []
+    for i, p in enumerate(params):
+        g = grads[i].float()
+        m0 = dequantize_moment_ref(state[0][i], state[1][i], state[2][i], G)
+        v0 = dequantize_moment_ref(state[3][i], state[4][i], state[5][i], G)
+        v = HP["beta2"] * v0 + (1 - HP["beta2"]) * g * g
+        denom = v.sqrt() / bc2_sqrt + HP["eps"]
+        terms = step_size * ((HP["beta1"] * m0).abs() + ((1 - HP["beta1"]) * g).abs()) / denom
+        out.append(2e-5 * terms + 1e-6 * p.float().abs() + 1e-7)
+    return out
+
+
 GPU_CASES = [
     dict(G=128, m="e4m3", v="e4m3", expand=True, p=torch.float32, g=torch.float32),
     dict(G=128, m="e4m3", v="e5m2", expand=True, p=torch.float32, g=torch.bfloat16),
@@ -257,13 +276,16 @@ def test_gpu_kernel_matches_reference(backend, case):
                                       g_dtype=case["g"], expand=case["expand"])
     p2, s2 = clone_all(params, state)
     kw = dict(step=11, group_size=G, expand=case["expand"])
+    bounds = update_error_bounds(params, grads, state, G, kw["step"], case["p"])
     run_backend("torch", params, grads, state, **kw)
     nf = run_backend(backend, p2, grads, s2, **kw)
     torch.cuda.synchronize()
     assert int(nf) == 0
-    ptol = dict(rtol=1e-5, atol=1e-6) if case["p"] == torch.float32 else dict(rtol=2 ** -8, atol=1e-5)
-    for a, b in zip(params, p2):
-        torch.testing.assert_close(b, a, **ptol)
+    for a, b, bound in zip(params, p2, bounds):
+        err = (b.float() - a.float()).abs()
+        if case["p"] == torch.bfloat16:
+            bound = bound + 2 ** -7 * a.float().abs()  # one bf16 rounding flip
+        assert (err <= bound).all(), float((err - bound).max())
     assert_state_close(s2, state, exact_fraction=0.99)
     if not case["expand"] and backend == "cuda":
         # k = 1 takes no transcendental path: the codes equal the reference's but for FMA-contraction ties

@@ -23,7 +23,22 @@ TORCH_NVCC_MACROS = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIO
 def test_arch_list_suffix_is_normalized():
     assert normalize_arch_list("9.0a") == "9.0"
     assert normalize_arch_list("8.0;9.0a+PTX 10.0f") == "8.0;9.0+PTX 10.0"
-    assert CoatAdamWBuilder().filter_ccs([["9", "0a"], ["8", "0+PTX"]]) == [["9", "0"], ["8", "0+PTX"]]
+    b = CoatAdamWBuilder()
+    assert b.filter_ccs(["9.0a", "8.0+PTX"]) == [["9", "0"], ["8", "0+PTX"]]
+
+
+def test_arch_flags_from_suffixed_list(monkeypatch):
+    """What jit_load does on the H100 machine (TORCH_CUDA_ARCH_LIST=9.0a), minus the compiler."""
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    b = CoatAdamWBuilder()
+    b.jit_mode = True
+    b._jit_arch_list = normalize_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
+    assert b.compute_capability_args() == []  # jit mode: torch generates -gencode from the env var...
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0+PTX"  # ...which DeepSpeed rewrote to a form torch accepts
+    b.jit_mode = False
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a;8.0")
+    assert b.compute_capability_args() == ["-gencode=arch=compute_80,code=sm_80",
+                                           "-gencode=arch=compute_90,code=sm_90"]
 
 
 def test_sources_are_found():
