@@ -7,25 +7,19 @@ import logging
 import os
 import resource
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from megacoat.config import MegacoatConfig
 from megacoat.fp8.linear import invalidate_fp8_weight_caches
-from megacoat.model import GPT
-from megacoat.optim import WarmupDecayLR, build_optimizer, param_groups
+from megacoat.training.checkpointing import TrainState, load_checkpoint, save_checkpoint
 from megacoat.training.deepspeed_config import build_deepspeed_config
 from megacoat.training.distributed import all_reduce_mean, init_distributed, is_main_process
 from megacoat.training.flops import flops_per_token, peak_flops
 from megacoat.training.logger import TrainingLogger
-
-
-@dataclass
-class TrainState:
-    iteration: int = 0
-    consumed_samples: int = 0
+from megacoat.training.model_builder import build_engine, build_model
 
 
 def check_data_paths(cfg: MegacoatConfig) -> None:
@@ -88,7 +82,6 @@ def max_memory_bytes(device: torch.device) -> int:
 
 class Trainer:
     def __init__(self, cfg: MegacoatConfig):
-        import deepspeed
         from deepspeed.utils import logger as ds_logger
 
         ds_logger.setLevel(logging.WARNING)  # megacoat prints its own log; DeepSpeed's INFO lines drown it
@@ -103,22 +96,12 @@ class Trainer:
         self.ds_config = build_deepspeed_config(cfg, self.dp_size, on_cuda=self.device.type == "cuda")
         self.grad_accum = self.ds_config["gradient_accumulation_steps"]
 
-        # Same seed on every rank: DP replicas must start identical (DeepSpeed also broadcasts rank 0's).
-        torch.manual_seed(t.seed)
-        model = GPT(cfg.model)
-        if cfg.fp8.enabled:
-            from megacoat.fp8.convert import convert_to_fp8
-
-            model = convert_to_fp8(model, cfg.fp8)
-        model.to(self.device)
+        model = build_model(cfg, self.device)
         self.logger.info(f"model: {cfg.model.num_parameters() / 1e6:.2f}M parameters, {cfg.model.num_layers} layers, "
                          f"hidden {cfg.model.hidden_size}; world size {self.world_size}, micro-batch "
                          f"{t.micro_batch_size}, global batch {t.global_batch_size}, gradient accumulation "
                          f"{self.grad_accum}; ZeRO-{cfg.parallel.zero_stage}; bf16 {self.ds_config['bf16']['enabled']}")
-        optimizer = build_optimizer(param_groups(model, cfg.optim.weight_decay), cfg.optim, self.device)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=self.ds_config, dist_init_required=False,
-            lr_scheduler=lambda opt: WarmupDecayLR(opt, cfg.optim, t.train_iters))
+        self.engine, self.scheduler = build_engine(cfg, model, self.ds_config, self.device)
 
         self.train_ds, self.valid_ds, _ = build_data(cfg, self.dp_size)
         self.state = TrainState()
@@ -179,25 +162,15 @@ class Trainer:
 
     # --- checkpoints ----------------------------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> None:
-        tag = f"iter_{self.state.iteration:07d}"
-        self.engine.save_checkpoint(directory, tag=tag, client_state={
-            "iteration": self.state.iteration, "consumed_samples": self.state.consumed_samples,
-            "megacoat_config": self.cfg.to_dict()})
-        self.logger.info(f"saved checkpoint {os.path.join(directory, tag)}")
+        path = save_checkpoint(self.engine, directory, self.state, self.cfg.to_dict())
+        self.logger.info(f"saved checkpoint {path}")
 
     def load_checkpoint(self, directory: str) -> None:
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"--load {directory}: no such directory")
-        path, client = self.engine.load_checkpoint(directory)
-        if path is None:
+        loaded = load_checkpoint(self.engine, directory, self.cfg.to_dict())
+        if loaded is None:
             self.logger.info(f"--load {directory}: no checkpoint there yet, starting from scratch")
             return
-        saved_model = client.get("megacoat_config", {}).get("model")
-        if saved_model is not None and saved_model != self.cfg.to_dict()["model"]:
-            diff = {k: (v, self.cfg.to_dict()["model"].get(k)) for k, v in saved_model.items()
-                    if self.cfg.to_dict()["model"].get(k) != v}
-            raise ValueError(f"--load {path}: the checkpoint's model differs from the flags (saved, now): {diff}")
-        self.state = TrainState(client["iteration"], client["consumed_samples"])
+        path, self.state = loaded
         self.logger.info(f"resumed from {path} at iteration {self.state.iteration}")
 
     # --- the loop ---------------------------------------------------------------------------------------------
