@@ -47,7 +47,7 @@ class GPTDataset:
         arrays = _load_or_build(cache_dir, desc, lambda: build_gpt_indices(
             indexed.sequence_lengths, doc_start, doc_stop, seq_length, num_samples, seed))
         self.doc_idx, self.sample_idx, self.shuffle_idx = arrays
-        self._lengths = indexed.sequence_lengths
+        self._lengths, self._starts, self._tokens = indexed.sequence_lengths, indexed.sequence_starts, indexed.tokens
 
     def __len__(self) -> int:
         return self.num_samples
@@ -55,16 +55,23 @@ class GPTDataset:
     def __getitem__(self, i: int) -> np.ndarray:
         if not -self.num_samples <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range for a {self.name} dataset of {self.num_samples}")
-        j, offset = self.sample_idx[self.shuffle_idx[i]]
+        j, offset = self.sample_idx[self.shuffle_idx[i]].tolist()
         need = self.seq_length + 1
-        pieces = []
-        while need:
-            doc = int(self.doc_idx[j])
-            n = min(int(self._lengths[doc]) - int(offset), need)
-            pieces.append(self.indexed.get(doc, int(offset), n))
-            need -= n
+        doc = int(self.doc_idx[j])
+        start = int(self._starts[doc]) + offset
+        if offset + need <= self._lengths[doc]:  # the common case: one document holds the whole sample
+            return self._tokens[start:start + need].astype(np.int64)
+        out = np.empty(need, np.int64)
+        filled = 0
+        while filled < need:
+            n = min(int(self._lengths[doc]) - offset, need - filled)
+            out[filled:filled + n] = self._tokens[start:start + n]
+            filled += n
             j, offset = j + 1, 0
-        return np.concatenate(pieces).astype(np.int64) if len(pieces) > 1 else pieces[0].astype(np.int64)
+            if filled < need:
+                doc = int(self.doc_idx[j])
+                start = int(self._starts[doc])
+        return out
 
 
 def build_gpt_indices(lengths: np.ndarray, doc_start: int, doc_stop: int, seq_length: int, num_samples: int,

@@ -18,6 +18,7 @@ or foreign file fails loudly with its name instead of yielding garbage tokens.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 
@@ -67,8 +68,9 @@ class IndexedDataset:
         self.dtype, self.sequence_lengths, self.sequence_pointers, self.document_indices = self._index
         bin_size = os.path.getsize(bin_path)
         _check_pointers(bin_path, bin_size, self.dtype, self.sequence_lengths, self.sequence_pointers)
-        # An empty .bin cannot be mapped; it can only hold empty sequences, which the check above ensured.
-        self._bin = np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_size else np.empty(0, self.dtype)
+        # Plain ndarray over the map (np.memmap slices cost microseconds each); an empty .bin cannot be mapped.
+        self.tokens = _map(bin_path, self.dtype) if bin_size else np.empty(0, self.dtype)
+        self.sequence_starts = self.sequence_pointers // self.dtype.itemsize  # in tokens
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -86,11 +88,10 @@ class IndexedDataset:
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens [offset, offset + length) of sequence i, without copying."""
-        n = int(self.sequence_lengths[i])
         if length is None:
-            length = n - offset
-        start = int(self.sequence_pointers[i]) // self.dtype.itemsize + offset
-        return self._bin[start:start + length]
+            length = int(self.sequence_lengths[i]) - offset
+        start = int(self.sequence_starts[i]) + offset
+        return self.tokens[start:start + length]
 
     def __getstate__(self):  # workers re-map the files instead of pickling the maps
         return self.prefix
@@ -119,7 +120,7 @@ def _read_index(path: str):
                                f"boundaries) needs {arrays} (truncated or corrupt)")
     if n_doc < 1:
         raise IndexFormatError(f"{path}: document_count is 0; it must be at least 1 (the leading 0)")
-    raw = np.memmap(path, dtype=np.uint8, mode="r") if size > _HEADER.size else np.empty(0, np.uint8)
+    raw = _map(path, np.uint8) if size > _HEADER.size else np.empty(0, np.uint8)
     o = _HEADER.size
     lengths = raw[o:o + 4 * n_seq].view(np.int32)
     o += 4 * n_seq
@@ -131,6 +132,11 @@ def _read_index(path: str):
     if documents[0] != 0 or documents[-1] != n_seq or (n_doc > 1 and np.any(np.diff(documents) < 0)):
         raise IndexFormatError(f"{path}: document_indices must rise from 0 to the sequence count {n_seq}")
     return dtype, lengths, pointers, documents
+
+
+def _map(path: str, dtype) -> np.ndarray:
+    with open(path, "rb") as f:
+        return np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=dtype)
 
 
 def _check_pointers(path: str, bin_size: int, dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray) -> None:
