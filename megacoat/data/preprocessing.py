@@ -198,8 +198,11 @@ def _encode_all(chunks: Iterator[list[Record]], tokenizer_model: str, json_key: 
         _init_worker(tokenizer_model, json_key)
         yield from map(_encode_chunk, chunks)
         return
-    # spawn, not fork: the caller may hold threads (torch, a CUDA context) that a fork would copy half-locked.
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+    # fork where there is one: workers start at once instead of re-importing the caller's __main__ (torch and
+    # all, under spawn). As with torch's DataLoader, the children touch only numpy and sentencepiece, never
+    # what the parent's threads (torch, CUDA) may hold.
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context(method), initializer=_init_worker,
                              initargs=(tokenizer_model, json_key)) as pool:
         pending = deque()
         try:
