@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     prec = g.add_mutually_exclusive_group()
     prec.add_argument("--bf16", action="store_true", help="bf16 mixed precision (default on CUDA)")
     prec.add_argument("--fp32", action="store_true", help="fp32 everywhere (default on CPU)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block (as torchtitan does); first steps are slower")
     g.add_argument("--log-interval", type=int, default=t.log_interval)
     g.add_argument("--log-json", default=None, help="append one JSON object per logged iteration to this file")
     g.add_argument("--eval-interval", type=int, default=t.eval_interval)
@@ -143,7 +145,8 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         train_iters=args.train_iters, seed=args.seed, precision=precision, log_interval=args.log_interval,
         log_json=args.log_json, eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
-        load=args.load, save_interval=args.save_interval, deepspeed_config=args.deepspeed_config)
+        load=args.load, save_interval=args.save_interval, deepspeed_config=args.deepspeed_config,
+        compile=args.compile)
     if data.mock_data and data.data_path:
         raise ValueError("--mock-data and --data-path are exclusive")
     return MegacoatConfig(model=model, optim=optim, data=data, fp8=fp8, parallel=parallel, training=training)

@@ -22,6 +22,15 @@ class TrainingConfig:
     load: str | None = None
     save_interval: int | None = None
     deepspeed_config: str | None = None  # a user JSON; None: written from these flags
+    keep_last: int | None = None  # keep the newest K checkpoints under --save (None: all)
+    exit_interval: int | None = None  # save and exit when iteration % N == 0
+    exit_duration_in_mins: float | None = None  # save and exit after this much wall time
+    # Non-finite steps are skipped; this many in a row stop the run (a diverged run, not a stray spike).
+    max_skipped_steps: int | None = 10
+    tensorboard_dir: str | None = None
+    wandb_project: str | None = None
+    wandb_run_name: str | None = None
+    compile: bool = False  # torch.compile each transformer block (fuses norms, RoPE, SwiGLU element-wise work)
 
     def __post_init__(self):
         for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval", "eval_interval"):
@@ -38,6 +47,13 @@ class TrainingConfig:
             raise ValueError(f"--save-interval must be positive, got {self.save_interval}")
         if self.save_interval is not None and self.save is None:
             raise ValueError("--save-interval needs --save DIR")
+        for name in ("keep_last", "exit_interval", "max_skipped_steps"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+            raise ValueError(f"--exit-duration-in-mins must be positive, got {self.exit_duration_in_mins}")
+        if self.keep_last is not None and self.save is None:
+            raise ValueError("--keep-last needs --save DIR")
 
     def gradient_accumulation_steps(self, data_parallel_size: int) -> int:
         """Micro-batches per rank per step; the global batch must split evenly over the DP ranks."""

@@ -18,7 +18,13 @@ def build_model(cfg: MegacoatConfig, device: torch.device) -> nn.Module:
         from megacoat.fp8.convert import convert_to_fp8
 
         model = convert_to_fp8(model, cfg.fp8)
-    return model.to(device)
+    model = model.to(device)
+    if cfg.training.compile:
+        # Per block, like torchtitan's apply_compile: one compiled graph reused by every layer, short compile
+        # times, and the embedding/loss stay eager.
+        for block in model.layers:
+            block.compile()
+    return model
 
 
 def build_engine(cfg: MegacoatConfig, model: nn.Module, ds_config: dict, device: torch.device):
