@@ -146,7 +146,7 @@ class _ShardWriter:
 
 def preprocess(inputs: list[str], output_prefix: str, tokenizer_model: str, *, json_key: str = "text",
                input_format: str = "auto", workers: int = 1, shard_tokens: int | None = None,
-               strict: bool = False, progress: bool = True, chunk_bytes: int = 1 << 20) -> PreprocessResult:
+               strict: bool = False, progress: bool = True, chunk_bytes: int = 1 << 18) -> PreprocessResult:
     """Tokenize every document of `inputs` into `{output_prefix}.bin/.idx` (or `{output_prefix}_00000...` shards
     of about `shard_tokens` tokens). Malformed records are counted and reported; `strict` stops at the first."""
     if workers < 1:
@@ -178,6 +178,10 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_model: str, *, j
                 bar.update(len(enc.lengths))
                 bar.set_postfix_str(f"{result.num_tokens / (time.perf_counter() - start) / 1e6:.2f}M tok/s, "
                                     f"{result.num_malformed} malformed", refresh=False)
+        if result.num_documents == 0:
+            raise ValueError(f"no documents to write from {len(files)} input file(s): {result.num_empty} empty, "
+                             f"{result.num_malformed} malformed" + (f" (first: {result.errors[0]})"
+                                                                    if result.errors else ""))
         out.finish()
     except BaseException:
         out.abort()

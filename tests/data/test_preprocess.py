@@ -94,5 +94,9 @@ def test_bad_arguments(tmp_path, tokenizer_model):
     with pytest.raises(FileNotFoundError, match="matches no file"):
         preprocess([str(tmp_path / "*.jsonl")], str(tmp_path / "o"), tokenizer_model, progress=False)
     (tmp_path / "a.txt").write_text("x")
+    (tmp_path / "b.jsonl").write_text('{"text": ""}\n{"txt": "x"}\n')
+    with pytest.raises(ValueError, match=r"no documents .* 1 empty, 1 malformed \(first: .*b\.jsonl:2: missing"):
+        preprocess([str(tmp_path / "b.jsonl")], str(tmp_path / "o"), tokenizer_model, progress=False)
+    assert not list(tmp_path.glob("o*"))
     with pytest.raises(ValueError, match="workers"):
         preprocess([str(tmp_path / "a.txt")], str(tmp_path / "o"), tokenizer_model, workers=0, progress=False)
