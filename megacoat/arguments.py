@@ -84,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints under --save")
+    g.add_argument("--exit-interval", type=int, default=None, help="save and exit when iteration %% N == 0")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None, help="save and exit after this wall time")
+    g.add_argument("--max-skipped-steps", type=int, default=t.max_skipped_steps,
+                   help="stop after this many steps in a row skipped for a non-finite loss or gradient")
+    g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here (rank 0)")
+    g.add_argument("--wandb-project", default=None, help="log to wandb (optional dependency; offline without "
+                                                         "WANDB_API_KEY)")
+    g.add_argument("--wandb-run-name", default=None)
 
     pc = ParallelConfig()
     g = p.add_argument_group("parallelism")
@@ -146,6 +155,9 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         train_iters=args.train_iters, seed=args.seed, precision=precision, log_interval=args.log_interval,
         log_json=args.log_json, eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
         load=args.load, save_interval=args.save_interval, deepspeed_config=args.deepspeed_config,
+        keep_last=args.keep_last, exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
+        max_skipped_steps=args.max_skipped_steps, tensorboard_dir=args.tensorboard_dir,
+        wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
         compile=args.compile)
     if data.mock_data and data.data_path:
         raise ValueError("--mock-data and --data-path are exclusive")

@@ -4,6 +4,7 @@ and checkpoint."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import resource
 import time
@@ -14,12 +15,14 @@ import torch.distributed as dist
 
 from megacoat.config import MegacoatConfig
 from megacoat.fp8.linear import invalidate_fp8_weight_caches
-from megacoat.training.checkpointing import TrainState, load_checkpoint, save_checkpoint
+from megacoat.training.checkpointing import Layout, TrainState, file_identity, load_checkpoint, save_checkpoint
 from megacoat.training.deepspeed_config import build_deepspeed_config
 from megacoat.training.distributed import all_reduce_mean, init_distributed, is_main_process
 from megacoat.training.flops import flops_per_token, peak_flops
 from megacoat.training.logger import TrainingLogger
 from megacoat.training.model_builder import build_engine, build_model
+from megacoat.training.signals import ExitConditions
+from megacoat.training.stability import StabilityGuard, clear_skip_flag, nan_injection_iterations, skip_fp32_step
 
 
 def check_data_paths(cfg: MegacoatConfig) -> None:
@@ -89,10 +92,12 @@ class Trainer:
         self.device = init_distributed()
         self.world_size = dist.get_world_size()
         self.dp_rank, self.dp_size = dist.get_rank(), self.world_size
-        self.logger = TrainingLogger(cfg.training.log_json, enabled=is_main_process())
+        t = cfg.training
+        self.logger = TrainingLogger(t.log_json, enabled=is_main_process(), resume=bool(t.load),
+                                     tensorboard_dir=t.tensorboard_dir, wandb_project=t.wandb_project,
+                                     wandb_run_name=t.wandb_run_name, run_config=cfg.to_dict())
         cfg = resolve_data(cfg, self.logger)
         self.cfg = cfg
-        t = cfg.training
         self.ds_config = build_deepspeed_config(cfg, self.dp_size, on_cuda=self.device.type == "cuda")
         self.grad_accum = self.ds_config["gradient_accumulation_steps"]
 
@@ -104,9 +109,20 @@ class Trainer:
         self.engine, self.scheduler = build_engine(cfg, model, self.ds_config, self.device)
 
         self.train_ds, self.valid_ds, _ = build_data(cfg, self.dp_size)
+        self.layout = Layout(world_size=self.world_size, data_parallel_size=self.dp_size,
+                             tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
+                             pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+                             zero_stage=cfg.parallel.zero_stage, fp8_optimizer=cfg.optim.fp8_optimizer)
+        self.tokenizer_identity = file_identity(cfg.data.tokenizer_model)
+        # Plain fp32 data parallelism is the one engine that would apply a non-finite step (stability.py).
+        self.plain_fp32 = not cfg.parallel.zero_stage and not self.ds_config["bf16"]["enabled"]
+        self.guard = StabilityGuard(t.max_skipped_steps)
+        self.nan_iterations = nan_injection_iterations(dist.get_rank())
         self.state = TrainState()
         if t.load:
             self.load_checkpoint(t.load)
+            self.logger.truncate_after(self.state.iteration)
+        self.exit = ExitConditions(self.device, t.exit_interval, t.exit_duration_in_mins)
         self.flops_per_token = flops_per_token(cfg.model)
         self.peak = peak_flops(self.device)
 
@@ -122,22 +138,33 @@ class Trainer:
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
     # --- one step -----------------------------------------------------------------------------------------
-    def train_step(self, data_iter) -> tuple[torch.Tensor, float | None]:
+    def train_step(self, data_iter, iteration: int) -> tuple[torch.Tensor, float | None, bool]:
+        """One optimizer step over grad_accum micro-batches. Returns (mean loss, grad norm, skipped): a
+        non-finite gradient leaves weights, optimizer state and LR schedule untouched (stability.py)."""
         losses = []
+        inject_nan = iteration in self.nan_iterations  # test hook, see stability.py
+        applied = True
         for _ in range(self.grad_accum):
             tokens, labels = self._split(next(data_iter))
             loss = self.engine(tokens, labels)
+            if inject_nan:
+                loss = loss * float("nan")
             self.engine.backward(loss)
             grad_norm = self._grad_norm_if_boundary()
             boundary = self.engine.is_gradient_accumulation_boundary()
+            if boundary and self.plain_fp32 and not math.isfinite(grad_norm):
+                skip_fp32_step(self.engine)  # grads are all-reduced: every rank decides the same
             self.engine.step()
             if boundary:  # DeepSpeed updates weights through .data, which autograd's version counter misses
+                clear_skip_flag(self.engine)
+                applied = self.engine.was_step_applied()
                 invalidate_fp8_weight_caches()
             losses.append(loss.detach())
         norm = self.engine.get_global_grad_norm()
         if norm is None:
             norm = grad_norm
-        return all_reduce_mean(torch.stack(losses).mean().float()), None if norm is None else float(norm)
+        loss = all_reduce_mean(torch.stack(losses).mean().float())
+        return loss, None if norm is None else float(norm), not applied
 
     def _grad_norm_if_boundary(self) -> float | None:
         """ZeRO-1/2 and bf16 report their global grad norm through the engine; plain fp32 data parallelism
@@ -162,11 +189,12 @@ class Trainer:
 
     # --- checkpoints ----------------------------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> None:
-        path = save_checkpoint(self.engine, directory, self.state, self.cfg.to_dict())
+        path = save_checkpoint(self.engine, directory, self.state, self.cfg.to_dict(), self.layout,
+                               self.tokenizer_identity, self.cfg.training.keep_last)
         self.logger.info(f"saved checkpoint {path}")
 
     def load_checkpoint(self, directory: str) -> None:
-        loaded = load_checkpoint(self.engine, directory, self.cfg.to_dict())
+        loaded = load_checkpoint(self.engine, directory, self.cfg.to_dict(), self.layout, self.tokenizer_identity)
         if loaded is None:
             self.logger.info(f"--load {directory}: no checkpoint there yet, starting from scratch")
             return
@@ -182,10 +210,15 @@ class Trainer:
         last_time, last_iter = time.perf_counter(), self.state.iteration
         while self.state.iteration < t.train_iters:
             lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler moves on after it)
-            loss, grad_norm = self.train_step(data_iter)
+            loss, grad_norm, skipped = self.train_step(data_iter, self.state.iteration + 1)
             self.state.iteration += 1
-            self.state.consumed_samples += t.global_batch_size
+            self.state.consumed_samples += t.global_batch_size  # a skipped step's batch is consumed too
+            self.state.skipped_steps += skipped
             it = self.state.iteration
+            if skipped:
+                self.logger.info(f"iter {it}: non-finite loss or gradient, step skipped "
+                                 f"({self.guard.consecutive + 1} in a row)")
+            self.guard.record(skipped, it, float(loss), grad_norm)  # raises after --max-skipped-steps
             if it % t.log_interval == 0 or it == t.train_iters:
                 loss_value = float(loss)  # synchronises the device: the timing below is honest
                 now = time.perf_counter()
@@ -196,7 +229,8 @@ class Trainer:
                     "grad_norm": grad_norm if grad_norm is not None else float("nan"),
                     "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
                     "mfu": None if self.peak is None else tflops * 1e12 / self.peak,
-                    "max_memory_bytes": max_memory_bytes(self.device)}, t.train_iters)
+                    "max_memory_bytes": max_memory_bytes(self.device),
+                    "skipped_steps": self.guard.pop_since_log()}, t.train_iters)
                 history["loss"].append((it, loss_value))
                 last_time, last_iter = time.perf_counter(), it
             if t.eval_iters and (it % t.eval_interval == 0 or it == t.train_iters):
@@ -204,11 +238,23 @@ class Trainer:
                 self.logger.log_eval(it, val)
                 history["val_loss"].append((it, val))
                 last_time = time.perf_counter()  # evaluation time is not training throughput
+            saved = False
             if t.save and t.save_interval and it % t.save_interval == 0:
                 self.save_checkpoint(t.save)
+                saved = True
                 last_time = time.perf_counter()
-        if t.save and (not t.save_interval or self.state.iteration % t.save_interval):
-            self.save_checkpoint(t.save)
+            reason = self.exit.should_exit(it) if it < t.train_iters else None
+            if reason:
+                if t.save and not saved:
+                    self.save_checkpoint(t.save)
+                self.logger.info(f"exiting at iteration {it}: {reason}" +
+                                 ("" if t.save else " (no --save: nothing was saved)"))
+                break
+        else:
+            if t.save and (not t.save_interval or self.state.iteration % t.save_interval):
+                self.save_checkpoint(t.save)
+        self.exit.restore()
+        self.logger.close()
         return history
 
 

@@ -1,0 +1,77 @@
+"""The stability guard: a step whose loss or gradients are not finite is skipped (the weights, optimizer
+state and LR schedule stay as they were), counted in the log, and after --max-skipped-steps skips in a row
+the run stops without saving, so the last good checkpoint stays the newest.
+
+Who skips: DeepSpeed's ZeRO-1/2 and bf16 optimizers already refuse a non-finite gradient norm (they report
+it as an overflow: `engine.was_step_applied()` is False and the LR scheduler does not move). Plain fp32
+data parallelism (ZeRO-0 without bf16) hands the step straight to the torch optimizer, which would write NaN
+into the weights; `skip_fp32_step` makes that step a no-op the same way DeepSpeed's own skip behaves, so
+DeepSpeed's micro/global step counters stay consistent in every mode.
+
+Test hook: MEGACOAT_TEST_INJECT_NAN_AT="5,6" multiplies the loss by NaN at those iterations (1-based, the
+iteration being computed) on every rank, or "5@1" on rank 1 only. For tests; never set it in a real run.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+INJECT_ENV = "MEGACOAT_TEST_INJECT_NAN_AT"
+
+
+def nan_injection_iterations(rank: int) -> set[int]:
+    spec = os.environ.get(INJECT_ENV, "").strip()
+    out = set()
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        it, _, r = item.partition("@")
+        if not r or int(r) == rank:
+            out.add(int(it))
+    return out
+
+
+def skip_fp32_step(engine) -> None:
+    """Make the coming `engine.step()` of a plain (non-ZeRO, non-bf16) engine apply nothing: torch optimizers
+    leave parameters without a gradient alone, and an `overflow` flag on the optimizer is how DeepSpeed's
+    engine learns that a step was skipped (it then counts it and holds the LR scheduler)."""
+    for p in engine.module.parameters():
+        p.grad = None
+    engine.optimizer.overflow = True
+
+
+def clear_skip_flag(engine) -> None:
+    if getattr(engine.optimizer, "overflow", None) is True and not hasattr(type(engine.optimizer), "overflow"):
+        del engine.optimizer.overflow
+
+
+class StabilityGuard:
+    def __init__(self, max_skipped_steps: int | None):
+        self.max_skipped_steps = max_skipped_steps
+        self.consecutive = 0
+        self.since_log = 0
+
+    def record(self, skipped: bool, iteration: int, loss: float, grad_norm: float | None) -> None:
+        """Count a step; raise once --max-skipped-steps steps in a row were skipped."""
+        if not skipped:
+            self.consecutive = 0
+            return
+        self.consecutive += 1
+        self.since_log += 1
+        if self.max_skipped_steps is not None and self.consecutive >= self.max_skipped_steps:
+            raise NonFiniteTrainingError(
+                f"iteration {iteration}: {self.consecutive} steps in a row skipped for a non-finite loss or "
+                f"gradient (loss {loss}, grad norm {grad_norm}); stopping (--max-skipped-steps "
+                f"{self.max_skipped_steps}). No checkpoint was written after the last good one.")
+
+    def pop_since_log(self) -> int:
+        n, self.since_log = self.since_log, 0
+        return n
+
+
+class NonFiniteTrainingError(RuntimeError):
+    pass
+
+
+def is_finite(x: float | None) -> bool:
+    return x is None or math.isfinite(x)
