@@ -47,7 +47,9 @@ class GPTDataset:
         arrays = _load_or_build(cache_dir, desc, lambda: build_gpt_indices(
             indexed.sequence_lengths, doc_start, doc_stop, seq_length, num_samples, seed))
         self.doc_idx, self.sample_idx, self.shuffle_idx = arrays
-        self._lengths, self._starts, self._tokens = indexed.sequence_lengths, indexed.sequence_starts, indexed.tokens
+        # Mapped straight from the files (no per-rank copies of per-document arrays).
+        self._lengths, self._pointers, self._tokens = indexed.sequence_lengths, indexed.sequence_pointers, indexed.tokens
+        self._itemsize = indexed.dtype.itemsize
 
     def __len__(self) -> int:
         return self.num_samples
@@ -58,7 +60,7 @@ class GPTDataset:
         j, offset = self.sample_idx[self.shuffle_idx[i]].tolist()
         need = self.seq_length + 1
         doc = int(self.doc_idx[j])
-        start = int(self._starts[doc]) + offset
+        start = int(self._pointers[doc]) // self._itemsize + offset
         if offset + need <= self._lengths[doc]:  # the common case: one document holds the whole sample
             return self._tokens[start:start + need].astype(np.int64)
         out = np.empty(need, np.int64)
@@ -70,7 +72,7 @@ class GPTDataset:
             j, offset = j + 1, 0
             if filled < need:
                 doc = int(self.doc_idx[j])
-                start = int(self._starts[doc])
+                start = int(self._pointers[doc]) // self._itemsize
         return out
 
 

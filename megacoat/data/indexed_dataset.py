@@ -70,7 +70,6 @@ class IndexedDataset:
         _check_pointers(bin_path, bin_size, self.dtype, self.sequence_lengths, self.sequence_pointers)
         # Plain ndarray over the map (np.memmap slices cost microseconds each); an empty .bin cannot be mapped.
         self.tokens = _map(bin_path, self.dtype) if bin_size else np.empty(0, self.dtype)
-        self.sequence_starts = self.sequence_pointers // self.dtype.itemsize  # in tokens
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -90,7 +89,7 @@ class IndexedDataset:
         """Tokens [offset, offset + length) of sequence i, without copying."""
         if length is None:
             length = int(self.sequence_lengths[i]) - offset
-        start = int(self.sequence_starts[i]) + offset
+        start = int(self.sequence_pointers[i]) // self.dtype.itemsize + offset
         return self.tokens[start:start + length]
 
     def __getstate__(self):  # workers re-map the files instead of pickling the maps
