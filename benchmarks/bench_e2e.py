@@ -1,0 +1,210 @@
+"""End-to-end proof: the same model and data trained through `pretrain_gpt.py` in three modes,
+`bf16`, `fp8-linear` (FP8 GEMMs, BF16 activations) and `coat` (CoatAdamW + the FP8 precision flow).
+
+    # (a) equal micro-batch and (b) each mode's largest micro-batch, ~1.3 B model, mock tokens
+    python benchmarks/bench_e2e.py speed --micro-batch-size 4 --search 4,8,12,16,24 --compile
+    # convergence on real text, ~125 M model
+    python benchmarks/bench_e2e.py convergence --data-path shards/text --tokenizer-model tok.model --tokens 20e6
+
+Every run is a separate `pretrain_gpt.py` process (nothing leaks between modes); figures come from its
+`--log-json`: tokens/s is the mean over the logged intervals after the first (which holds compilation and
+warm-up), memory is `torch.cuda.max_memory_allocated`. Ratios are within this one invocation, same GPU.
+Writes JSON (and a PNG for convergence) under benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+MODES = {
+    "bf16": [],
+    "fp8-linear": ["--fp8-activations", "fp8-linear"],
+    "coat": ["--coat-fp8"],
+}
+MODEL_1P3B = ["--num-layers", "24", "--hidden-size", "2048", "--ffn-hidden-size", "5632", "--num-attention-heads", "16",
+              "--seq-length", "2048", "--vocab-size", "32000"]
+MODEL_125M = ["--num-layers", "12", "--hidden-size", "768", "--ffn-hidden-size", "2048", "--num-attention-heads", "12",
+              "--seq-length", "1024"]
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        import deepspeed
+        import triton
+
+        env.update(deepspeed=deepspeed.__version__, triton=triton.__version__)
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def run_pretrain(argv: list[str], timeout: int) -> dict:
+    """One pretrain_gpt.py process; returns its JSON-log records, or the reason it failed ('oom' or text)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "log.jsonl")
+        cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv, "--log-json", log]
+        print("$", " ".join(cmd[1:]), flush=True)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "error": f"timeout after {timeout}s", "argv": argv}
+        if proc.returncode != 0:
+            text = proc.stdout[-4000:] + proc.stderr[-4000:]
+            oom = "out of memory" in text.lower() or "OutOfMemoryError" in text
+            return {"ok": False, "error": "oom" if oom else text[-1500:], "argv": argv}
+        records = [json.loads(line) for line in open(log)]
+    train = [r for r in records if "loss" in r]
+    steady = train[1:] or train
+    return {
+        "ok": True, "argv": argv,
+        "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in steady),
+        "tflops_per_gpu": statistics.mean(r["tflops_per_gpu"] for r in steady),
+        "mfu": None if steady[0]["mfu"] is None else statistics.mean(r["mfu"] for r in steady),
+        "max_memory_gib": max(r["max_memory_bytes"] for r in train) / 2**30,
+        "losses": [(r["iteration"], r["loss"]) for r in train],
+        "val_losses": [(r["iteration"], r["val_loss"]) for r in records if "val_loss" in r],
+    }
+
+
+def speed(args) -> dict:
+    common = MODEL_1P3B + ["--bf16", "--mock-data", "--zero-stage", str(args.zero_stage), "--eval-iters", "0",
+                           "--train-iters", str(args.iters), "--log-interval", str(args.log_interval)]
+    if args.compile:
+        common.append("--compile")
+    out = {"environment": environment(), "model": "24 layers, hidden 2048, ffn 5632, seq 2048, vocab 32000",
+           "zero_stage": args.zero_stage, "compile": args.compile, "equal_micro_batch": {}, "largest_micro_batch": {}}
+    mbs = args.micro_batch_size
+    for mode in args.modes:
+        res = run_pretrain(common + MODES[mode] + ["--micro-batch-size", str(mbs),
+                                                   "--global-batch-size", str(mbs * args.grad_accum)], args.timeout)
+        out["equal_micro_batch"][mode] = dict(res, micro_batch_size=mbs)
+        print(mode, {k: res.get(k) for k in ("tokens_per_s", "mfu", "max_memory_gib", "error")}, flush=True)
+    base = out["equal_micro_batch"].get("bf16", {})
+    if base.get("ok"):
+        for mode, res in out["equal_micro_batch"].items():
+            if res.get("ok"):
+                res["speedup_vs_bf16"] = res["tokens_per_s"] / base["tokens_per_s"]
+                res["memory_reduction_vs_bf16"] = base["max_memory_gib"] / res["max_memory_gib"]
+    if args.search:
+        sizes = [int(s) for s in args.search.split(",")]
+        for mode in args.modes:
+            best = None
+            for size in sizes:
+                res = run_pretrain(common + MODES[mode] + ["--micro-batch-size", str(size),
+                                                           "--global-batch-size", str(size * args.grad_accum)],
+                                   args.timeout)
+                print(mode, size, {k: res.get(k) for k in ("tokens_per_s", "max_memory_gib", "error")}, flush=True)
+                if not res["ok"]:
+                    if res["error"] != "oom":
+                        best = best or dict(res, micro_batch_size=size)
+                    break
+                best = dict(res, micro_batch_size=size, searched=sizes)
+            out["largest_micro_batch"][mode] = best
+        base = out["largest_micro_batch"].get("bf16")
+        if base and base.get("ok"):
+            for res in out["largest_micro_batch"].values():
+                if res and res.get("ok"):
+                    res["speedup_vs_bf16_at_its_largest"] = res["tokens_per_s"] / base["tokens_per_s"]
+    return out
+
+
+def convergence(args) -> dict:
+    iters = int(float(args.tokens) // (args.global_batch_size * 1024))
+    common = MODEL_125M + ["--bf16", "--vocab-size", str(args.vocab_size), "--data-path", *args.data_path,
+                           "--tokenizer-model", args.tokenizer_model, "--split", "98,2,0",
+                           "--micro-batch-size", str(args.micro_batch_size),
+                           "--global-batch-size", str(args.global_batch_size), "--train-iters", str(iters),
+                           "--lr", "6e-4", "--min-lr", "6e-5", "--lr-warmup-iters", str(max(iters // 50, 10)),
+                           "--log-interval", str(args.log_interval), "--eval-interval", str(args.eval_interval),
+                           "--eval-iters", "10", "--zero-stage", "1"]
+    if args.compile:
+        common.append("--compile")
+    out = {"environment": environment(), "model": "12 layers, hidden 768, ffn 2048, seq 1024",
+           "tokens": iters * args.global_batch_size * 1024, "runs": {}}
+    for mode in args.modes:
+        out["runs"][mode] = run_pretrain(common + MODES[mode], args.timeout)
+        r = out["runs"][mode]
+        print(mode, r.get("val_losses", [])[-1:] or r.get("error"), flush=True)
+    runs = out["runs"]
+    if all(runs.get(m, {}).get("ok") for m in ("bf16", "coat")):
+        b, c = runs["bf16"]["val_losses"][-1][1], runs["coat"]["val_losses"][-1][1]
+        out["final_val_loss"] = {"bf16": b, "coat": c, "coat_relative_gap": (c - b) / b}
+    return out
+
+
+def plot_convergence(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, run in result["runs"].items():
+        if run.get("ok") and run["val_losses"]:
+            xs, ys = zip(*run["val_losses"])
+            ax.plot(xs, ys, marker="o", label=f"{mode} (validation)")
+            xs, ys = zip(*run["losses"])
+            ax.plot(xs, ys, alpha=0.3, label=f"{mode} (train)")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss")
+    ax.set_title(f"{result['model']}, {result['tokens'] / 1e6:.0f}M tokens")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("speed")
+    s.add_argument("--micro-batch-size", type=int, default=4)
+    s.add_argument("--grad-accum", type=int, default=2)
+    s.add_argument("--search", default="", help="comma-separated micro-batch sizes to try, ascending")
+    s.add_argument("--iters", type=int, default=12)
+    s.add_argument("--log-interval", type=int, default=3)
+    s.add_argument("--zero-stage", type=int, default=1)
+    c = sub.add_parser("convergence")
+    c.add_argument("--data-path", nargs="+", required=True)
+    c.add_argument("--tokenizer-model", required=True)
+    c.add_argument("--vocab-size", type=int, default=4096)
+    c.add_argument("--tokens", default="20e6")
+    c.add_argument("--micro-batch-size", type=int, default=16)
+    c.add_argument("--global-batch-size", type=int, default=32)
+    c.add_argument("--log-interval", type=int, default=20)
+    c.add_argument("--eval-interval", type=int, default=100)
+    for q in (s, c):
+        q.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+        q.add_argument("--compile", action="store_true")
+        q.add_argument("--timeout", type=int, default=600)
+        q.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_e2e_<what>.json)")
+    args = p.parse_args()
+    result = speed(args) if args.what == "speed" else convergence(args)
+    path = args.out or os.path.join(RESULTS, f"bench_e2e_{args.what}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", path)
+    if args.what == "convergence":
+        plot_convergence(result, path.replace(".json", ".png"))
+
+
+if __name__ == "__main__":
+    main()
