@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-
 from megacoat.data.blended_dataset import BlendedDataset, blend_indices
-from megacoat.data.config import DataConfig
+from megacoat.data.config import DataConfig, parse_data_path
 from megacoat.data.gpt_dataset import GPTDataset, MockGPTDataset
 from megacoat.data.indexed_dataset import IndexedDataset
 
@@ -15,31 +13,6 @@ SPLIT_NAMES = ("train", "valid", "test")
 
 def default_cache_dir() -> str:
     return os.environ.get("MEGACOAT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megacoat")
-
-
-def parse_data_path(data_path: list[str]) -> tuple[list[float] | None, list[str]]:
-    """["a"] or ["a", "b"] (weights None: in proportion to size) or ["0.7", "a", "0.3", "b"]."""
-    if not data_path:
-        raise ValueError("--data-path is empty")
-
-    def number(s):
-        try:
-            return float(s)
-        except ValueError:
-            return None
-
-    if number(data_path[0]) is None:
-        if any(number(p) is not None for p in data_path):
-            raise ValueError(f"--data-path mixes weights and prefixes: {' '.join(data_path)} "
-                             f"(give 'W1 PREFIX1 W2 PREFIX2 ...' or only prefixes)")
-        return None, list(data_path)
-    if len(data_path) % 2:
-        raise ValueError(f"--data-path with weights needs 'WEIGHT PREFIX' pairs, got {' '.join(data_path)}")
-    weights = [number(w) for w in data_path[0::2]]
-    prefixes = list(data_path[1::2])
-    if any(w is None or not np.isfinite(w) or w <= 0 for w in weights):
-        raise ValueError(f"--data-path weights must be positive numbers, got {data_path[0::2]}")
-    return weights, prefixes
 
 
 def split_weights(split: str) -> list[float]:

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from megacoat.data.blended_dataset import blend_indices
-from megacoat.data.builders import build_train_valid_test_datasets, parse_data_path, split_ranges
-from megacoat.data.config import DataConfig
+from megacoat.data.builders import build_train_valid_test_datasets, split_ranges
+from megacoat.data.config import DataConfig, parse_data_path
 from megacoat.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 from tests.data.test_gpt_dataset import make_indexed
 
@@ -17,6 +17,8 @@ def test_parse_data_path():
                      [[], "empty"]):
         with pytest.raises(ValueError, match=msg):
             parse_data_path(bad)
+    with pytest.raises(ValueError, match="pairs"):  # caught when the config is built from the command line
+        DataConfig(data_path=["0.5", "a", "b"])
 
 
 def test_split_ranges_cover_documents_in_order():
