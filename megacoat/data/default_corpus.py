@@ -62,7 +62,8 @@ def prepare_default_corpus(cache_dir: str | None = None, vocab_size: int = 4096,
     if progress:
         print(f"megacoat: default corpus (Python stdlib sources, {manifest['num_tokens']:,} tokens) in {final}",
               file=sys.stderr)
-    return DefaultCorpus(data_prefix=os.path.join(final, "stdlib"), tokenizer_model=os.path.join(final, "tokenizer.model"),
+    return DefaultCorpus(data_prefix=os.path.join(final, "stdlib"),
+                         tokenizer_model=os.path.join(final, "tokenizer.model"),
                          cache_dir=final, num_documents=manifest["num_documents"], num_tokens=manifest["num_tokens"])
 
 

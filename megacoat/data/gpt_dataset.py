@@ -48,7 +48,8 @@ class GPTDataset:
             indexed.sequence_lengths, doc_start, doc_stop, seq_length, num_samples, seed))
         self.doc_idx, self.sample_idx, self.shuffle_idx = arrays
         # Mapped straight from the files (no per-rank copies of per-document arrays).
-        self._lengths, self._pointers, self._tokens = indexed.sequence_lengths, indexed.sequence_pointers, indexed.tokens
+        self._lengths, self._pointers = indexed.sequence_lengths, indexed.sequence_pointers
+        self._tokens = indexed.tokens
         self._itemsize = indexed.dtype.itemsize
 
     def __len__(self) -> int:

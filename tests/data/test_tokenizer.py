@@ -10,7 +10,8 @@ from megacoat.data.tokenizer import SentencePieceTokenizer, sample_lines, train_
 def test_round_trip_is_lossless(tokenizer_model, documents):
     tok = SentencePieceTokenizer(tokenizer_model)
     assert tok.vocab_size == 512 and tok.eod == 2 and tok.pad == 3
-    for text in documents[:20] + ["  leading and trailing spaces  \n\n\n", "\t\ttabs\r\nwindows", "😀 ünïcödé 中文"]:
+    extra = ["  leading and trailing spaces  \n\n\n", "\t\ttabs\r\nwindows", "😀 ünïcödé 中文"]
+    for text in documents[:20] + extra:
         ids = tok.encode(text)
         assert all(0 <= i < tok.vocab_size for i in ids)
         assert tok.decode(ids) == text
