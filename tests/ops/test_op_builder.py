@@ -86,3 +86,23 @@ def test_jit_build_and_load_with_arch_suffix(monkeypatch):
     ext = load_extension()
     assert ext.chunk_elems(128) == 2048
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0a"  # restored after the build
+
+
+@pytest.mark.slow
+def test_plain_install_ships_the_kernels(tmp_path):
+    """`pip install .` copies kernels/ into megacoat/ops/kernels/, where an installed op builder finds it."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    src = tmp_path / "src"
+    shutil.copytree(root, src, ignore=shutil.ignore_patterns(".git", ".whl", ".site", "build", "*.egg-info",
+                                                            "__pycache__", "benchmarks", "tests"))
+    target = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
+                        "--target", str(target), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    probe = ("from megacoat.ops.op_builder import kernels_dir, CoatAdamWBuilder;"
+             "print(kernels_dir()); print(all(__import__('os').path.isfile(s) for s in CoatAdamWBuilder().sources()))")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=str(target)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.split()
+    assert lines[-2] == str(target / "megacoat" / "ops" / "kernels") and lines[-1] == "True"
