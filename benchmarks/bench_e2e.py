@@ -33,6 +33,8 @@ MODES = {
 }
 MODEL_1P3B = ["--num-layers", "24", "--hidden-size", "2048", "--ffn-hidden-size", "5632", "--num-attention-heads", "16",
               "--seq-length", "2048", "--vocab-size", "32000"]
+MODEL_TINY = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256", "--num-attention-heads", "4",
+              "--seq-length", "64", "--vocab-size", "256"]  # a CPU smoke test of this script
 MODEL_125M = ["--num-layers", "12", "--hidden-size", "768", "--ffn-hidden-size", "2048", "--num-attention-heads", "12",
               "--seq-length", "1024"]
 
@@ -85,11 +87,12 @@ def run_pretrain(argv: list[str], timeout: int) -> dict:
 
 
 def speed(args) -> dict:
-    common = MODEL_1P3B + ["--bf16", "--mock-data", "--zero-stage", str(args.zero_stage), "--eval-iters", "0",
+    model = MODEL_TINY if args.tiny else MODEL_1P3B
+    common = model + ["--bf16" if not args.tiny else "--fp32", "--mock-data", "--zero-stage", str(args.zero_stage), "--eval-iters", "0",
                            "--train-iters", str(args.iters), "--log-interval", str(args.log_interval)]
     if args.compile:
         common.append("--compile")
-    out = {"environment": environment(), "model": "24 layers, hidden 2048, ffn 5632, seq 2048, vocab 32000",
+    out = {"environment": environment(), "model": " ".join(model),
            "zero_stage": args.zero_stage, "compile": args.compile, "equal_micro_batch": {}, "largest_micro_batch": {}}
     mbs = args.micro_batch_size
     for mode in args.modes:
@@ -181,6 +184,7 @@ def main() -> None:
     s.add_argument("--iters", type=int, default=12)
     s.add_argument("--log-interval", type=int, default=3)
     s.add_argument("--zero-stage", type=int, default=1)
+    s.add_argument("--tiny", action="store_true", help="a tiny fp32 model: checks this script on a CPU")
     c = sub.add_parser("convergence")
     c.add_argument("--data-path", nargs="+", required=True)
     c.add_argument("--tokenizer-model", required=True)
