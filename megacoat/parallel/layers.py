@@ -1,0 +1,142 @@
+"""Megatron-style tensor-parallel layers, each built from the plain model's module by slicing its full weight
+(so TP=N from one seed holds exactly TP=1's weights), keeping the parameter name `weight`:
+
+    ColumnParallelLinear   output features split: wq, wk, wv, w1, w3 (and the vocab head)
+    RowParallelLinear      input features split, partial outputs summed on leaving the region: wo, w2
+    VocabParallelEmbedding vocabulary rows split; each rank looks up its rows, the sum leaves the region
+    ParallelRMSNorm        the norm in front of column-parallel layers; it *enters* the TP region once for all
+                           the projections that read it (wq|wk|wv share one all-reduce / all-gather)
+
+`TPRegion` says how a region is entered and left: with a replicated input (copy / all-reduce) or, under
+--sequence-parallel, with sequence shards (all-gather / reduce-scatter). Sharded parameters carry
+`tensor_model_parallel = True`, which DeepSpeed's grad-norm and clipping read to count them on every TP rank
+(replicated ones, the norms, only on TP rank 0).
+
+In the FP8 modes the linears run their shard through megacoat.fp8.linear.fp8_linear with per-shard
+per-tensor scales: a column shard's input is replicated, so every rank computes the same input amax anyway;
+a row shard's output is a partial sum added in BF16 after the GEMM, so its own scales are exact for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megacoat.parallel.mappings import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
+
+
+@dataclass
+class TPRegion:
+    group: object
+    size: int
+    rank: int
+    sequence_parallel: bool = False
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+
+    def exit(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_scatter_to_sp(x, self.group) if self.sequence_parallel else reduce_from_tp(x, self.group)
+
+
+def _shard(weight: torch.Tensor, dim: int, region: TPRegion, what: str) -> nn.Parameter:
+    if weight.shape[dim] % region.size:
+        raise ValueError(f"{what}: dim {dim} of size {weight.shape[dim]} is not divisible by "
+                         f"--tensor-model-parallel-size {region.size}")
+    piece = weight.detach().chunk(region.size, dim)[region.rank].clone()
+    p = nn.Parameter(piece, requires_grad=weight.requires_grad)
+    p.tensor_model_parallel, p.partition_dim = True, dim
+    return p
+
+
+def mark_replicated(p: nn.Parameter) -> None:
+    p.tensor_model_parallel = False
+
+
+class _ShardedLinear(nn.Module):
+    def __init__(self, weight: nn.Parameter, fp8=None):
+        super().__init__()
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        self.fp8_grad_dtype = None
+        if fp8 is not None:
+            from megacoat.fp8.linear import Fp8WeightCache, check_gemm_dims
+
+            check_gemm_dims(in_features=self.in_features, out_features=self.out_features)
+            self.fp8_grad_dtype = fp8.grad_dtype
+            self.fp8_cache = Fp8WeightCache()
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_grad_dtype is None:
+            return F.linear(x, self.weight)
+        from megacoat.fp8.linear import fp8_linear
+
+        return fp8_linear(x, self.weight, self.fp8_cache, self.fp8_grad_dtype)
+
+    def extra_repr(self) -> str:
+        fp8 = "" if self.fp8_grad_dtype is None else f", fp8=e4m3, grad={self.fp8_grad_dtype}"
+        return f"in_features={self.in_features}, out_features={self.out_features} (this rank's shard){fp8}"
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """y_local = x W_local^T; x must already be inside the region (a ParallelRMSNorm entered it) unless
+    `enter=True`. The output stays split over the TP group (local heads, local FFN columns, local vocab)."""
+
+    def __init__(self, linear: nn.Linear, region: TPRegion, fp8=None, enter: bool = False, name: str = "linear"):
+        super().__init__(_shard(linear.weight, 0, region, name), fp8)
+        self.region, self.enter = region, enter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(self.region.enter(x) if self.enter else x)
+
+
+class RowParallelLinear(_ShardedLinear):
+    """y = sum over ranks of x_local W_local^T, leaving the region (all-reduce, or reduce-scatter onto
+    sequence shards)."""
+
+    def __init__(self, linear: nn.Linear, region: TPRegion, fp8=None, name: str = "linear"):
+        super().__init__(_shard(linear.weight, 1, region, name), fp8)
+        self.region = region
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.region.exit(self._matmul(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, embedding: nn.Embedding, region: TPRegion):
+        super().__init__()
+        self.weight = _shard(embedding.weight, 0, region, "tok_embeddings")
+        self.region = region
+        self.vocab_start = region.rank * self.weight.shape[0]
+        self.num_embeddings = embedding.num_embeddings
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.region.exit(out)  # one rank owns each token's row: the sum is that row
+
+    def extra_repr(self) -> str:
+        return f"rows {self.vocab_start}..{self.vocab_start + self.weight.shape[0]} of {self.num_embeddings}"
+
+
+class ParallelRMSNorm(nn.Module):
+    """RMSNorm, then enter the TP region. Under sequence parallelism it normalises only this rank's sequence
+    shard, so its weight's gradient is a partial sum: copy_to_tp on the weight all-reduces it in backward,
+    before DeepSpeed sees it."""
+
+    def __init__(self, norm: nn.Module, region: TPRegion):
+        super().__init__()
+        self.weight = norm.weight
+        mark_replicated(self.weight)
+        self.eps = norm.eps
+        self.region = region
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = copy_to_tp(self.weight, self.region.group) if self.region.sequence_parallel else self.weight
+        xf = x.float()
+        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * weight
+        return self.region.enter(out)
