@@ -4,7 +4,7 @@
     python tools/train_tokenizer.py data/*.jsonl --json-key text --vocab-size 32000 --output tok.model
 
 Plain-text files are one document each; JSONL lines are one document each (their --json-key field).
-Lines are sampled uniformly (seeded) up to --max-sentences, which bounds the time on large inputs.
+Runs of lines are sampled uniformly (seeded) up to --max-sentences, which bounds the time on large inputs.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-key", default="text")
     p.add_argument("--input-format", choices=INPUT_FORMATS, default="auto",
                    help="auto: .jsonl/.json/.ndjson(.gz) are JSONL, anything else plain text")
-    p.add_argument("--max-sentences", type=int, default=2_000_000, help="sample at most this many lines")
+    p.add_argument("--max-sentences", type=int, default=2_000_000,
+                   help="sample at most this many training sentences (runs of whole lines, ~256 characters each)")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="seed of the line sample")
     return p

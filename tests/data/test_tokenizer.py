@@ -4,7 +4,7 @@ import pickle
 import pytest
 import sentencepiece as spm
 
-from megacoat.data.tokenizer import SentencePieceTokenizer, sample_lines, train_sentencepiece
+from megacoat.data.tokenizer import SentencePieceTokenizer, sample_sentences, split_sentences, train_sentencepiece
 
 
 def test_round_trip_is_lossless(tokenizer_model, documents):
@@ -54,10 +54,17 @@ def test_model_without_eos_is_refused(tmp_path, documents):
         SentencePieceTokenizer(prefix + ".model")
 
 
-def test_line_sample_is_seeded_and_capped():
-    docs = [f"line {i}\nsecond {i}\n" for i in range(1000)]
-    a = sample_lines(docs, 50, 100, seed=1)
-    assert len(a) == 50 and a == sample_lines(docs, 50, 100, seed=1) and a != sample_lines(docs, 50, 100, seed=2)
-    # A uniform sample reaches the end of the input, unlike taking the first lines.
+def test_sentences_are_line_runs_with_newlines():
+    text = "".join(f"line number {i}\n" for i in range(100)) + "\n\n"
+    sentences = list(split_sentences(text, block_chars=50))
+    assert "".join(sentences) == text.rstrip("\n") + "\n"  # whole lines, in order; the blank tail dropped
+    assert all(len(s) >= 50 and s.endswith("\n") for s in sentences[:-1])
+
+
+def test_sentence_sample_is_seeded_and_capped():
+    docs = [f"doc {i}\n" for i in range(1000)]
+    a = sample_sentences(docs, 50, 100, seed=1)
+    assert len(a) == 50 and a == sample_sentences(docs, 50, 100, seed=1) and a != sample_sentences(docs, 50, 100, seed=2)
+    # A uniform sample reaches the end of the input, unlike taking the first sentences.
     assert max(int(x.split()[1]) for x in a) > 500
-    assert len(sample_lines(docs, 5000, 100)) == 2000
+    assert len(sample_sentences(docs, 5000, 100)) == 1000
