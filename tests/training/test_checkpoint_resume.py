@@ -1,0 +1,60 @@
+"""Exact resume: N iterations in one run vs N/2, exit, resume from the checkpoint → the same JSON loss
+sequence, bit for bit (CPU, fp32: the data loader resumes at consumed_samples, DeepSpeed restores weights,
+optimizer and LR schedule, megacoat restores every rank's RNG states)."""
+import json
+import os
+
+import pytest
+import torch
+
+from tests.training.checkpoint_runs import losses, run, same_sequence
+
+ITERS = 8
+
+
+def _interrupted_then_resumed(tmp_path, argv, ranks=1, port=29600):
+    ckpt = tmp_path / "ckpt"
+    log = tmp_path / "resumed.json"
+    first = run(tmp_path, argv + ["--save", str(ckpt), "--exit-interval", str(ITERS // 2)], log, ranks, port)
+    assert f"exiting at iteration {ITERS // 2}" in first.stdout
+    assert (ckpt / "latest").read_text() == f"iter_{ITERS // 2:07d}"
+    second = run(tmp_path, argv + ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2",
+                                   "--keep-last", "2"], log, ranks, port)
+    assert f"resumed from {ckpt / f'iter_{ITERS // 2:07d}'}" in second.stdout
+    return ckpt, log
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "fp8-optimizer"])
+def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, optimizer):
+    argv = ["--train-iters", str(ITERS), "--zero-stage", "0", "--fp32"]
+    if optimizer == "fp8-optimizer":
+        argv.append("--fp8-optimizer")
+    run(tmp_path, argv, tmp_path / "full.json")
+    ckpt, log = _interrupted_then_resumed(tmp_path, argv)
+    full, resumed = losses(tmp_path / "full.json"), losses(log)
+    assert [i for i, _ in full] == list(range(1, ITERS + 1))
+    assert same_sequence(full, resumed), (full, resumed)
+    # --keep-last 2 with --save-interval 2: iterations 6 and 8 remain, 4 was pruned, no temporary left.
+    assert sorted(os.listdir(ckpt)) == ["iter_0000006", "iter_0000008", "latest"]
+    meta = json.loads((ckpt / "iter_0000008" / "megacoat.json").read_text())
+    assert meta["iteration"] == ITERS and meta["consumed_samples"] == ITERS * 8
+    assert meta["layout"]["fp8_optimizer"] == (optimizer == "fp8-optimizer")
+    rng = torch.load(ckpt / "iter_0000008" / "rng_rank00000.pt", weights_only=False)
+    assert set(rng) >= {"python", "numpy", "torch"}
+    # DeepSpeed wrote into .tmp-iter_0000008 and megacoat renamed it: no file may name the temporary tag.
+    for name in os.listdir(ckpt / "iter_0000008"):
+        assert b".tmp-iter" not in (ckpt / "iter_0000008" / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_zero2_two_ranks_resume_bitwise_and_other_dp_size_is_refused(tmp_path):
+    argv = ["--train-iters", str(ITERS), "--zero-stage", "2", "--fp32"]
+    run(tmp_path, argv, tmp_path / "full.json", ranks=2, port=29611)
+    ckpt, log = _interrupted_then_resumed(tmp_path, argv, ranks=2, port=29612)
+    assert same_sequence(losses(tmp_path / "full.json"), losses(log))
+    assert sorted(n for n in os.listdir(ckpt / "iter_0000008") if n.startswith("rng_rank")) == \
+        ["rng_rank00000.pt", "rng_rank00001.pt"]
+    # ZeRO-2 partitions the optimizer over 2 data-parallel ranks; one rank cannot take it.
+    proc = run(tmp_path, argv + ["--load", str(ckpt)], tmp_path / "bad.json", check=False)
+    assert proc.returncode != 0
+    assert "incompatible parallel layout" in proc.stderr and "data_parallel_size: saved 2, now 1" in proc.stderr
