@@ -67,7 +67,7 @@ class IndexedDataset:
         self._index = _read_index(idx_path)
         self.dtype, self.sequence_lengths, self.sequence_pointers, self.document_indices = self._index
         bin_size = os.path.getsize(bin_path)
-        _check_pointers(bin_path, bin_size, self.dtype, self.sequence_lengths, self.sequence_pointers)
+        _check_pointers(idx_path, bin_path, bin_size, self.dtype, self.sequence_lengths, self.sequence_pointers)
         # Plain ndarray over the map (np.memmap slices cost microseconds each); an empty .bin cannot be mapped.
         self.tokens = _map(bin_path, self.dtype) if bin_size else np.empty(0, self.dtype)
 
@@ -138,12 +138,13 @@ def _map(path: str, dtype) -> np.ndarray:
         return np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=dtype)
 
 
-def _check_pointers(path: str, bin_size: int, dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray) -> None:
+def _check_pointers(idx_path: str, bin_path: str, bin_size: int, dtype: np.dtype, lengths: np.ndarray,
+                    pointers: np.ndarray) -> None:
     """Sequences must lie back to back in .bin and fill it exactly."""
     byte_lengths = lengths.astype(np.int64) * dtype.itemsize
     end = int(byte_lengths.sum())
     if end != bin_size:
-        raise IndexFormatError(f"{path}: holds {bin_size} bytes but its index describes {end} "
+        raise IndexFormatError(f"{bin_path}: holds {bin_size} bytes but {idx_path} describes {end} "
                                f"({len(lengths)} sequences of {dtype.name}; truncated, or the wrong .idx)")
     if len(lengths):
         expected = np.zeros(len(lengths), np.int64)
@@ -151,7 +152,7 @@ def _check_pointers(path: str, bin_size: int, dtype: np.dtype, lengths: np.ndarr
         bad = np.flatnonzero(pointers != expected)
         if len(bad):
             i = int(bad[0])
-            raise IndexFormatError(f"{path}: sequence {i} points at byte {int(pointers[i])}, expected "
+            raise IndexFormatError(f"{idx_path}: sequence {i} points at byte {int(pointers[i])}, expected "
                                    f"{int(expected[i])} (corrupt index)")
 
 
