@@ -4,6 +4,11 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Before any test module imports triton: @triton.jit decides compiled vs interpreted at decoration time,
+    # triton.language's own jit helpers (tl.max, ...) included, so CPU kernel tests need it set this early.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

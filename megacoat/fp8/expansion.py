@@ -19,6 +19,9 @@ Error bound: rounding f = (|x|/amax)^k to a normal FP8 value has relative error 
 x = f^(1/k), so |dx/x| <= (1+u)^(1/k) - 1 ~ u / k, plus a few float32 ulps from log2/exp2; k > 1 *shrinks*
 the relative error. An f in FP8's subnormal range has absolute error <= F.min_subnormal / 2 in f-space.
 Non-finite input: as in quantize.py, the group's scale is NaN (it dequantizes to NaN) and its q and k are 0 / 1.
+Float32 subnormals: |x| / amax and (|q| / F.max)^(1/k) below 2^-126 (float32's smallest normal) are flushed to
+0 -- values below amax * 2^-126, far under what the group's FP8 codes resolve. GPU math libraries run in
+flush-to-zero mode; flushing explicitly here keeps the torch reference and the kernels bit-identical.
 Implementation notes: the division |x| / amax is computed as |x| * (1 / amax) and |q| / F.max as
 |q| * fp32(1 / F.max), 1 / k once per group, so the kernels do the same float32 operations in the same order.
 """
@@ -36,6 +39,7 @@ from megacoat.fp8.quantized_tensor import QuantizedTensor, check_group_size, gro
 
 K_MIN = 1.0 / 16
 K_MAX = 64.0
+_FLT_MIN = torch.finfo(torch.float32).tiny
 
 
 def log2_range(fmt: Fp8Format) -> float:
@@ -78,6 +82,7 @@ def _expand_quantize_ref(x: torch.Tensor, fmt: Fp8Format, group_size: int):
 
     kf = k.float()[..., None]
     r = a * inv_amax[..., None]
+    r = torch.where(r < _FLT_MIN, torch.zeros_like(r), r)  # flush float32 subnormals (see module docstring)
     f = torch.where(kf == 1, r, torch.exp2(kf * torch.log2(r)))  # r = 0: log2 = -inf, exp2 -> 0
     mag = (f * fmt.max).clamp(max=fmt.max)
     q = torch.where(xg < 0, -mag, mag)
@@ -104,6 +109,7 @@ def expand_dequantize(qt: QuantizedTensor, dtype: Optional[torch.dtype] = None, 
     m = qt.scale.reshape(rows, n_groups, 1) * fmt.max
     rq = qg.abs() * (1.0 / fmt.max)
     e = torch.where(kf == 1, rq, torch.exp2(torch.log2(rq) * inv_k))
+    e = torch.where(e < _FLT_MIN, torch.zeros_like(e), e)
     out = e * m
     out = torch.where(qg < 0, -out, out)
     return from_groups(out, qt.shape).to(dtype)

@@ -1,15 +1,22 @@
-"""log2/exp2 for the expansion kernels: libdevice's accurate versions when compiled, numpy's when interpreted.
+"""log2/exp2 for the expansion kernels.
 
-tl.log2/tl.exp2 lower to the approximate PTX lg2/ex2 on NVIDIA GPUs, while torch's CUDA log2/exp2 call the
-CUDA math library (log2f/exp2f, as libdevice's __nv_log2f/__nv_exp2f); using libdevice makes the kernels agree
-with the torch reference bit for bit. The Triton interpreter has no libdevice (extern calls are unsupported),
-so under TRITON_INTERPRET=1 the plain tl versions (numpy there) stand in; CPU tests compare with a tolerance.
+Accurate (default): libdevice's log2/exp2, as torch's CUDA log2/exp2 (CUDA's log2f/exp2f), so the kernels agree
+with the torch reference bit for bit; tl.log2 gives the same code on NVIDIA, at the same cost (about 25 FMAs
+per log2). Approximate: the PTX lg2.approx/ex2.approx (one MUFU op each, ~2 ulp), for callers that take a
+measured tolerance for speed (the CoatAdamW CUDA kernel makes the same choice).
+Float32 subnormals: the compiled kernels run libdevice in flush-to-zero mode, so both the kernels and the
+reference flush explicitly (`FLT_MIN`) where a subnormal could arise; that keeps them bit-identical.
+The Triton interpreter has no libdevice and no inline PTX: under TRITON_INTERPRET=1 numpy's log2/exp2 stand
+in for both, and CPU tests compare with a tolerance.
 """
 import os
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+FLT_MIN = tl.constexpr(torch.finfo(torch.float32).tiny)  # smallest normal float32, 2^-126
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     @triton.jit
@@ -19,6 +26,14 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
     @triton.jit
     def exp2(x):
         return tl.exp2(x)
+
+    @triton.jit
+    def approx_log2(x):
+        return tl.log2(x)
+
+    @triton.jit
+    def approx_exp2(x):
+        return tl.exp2(x)
 else:
     @triton.jit
     def log2(x):
@@ -27,3 +42,13 @@ else:
     @triton.jit
     def exp2(x):
         return libdevice.exp2(x)
+
+    @triton.jit
+    def approx_log2(x):
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+    @triton.jit
+    def approx_exp2(x):
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)

@@ -50,8 +50,9 @@ def _expand_quantize_kernel(x_ptr, q_ptr, scale_ptr, k_ptr, cols, n_groups, bloc
     scale = tl.where(finite, tl.div_rn(amax, ones * FP8_MAX), float("nan"))
     inv_amax = tl.where(live, tl.div_rn(ones, safe_amax), 0.0)
     r = a * inv_amax[:, None]
-    if APPROX:  # PTX lg2/ex2.approx: measures what accurate math costs; not bit-exact with torch
-        f = tl.where(kf[:, None] == 1.0, r, tl.exp2(kf[:, None] * tl.log2(r)))
+    r = tl.where(r < expand_math.FLT_MIN, 0.0, r)  # as the reference: no subnormal into log2 (FTZ here)
+    if APPROX:  # PTX lg2/ex2.approx: faster, not bit-exact with the reference (see expand_math)
+        f = tl.where(kf[:, None] == 1.0, r, expand_math.approx_exp2(kf[:, None] * expand_math.approx_log2(r)))
     else:
         f = tl.where(kf[:, None] == 1.0, r, expand_math.exp2(kf[:, None] * expand_math.log2(r)))
     mag = tl.minimum(f * FP8_MAX, FP8_MAX)
@@ -67,7 +68,7 @@ def expand_quantize(x: torch.Tensor, fp8_dtype: torch.dtype, group_size: int, lo
                     k_max: float, *, approx_math: bool = False, block: int | None = None,
                     num_warps: int | None = None):
     """(q fp8 with x's shape, scale float32 and k bfloat16 of shape (*lead, ceil(C/G))).
-    approx_math=True is for benchmarks/bench_quant.py only (the cost of libdevice's accurate log2/exp2)."""
+    approx_math=True: hardware lg2/ex2.approx, faster; q may differ from the reference by one FP8 step."""
     x = x.contiguous()
     q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     gshape = group_scale_shape(x.shape, group_size)

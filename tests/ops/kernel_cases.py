@@ -1,7 +1,7 @@
 """Shared inputs for the FP8 kernel tests: on CPU the Triton interpreter runs the kernels.
 
-TRITON_INTERPRET must be set before triton.jit decorates the kernels, i.e. before megacoat.ops is imported;
-importing this module first does that when there is no GPU.
+TRITON_INTERPRET must be set before triton is imported (tests/conftest.py does it when there is no GPU);
+it is set here too for running a file on its own outside pytest's conftest.
 """
 import os
 
