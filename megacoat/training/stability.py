@@ -32,16 +32,25 @@ def nan_injection_iterations(rank: int) -> set[int]:
 
 
 def skip_fp32_step(engine) -> None:
-    """Make the coming `engine.step()` of a plain (non-ZeRO, non-bf16) engine apply nothing: torch optimizers
-    leave parameters without a gradient alone, and an `overflow` flag on the optimizer is how DeepSpeed's
-    engine learns that a step was skipped (it then counts it and holds the LR scheduler)."""
+    """Make the coming `engine.step()` of a plain (non-ZeRO, non-bf16) engine apply nothing. DeepSpeed still
+    clips (so the gradients become finite zeros rather than disappear), calls the optimizer (a no-op for this
+    one step) and then reads an `overflow` flag on it: that is how its engine learns that a step was skipped
+    (it counts it and holds the LR scheduler, as for its own ZeRO/bf16 skips)."""
     for p in engine.module.parameters():
-        p.grad = None
+        if p.grad is not None:
+            p.grad.zero_()
+    engine.optimizer.step = _no_step
     engine.optimizer.overflow = True
 
 
+def _no_step(*args, **kwargs):
+    return None
+
+
 def clear_skip_flag(engine) -> None:
-    if getattr(engine.optimizer, "overflow", None) is True and not hasattr(type(engine.optimizer), "overflow"):
+    """Undo skip_fp32_step after the step (no-op otherwise)."""
+    if engine.optimizer.__dict__.get("step") is _no_step:
+        del engine.optimizer.step
         del engine.optimizer.overflow
 
 
@@ -52,13 +61,18 @@ class StabilityGuard:
         self.since_log = 0
 
     def record(self, skipped: bool, iteration: int, loss: float, grad_norm: float | None) -> None:
-        """Count a step; raise once --max-skipped-steps steps in a row were skipped."""
+        """Count a step (the log reads the count before `check` may stop the run)."""
         if not skipped:
             self.consecutive = 0
             return
         self.consecutive += 1
         self.since_log += 1
+        self.last = (iteration, loss, grad_norm)
+
+    def check(self) -> None:
+        """Raise once --max-skipped-steps steps in a row were skipped."""
         if self.max_skipped_steps is not None and self.consecutive >= self.max_skipped_steps:
+            iteration, loss, grad_norm = self.last
             raise NonFiniteTrainingError(
                 f"iteration {iteration}: {self.consecutive} steps in a row skipped for a non-finite loss or "
                 f"gradient (loss {loss}, grad norm {grad_norm}); stopping (--max-skipped-steps "

@@ -1,0 +1,146 @@
+"""Checkpoint mechanics without a model: atomic save (a save that dies half-way leaves the previous
+checkpoint as `latest`), --keep-last pruning, RNG round trip, and the errors for a checkpoint of another
+model, tokenizer or parallel layout (raised before DeepSpeed reads anything)."""
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from megacoat.training import checkpointing as ckpt
+from megacoat.training.checkpointing import Layout, TrainState
+
+LAYOUT = Layout(world_size=1, data_parallel_size=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                zero_stage=0, fp8_optimizer=False)
+CONFIG = {"model": {"hidden_size": 64, "num_layers": 2}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one(tmp_path_factory):
+    if not dist.is_initialized():
+        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+
+
+class FakeEngine:
+    """DeepSpeed's save/load surface: writes DIR/TAG/model.pt; `fail_after_write` dies mid-save."""
+
+    def __init__(self, value=0.0, fail_after_write=False):
+        self.value, self.fail_after_write, self.loaded = value, fail_after_write, None
+
+    def save_checkpoint(self, directory, tag, client_state, save_latest):
+        assert save_latest is False  # megacoat writes `latest` itself, after the rename
+        os.makedirs(os.path.join(directory, tag), exist_ok=True)
+        torch.save({"value": self.value}, os.path.join(directory, tag, "model.pt"))
+        if self.fail_after_write:
+            raise KeyboardInterrupt("killed during save")
+
+    def load_checkpoint(self, directory, tag):
+        self.loaded = torch.load(os.path.join(directory, tag, "model.pt"))["value"]
+        return os.path.join(directory, tag), {}
+
+
+def save(directory, iteration, value=0.0, keep_last=None, **kw):
+    return ckpt.save_checkpoint(FakeEngine(value, **kw), str(directory), TrainState(iteration, 8 * iteration),
+                                CONFIG, LAYOUT, keep_last=keep_last)
+
+
+def test_save_is_atomic_and_a_killed_save_leaves_the_previous_checkpoint(tmp_path):
+    save(tmp_path, 10, value=1.0)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path, 20, value=2.0, fail_after_write=True)
+    assert (tmp_path / "latest").read_text() == "iter_0000010"
+    assert (tmp_path / ".tmp-iter_0000020").is_dir() and not (tmp_path / "iter_0000020").exists()
+    engine = FakeEngine()
+    path, state = ckpt.load_checkpoint(engine, str(tmp_path), CONFIG, LAYOUT)
+    assert path.endswith("iter_0000010") and engine.loaded == 1.0
+    assert state == TrainState(10, 80, 0)
+    save(tmp_path, 20, value=2.0)  # the next save clears the dead temporary
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000010", "iter_0000020", "latest"]
+    ckpt.load_checkpoint(engine, str(tmp_path), CONFIG, LAYOUT)
+    assert engine.loaded == 2.0
+
+
+def test_a_directory_without_marker_is_not_a_checkpoint(tmp_path):
+    """`latest` pointing at a directory without megacoat.json (hand-edited, or a foreign DeepSpeed save)."""
+    (tmp_path / "iter_0000005").mkdir()
+    (tmp_path / "latest").write_text("iter_0000005")
+    with pytest.raises(FileNotFoundError, match="not a complete megacoat checkpoint"):
+        ckpt.load_checkpoint(FakeEngine(), str(tmp_path), CONFIG, LAYOUT)
+
+
+def test_empty_directory_loads_nothing_and_missing_directory_is_an_error(tmp_path):
+    assert ckpt.load_checkpoint(FakeEngine(), str(tmp_path), CONFIG, LAYOUT) is None
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        ckpt.load_checkpoint(FakeEngine(), str(tmp_path / "nope"), CONFIG, LAYOUT)
+
+
+def test_keep_last_prunes_oldest_complete_checkpoints(tmp_path):
+    for it in (1, 2, 3, 4):
+        save(tmp_path, it, keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000003", "iter_0000004", "latest"]
+    assert ckpt.list_checkpoints(str(tmp_path)) == ["iter_0000003", "iter_0000004"]
+
+
+def test_without_latest_the_newest_complete_checkpoint_is_used(tmp_path):
+    save(tmp_path, 3, value=3.0)
+    save(tmp_path, 12, value=12.0)
+    (tmp_path / "latest").unlink()
+    engine = FakeEngine()
+    path, _ = ckpt.load_checkpoint(engine, str(tmp_path), CONFIG, LAYOUT)
+    assert path.endswith("iter_0000012") and engine.loaded == 12.0  # numeric order, not string order
+
+
+def test_rng_states_round_trip():
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    state = ckpt.get_rng_state()
+    first = (random.random(), np.random.rand(), torch.rand(3))
+    ckpt.set_rng_state(state)
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert first[0] == again[0] and first[1] == again[1] and torch.equal(first[2], again[2])
+
+
+def test_other_model_is_an_error_naming_the_field(tmp_path):
+    save(tmp_path, 1)
+    other = {"model": {"hidden_size": 128, "num_layers": 2}}
+    with pytest.raises(ValueError, match=r"hidden_size': \(64, 128\)"):
+        ckpt.load_checkpoint(FakeEngine(), str(tmp_path), other, LAYOUT)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(tensor_model_parallel_size=2), "tensor_model_parallel_size: saved 1, now 2"),
+    (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size: saved 1, now 2"),
+    (dict(zero_stage=1), "zero_stage: saved 0, now 1"),
+    (dict(fp8_optimizer=True), "fp8_optimizer: saved False, now True"),
+])
+def test_incompatible_layout_is_an_error_naming_what_differs(tmp_path, change, message):
+    save(tmp_path, 1)
+    now = Layout(**{**LAYOUT.__dict__, **change})
+    engine = FakeEngine()
+    with pytest.raises(ValueError, match="incompatible parallel layout") as e:
+        ckpt.load_checkpoint(engine, str(tmp_path), CONFIG, now)
+    assert message in str(e.value) and engine.loaded is None  # refused before DeepSpeed touched anything
+
+
+def test_zero_state_with_another_dp_size_is_refused_but_zero0_is_fine(tmp_path):
+    saved = Layout(2, 2, 1, 1, 1, False)
+    meta = {"layout": saved.__dict__}
+    assert Layout(4, 4, 1, 1, 1, False).incompatibilities(meta["layout"]) == [
+        "data_parallel_size: saved 2, now 4 (ZeRO-1 optimizer state is partitioned over the data-parallel ranks)"]
+    assert Layout(4, 4, 1, 1, 0, False).incompatibilities(Layout(2, 2, 1, 1, 0, False).__dict__) == []
+
+
+def test_other_tokenizer_is_an_error(tmp_path):
+    tok_a, tok_b = tmp_path / "a.model", tmp_path / "b.model"
+    tok_a.write_bytes(b"aaa"), tok_b.write_bytes(b"bbb")
+    d = tmp_path / "ck"
+    ckpt.save_checkpoint(FakeEngine(), str(d), TrainState(1, 8), CONFIG, LAYOUT, ckpt.file_identity(str(tok_a)))
+    meta = json.loads((d / "iter_0000001" / "megacoat.json").read_text())
+    assert meta["tokenizer"]["sha256"] == ckpt.file_identity(str(tok_a))["sha256"]
+    with pytest.raises(ValueError, match="trained with tokenizer"):
+        ckpt.load_checkpoint(FakeEngine(), str(d), CONFIG, LAYOUT, ckpt.file_identity(str(tok_b)))
+    assert ckpt.load_checkpoint(FakeEngine(), str(d), CONFIG, LAYOUT, ckpt.file_identity(str(tok_a)))
