@@ -9,7 +9,9 @@ shards, process start-up included). Medians over rounds; the per-worker ratio is
 (preprocessor tokens/s / workers) / raw tokens/s, target >= 0.8. The read rate is tokens/s of
 `GPTDataset[i]` over shuffled samples, files in the page cache, target >= 10 M tokens/s.
 The machine may be shared: the JSON records the load average, and tokens per CPU-second (which other jobs
-barely move) beside the wall-clock rates.
+barely move) beside the wall-clock rates. With Linux's sched_autogroup (recorded too), all processes of one
+session share one CPU share: while other sessions keep the cores busy, extra workers add CPU time to the
+session's group, not throughput, and only the 1-worker and CPU-second figures are meaningful.
 """
 from __future__ import annotations
 
@@ -68,6 +70,14 @@ def read_rate(prefix: str, seq_length: int, num_samples: int) -> dict:
         best = dt if best is None else min(best, dt)
     return dict(seq_length=seq_length, samples=num_samples, seconds=round(best, 4),
                 tokens_per_s=round(num_samples * (seq_length + 1) / best), samples_per_s=round(num_samples / best))
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def main() -> None:
@@ -132,6 +142,7 @@ def main() -> None:
         "command": " ".join([sys.executable.split("/")[-1]] + sys.argv),
         "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "load_average_during_rounds": [round(x, 2) for x in load],
+        "sched_autogroup": _read("/proc/sys/kernel/sched_autogroup_enabled"),
         "versions": {"python": platform.python_version(), "sentencepiece": spm.__version__,
                      "numpy": np.__version__},
         "corpus": {"documents": len(docs), "jsonl_bytes": os.path.getsize(jsonl),
