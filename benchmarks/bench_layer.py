@@ -37,12 +37,11 @@ def environment() -> dict:
 
 
 def bench_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
 
 
-def measure(module, make_input, params, extra=()) -> dict:
-    """Time, peak memory and saved bytes of module(x, *extra).backward(dy) for fresh x = make_input()."""
-    x = make_input()
+def measure(module, x, params, extra=()) -> dict:
+    """Time, peak memory and saved bytes of module(x, *extra).backward(dy)."""
     dy = torch.randn_like(x)
 
     def step():
@@ -64,7 +63,19 @@ def measure(module, make_input, params, extra=()) -> dict:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     saved, by_dtype = saved_activation_bytes(lambda: module(x, *extra), params)
-    return {"ms": ms, "peak_mem_bytes": peak, "saved_bytes": saved, "saved_by_dtype": by_dtype}
+    with torch.no_grad():  # kept for the caller's check that every mode computes the same function
+        out = (module(x, *extra) - x).float()  # the branches' output: the residual x would hide their error
+    return {"ms": ms, "peak_mem_bytes": peak, "saved_bytes": saved, "saved_by_dtype": by_dtype, "_out": out}
+
+
+def check_outputs(rows: list[dict]) -> None:
+    """Relative error of each mode's output against eager BF16 on the same input (a fast wrong kernel would
+    show here, not as a speed-up)."""
+    ref = rows[0]["_out"]
+    for r in rows:
+        r["out_rel_err_vs_bf16"] = ((r["_out"] - ref).norm() / ref.norm()).item()
+    for r in rows:
+        del r["_out"]
 
 
 def add_ratios(rows: list[dict], tokens: int) -> None:
@@ -135,12 +146,12 @@ def main() -> None:
     for mb in args.micro_batches:
         tokens = mb * cfg.seq_length
         rows = []
+        x = torch.randn(mb, cfg.seq_length, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for mode, mod in modules.items():
-            params = list(mod.parameters())
-            r = measure(mod, lambda: torch.randn(mb, cfg.seq_length, cfg.hidden_size, device="cuda",
-                                                 dtype=torch.bfloat16, requires_grad=True), params, (cos, sin))
+            r = measure(mod, x, list(mod.parameters()), (cos, sin))
             rows.append({"mode": mode, "micro_batch": mb, **r})
             torch.cuda.empty_cache()
+        check_outputs(rows)
         add_ratios(rows, tokens)
         shapes = layer_gemm_shapes(cfg, tokens)
         gemm_flops = sum(2 * m * n * k for m, n, k in shapes)
@@ -152,11 +163,11 @@ def main() -> None:
         print(f"\nmicro-batch {mb} ({tokens} tokens); the layer's FP8 GEMMs alone: {gemm_ms:.3f} ms "
               f"({gemm_flops / (gemm_ms * 1e-3) / 1e12:.0f} TFLOP/s)")
         print(f"{'mode':>13} {'ms':>8} {'tok/s':>9} {'x eager':>8} {'x compile':>9} {'saved MiB':>10} "
-              f"{'saved/bf16':>10} {'peak MiB':>9} {'GEMM TF/s':>9}")
+              f"{'saved/bf16':>10} {'peak MiB':>9} {'GEMM TF/s':>9} {'err':>6}")
         for r in rows:
             print(f"{r['mode']:>13} {r['ms']:8.3f} {r['tokens_per_s']:9.0f} {r['speedup_vs_bf16_eager']:8.2f} "
                   f"{r.get('speedup_vs_bf16_compile', float('nan')):9.2f} {r['saved_bytes'] / 2**20:10.1f} "
-                  f"{r['saved_vs_bf16_eager']:10.3f} {r['peak_mem_bytes'] / 2**20:9.0f} {r['gemm_tflops_achieved']:9.0f}")
+                  f"{r['saved_vs_bf16_eager']:10.3f} {r['peak_mem_bytes'] / 2**20:9.0f} {r['gemm_tflops_achieved']:9.0f} {r['out_rel_err_vs_bf16']:6.3f}")
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"\nwrote {args.out}")

@@ -16,7 +16,7 @@ import json
 import torch
 from torch import nn
 
-from benchmarks.bench_layer import LLAMA2_7B, add_ratios, bench_ms, environment, measure
+from benchmarks.bench_layer import LLAMA2_7B, add_ratios, bench_ms, check_outputs, environment, measure
 from megacoat.ops.cast_transpose import amax_scale, cast_transpose
 from megacoat.ops.rmsnorm import rmsnorm_fp8_bwd, rmsnorm_fp8_fwd, rmsnorm_fp8_out
 from megacoat.ops.swiglu import swiglu_fp8_bwd, swiglu_fp8_fwd, swiglu_fp8_out
@@ -99,21 +99,22 @@ def main() -> None:
     for mb in args.micro_batches:
         tokens = mb * cfg.seq_length
         rows = []
+        x = torch.randn(mb, cfg.seq_length, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for mode, mod in modules.items():
-            r = measure(mod, lambda: torch.randn(mb, cfg.seq_length, cfg.hidden_size, device="cuda",
-                                                 dtype=torch.bfloat16, requires_grad=True), list(mod.parameters()))
+            r = measure(mod, x, list(mod.parameters()))
             rows.append({"mode": mode, "micro_batch": mb, **r})
             torch.cuda.empty_cache()
+        check_outputs(rows)
         add_ratios(rows, tokens)
         result["runs"].append({"micro_batch": mb, "modes": rows})
         print(f"\nMLP block, micro-batch {mb} ({tokens} tokens)")
         print(f"{'mode':>13} {'ms':>8} {'x eager':>8} {'x compile':>9} {'saved MiB':>10} {'saved/bf16':>10} "
-              f"{'saved/compile':>13} {'peak MiB':>9}")
+              f"{'saved/compile':>13} {'peak MiB':>9} {'err':>6}")
         for r in rows:
             print(f"{r['mode']:>13} {r['ms']:8.3f} {r['speedup_vs_bf16_eager']:8.2f} "
                   f"{r.get('speedup_vs_bf16_compile', float('nan')):9.2f} {r['saved_bytes'] / 2**20:10.1f} "
                   f"{r['saved_vs_bf16_eager']:10.3f} {r.get('saved_vs_bf16_compile', float('nan')):13.3f} "
-                  f"{r['peak_mem_bytes'] / 2**20:9.0f}")
+                  f"{r['peak_mem_bytes'] / 2**20:9.0f} {r['out_rel_err_vs_bf16']:6.3f}")
     result["kernels"] = kernel_entries(2 * cfg.seq_length, cfg.hidden_size, cfg.ffn_hidden_size)
     print("\nfused kernels at micro-batch 2 (GB/s over the minimum bytes; D2D copy ceiling ~3000)")
     for k in result["kernels"]:

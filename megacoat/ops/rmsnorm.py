@@ -59,25 +59,27 @@ def rmsnorm_fp8_bwd_ref(dy, x8, x_scales, rstd, weight, group_size: int):
 
 
 # --------------------------------------------------------------------------------------------------- triton
+# Every kernel walks a row in tiles of exactly one group (BN == G), so a group's amax is a plain row reduction
+# of the tile: no 3-D reshapes, which Triton 3.6 mis-compiles on Hopper when the groups' FP8 values are
+# converted inside them (seen as NaN rstd).
 @triton.jit
 def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, M, H, NG, eps, fmax_in, tiny,
-                G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                G: tl.constexpr, BM: tl.constexpr):
     pid = tl.program_id(0)
     rm = (pid * BM + tl.arange(0, BM)).to(tl.int64)
     row_ok = rm < M
     sumsq = tl.zeros([BM], dtype=tl.float32)
     wmax = tl.zeros([BM], dtype=tl.float32)
-    for c0 in range(0, H, BN):
-        rn = c0 + tl.arange(0, BN)
+    for gi in range(0, NG):
+        rn = gi * G + tl.arange(0, G)
         mask = row_ok[:, None] & (rn[None, :] < H)
         offs = rm[:, None] * H + rn[None, :]
-        x = tl.reshape(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), [BM, BN // G, G])
-        gs = tl.maximum(tl.max(tl.abs(x), axis=2), tiny) / fmax_in
-        q = tl.clamp(x / gs[:, :, None], -fmax_in, fmax_in).to(x8_ptr.dtype.element_ty)
-        xd = tl.reshape(q.to(tl.float32) * gs[:, :, None], [BM, BN])
-        tl.store(x8_ptr + offs, tl.reshape(q, [BM, BN]), mask=mask)
-        rg = c0 // G + tl.arange(0, BN // G)
-        tl.store(xs_ptr + rm[:, None] * NG + rg[None, :], gs, mask=row_ok[:, None] & (rg[None, :] < NG))
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        gs = tl.maximum(tl.max(tl.abs(x), axis=1), tiny) / fmax_in
+        q = tl.clamp(x / gs[:, None], -fmax_in, fmax_in).to(x8_ptr.dtype.element_ty)
+        tl.store(x8_ptr + offs, q, mask=mask)
+        tl.store(xs_ptr + rm * NG + gi, gs, mask=row_ok)
+        xd = q.to(tl.float32) * gs[:, None]
         w = tl.load(w_ptr + rn, mask=rn < H, other=0.0).to(tl.float32)
         sumsq += tl.sum(xd * xd, axis=1)
         wmax = tl.maximum(wmax, tl.max(tl.abs(xd * w[None, :]), axis=1))
@@ -88,20 +90,24 @@ def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, M, H, NG, eps,
 
 
 @triton.jit
+def _load_xd(x8_ptr, xs_ptr, rm, rn, gi, row_ok, mask, H, NG):
+    """Dequantized x tile [BM, G] of group column gi."""
+    q = tl.load(x8_ptr + rm[:, None] * H + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    return q * tl.load(xs_ptr + rm * NG + gi, mask=row_ok, other=0.0)[:, None]
+
+
+@triton.jit
 def _out_kernel(x8_ptr, xs_ptr, rstd_ptr, w_ptr, scale_ptr, y_ptr, M, H, NG, fmax_out,
-                TRANSPOSE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                TRANSPOSE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr):
+    gi = tl.program_id(1)
     rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
-    rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
+    rn = (gi * G + tl.arange(0, G)).to(tl.int64)
     row_ok = rm < M
     mask = row_ok[:, None] & (rn[None, :] < H)
-    q = tl.load(x8_ptr + rm[:, None] * H + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-    rg = tl.program_id(1) * (BN // G) + tl.arange(0, BN // G)
-    gs = tl.load(xs_ptr + rm[:, None] * NG + rg[None, :], mask=row_ok[:, None] & (rg[None, :] < NG), other=0.0)
-    xd = tl.reshape(tl.reshape(q, [BM, BN // G, G]) * gs[:, :, None], [BM, BN])
+    xd = _load_xd(x8_ptr, xs_ptr, rm, rn, gi, row_ok, mask, H, NG)
     rstd = tl.load(rstd_ptr + rm, mask=row_ok, other=0.0)
     w = tl.load(w_ptr + rn, mask=rn < H, other=0.0).to(tl.float32)
-    y = xd * rstd[:, None] * w[None, :]
-    yq = tl.clamp(y / tl.load(scale_ptr), -fmax_out, fmax_out)
+    yq = tl.clamp(xd * rstd[:, None] * w[None, :] / tl.load(scale_ptr), -fmax_out, fmax_out)
     if TRANSPOSE:
         tl.store(y_ptr + rn[:, None] * M + rm[None, :], tl.trans(yq).to(y_ptr.dtype.element_ty), mask=tl.trans(mask))
     else:
@@ -110,39 +116,29 @@ def _out_kernel(x8_ptr, xs_ptr, rstd_ptr, w_ptr, scale_ptr, y_ptr, M, H, NG, fma
 
 @triton.jit
 def _bwd_kernel(dy_ptr, x8_ptr, xs_ptr, rstd_ptr, w_ptr, dx_ptr, dwp_ptr, M, H, NG,
-                G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                G: tl.constexpr, BM: tl.constexpr):
     pid = tl.program_id(0)
     rm = (pid * BM + tl.arange(0, BM)).to(tl.int64)
     row_ok = rm < M
     rstd = tl.load(rstd_ptr + rm, mask=row_ok, other=0.0)
     c = tl.zeros([BM], dtype=tl.float32)
-    for c0 in range(0, H, BN):  # pass 1: c = mean(dy * w * xhat) per row
-        rn = c0 + tl.arange(0, BN)
+    for gi in range(0, NG):  # pass 1: c = mean(dy * w * xhat) per row
+        rn = gi * G + tl.arange(0, G)
         mask = row_ok[:, None] & (rn[None, :] < H)
-        q = tl.load(x8_ptr + rm[:, None] * H + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        rg = c0 // G + tl.arange(0, BN // G)
-        gs = tl.load(xs_ptr + rm[:, None] * NG + rg[None, :], mask=row_ok[:, None] & (rg[None, :] < NG), other=0.0)
-        xhat = tl.reshape(tl.reshape(q, [BM, BN // G, G]) * gs[:, :, None], [BM, BN]) * rstd[:, None]
+        xhat = _load_xd(x8_ptr, xs_ptr, rm, rn, gi, row_ok, mask, H, NG) * rstd[:, None]
         dy = tl.load(dy_ptr + rm[:, None] * H + rn[None, :], mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + rn, mask=rn < H, other=0.0).to(tl.float32)
         c += tl.sum(dy * w[None, :] * xhat, axis=1)
     c = c / H
-    for c0 in range(0, H, BN):  # pass 2: dx, and this block's share of dw
-        rn = c0 + tl.arange(0, BN)
+    for gi in range(0, NG):  # pass 2: dx, and this block's share of dw
+        rn = gi * G + tl.arange(0, G)
         mask = row_ok[:, None] & (rn[None, :] < H)
-        q = tl.load(x8_ptr + rm[:, None] * H + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        rg = c0 // G + tl.arange(0, BN // G)
-        gs = tl.load(xs_ptr + rm[:, None] * NG + rg[None, :], mask=row_ok[:, None] & (rg[None, :] < NG), other=0.0)
-        xhat = tl.reshape(tl.reshape(q, [BM, BN // G, G]) * gs[:, :, None], [BM, BN]) * rstd[:, None]
+        xhat = _load_xd(x8_ptr, xs_ptr, rm, rn, gi, row_ok, mask, H, NG) * rstd[:, None]
         dy = tl.load(dy_ptr + rm[:, None] * H + rn[None, :], mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + rn, mask=rn < H, other=0.0).to(tl.float32)
         dx = rstd[:, None] * (dy * w[None, :] - xhat * c[:, None])
         tl.store(dx_ptr + rm[:, None] * H + rn[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         tl.store(dwp_ptr + pid * H + rn, tl.sum(dy * xhat, axis=0), mask=rn < H)
-
-
-def _block_n(h: int, group_size: int) -> int:
-    return max(group_size, min(512, triton.next_power_of_2(h)))
 
 
 def rmsnorm_fp8_fwd_triton(x, weight, eps: float, group_size: int, out_dtype=E4M3):
@@ -153,10 +149,10 @@ def rmsnorm_fp8_fwd_triton(x, weight, eps: float, group_size: int, out_dtype=E4M
     x8 = torch.empty((m, h), dtype=E4M3, device=x.device)
     xs = torch.empty((m, ng), dtype=torch.float32, device=x.device)
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
-    bm = 4
+    bm = 16
     amax = torch.empty((triton.cdiv(m, bm),), dtype=torch.float32, device=x.device)
     _fwd_kernel[(triton.cdiv(m, bm),)](x, weight, x8, xs, rstd, amax, m, h, ng, eps, torch.finfo(E4M3).max, TINY,
-                                       G=group_size, BM=bm, BN=_block_n(h, group_size), num_warps=4)
+                                       G=group_size, BM=bm, num_warps=4)
     y_scale = (amax.amax().clamp(min=TINY) / torch.finfo(out_dtype).max).reshape(1)
     return x8, xs, rstd, y_scale
 
@@ -164,22 +160,22 @@ def rmsnorm_fp8_fwd_triton(x, weight, eps: float, group_size: int, out_dtype=E4M
 def rmsnorm_fp8_out_triton(x8, x_scales, rstd, weight, y_scale, group_size: int, transpose: bool, out_dtype=E4M3):
     m, h = x8.shape
     y = torch.empty((h, m) if transpose else (m, h), dtype=out_dtype, device=x8.device)
-    bm, bn = 64, max(group_size, 64)
-    _out_kernel[(triton.cdiv(m, bm), triton.cdiv(h, bn))](
+    bm = 64
+    _out_kernel[(triton.cdiv(m, bm), x_scales.shape[1])](
         x8, x_scales, rstd, weight, y_scale, y, m, h, x_scales.shape[1], torch.finfo(out_dtype).max,
-        TRANSPOSE=transpose, G=group_size, BM=bm, BN=bn, num_warps=4)
+        TRANSPOSE=transpose, G=group_size, BM=bm, num_warps=4)
     return y
 
 
 def rmsnorm_fp8_bwd_triton(dy, x8, x_scales, rstd, weight, group_size: int):
     dy = dy.contiguous()
     m, h = x8.shape
-    bm = 8
+    bm = 32
     grid = triton.cdiv(m, bm)
     dx = torch.empty((m, h), dtype=dy.dtype, device=dy.device)
     dwp = torch.empty((grid, h), dtype=torch.float32, device=dy.device)
     _bwd_kernel[(grid,)](dy, x8, x_scales, rstd, weight, dx, dwp, m, h, x_scales.shape[1],
-                         G=group_size, BM=bm, BN=_block_n(h, group_size), num_warps=8)
+                         G=group_size, BM=bm, num_warps=4)
     return dx, dwp.sum(0)
 
 

@@ -7,9 +7,9 @@ Forward, two launches:
      computed from the dequantized values (stage 1 of group scaling).
   2. `swiglu_fp8_out`: re-read the FP8 pair and write s with that per-tensor scale, row-major for the down
      projection's GEMM, or transposed for its weight gradient (made again in backward, not saved).
-Backward, two launches of one kernel: `swiglu_fp8_bwd` takes ds, computes da1 and da3 from the saved pair,
+Backward, three launches of one kernel: `swiglu_fp8_bwd` takes ds, computes da1 and da3 from the saved pair,
 reduces their amax, then writes them in the gradient format with one per-tensor scale, as da13 [M, 2F] for
-the dgrad GEMM and da13^T [2F, M] for the wgrad GEMM.
+the dgrad GEMM and (a third launch) da13^T [2F, M] for the wgrad GEMM.
 """
 from __future__ import annotations
 
@@ -69,55 +69,54 @@ def swiglu_fp8_bwd_ref(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=torch
 
 
 # --------------------------------------------------------------------------------------------------- triton
+# Tiles are [BM, G]: one group per row of a tile, so group amaxes are row reductions (no 3-D reshapes, which
+# Triton 3.6 mis-compiles on Hopper around FP8 values). A program's column tile is group column gi.
 @triton.jit
-def _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, mask, M, F, NG,
-               G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """Dequantized a1, a3 tiles [BM, BN] from their E4M3 data and 1xG scales."""
-    rg = tl.program_id(1) * (BN // G) + tl.arange(0, BN // G)
-    gmask = (rm[:, None] < M) & (rg[None, :] < NG)
+def _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG):
+    """Dequantized a1, a3 tiles [BM, G] from their E4M3 data and 1xG scales."""
+    row_ok = rm < M
     offs = rm[:, None] * F + rn[None, :]
-    q1 = tl.reshape(tl.load(a1_ptr + offs, mask=mask, other=0.0).to(tl.float32), [BM, BN // G, G])
-    q3 = tl.reshape(tl.load(a3_ptr + offs, mask=mask, other=0.0).to(tl.float32), [BM, BN // G, G])
-    g1 = tl.load(s1_ptr + rm[:, None] * NG + rg[None, :], mask=gmask, other=0.0)
-    g3 = tl.load(s3_ptr + rm[:, None] * NG + rg[None, :], mask=gmask, other=0.0)
-    return tl.reshape(q1 * g1[:, :, None], [BM, BN]), tl.reshape(q3 * g3[:, :, None], [BM, BN])
+    a1 = tl.load(a1_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    a3 = tl.load(a3_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g1 = tl.load(s1_ptr + rm * NG + gi, mask=row_ok, other=0.0)
+    g3 = tl.load(s3_ptr + rm * NG + gi, mask=row_ok, other=0.0)
+    return a1 * g1[:, None], a3 * g3[:, None]
 
 
 @triton.jit
 def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, M, F, NG, fmax_in, tiny,
-                G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                G: tl.constexpr, BM: tl.constexpr):
+    gi = tl.program_id(1)
     rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
-    rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
-    mask = (rm[:, None] < M) & (rn[None, :] < F)
-    rg = tl.program_id(1) * (BN // G) + tl.arange(0, BN // G)
-    gmask = (rm[:, None] < M) & (rg[None, :] < NG)
+    rn = (gi * G + tl.arange(0, G)).to(tl.int64)
+    row_ok = rm < M
+    mask = row_ok[:, None] & (rn[None, :] < F)
     offs = rm[:, None] * F + rn[None, :]
-    x1 = tl.reshape(tl.load(a_ptr + rm[:, None] * (2 * F) + rn[None, :], mask=mask, other=0.0).to(tl.float32),
-                    [BM, BN // G, G])
-    x3 = tl.reshape(tl.load(a_ptr + rm[:, None] * (2 * F) + F + rn[None, :], mask=mask, other=0.0).to(tl.float32),
-                    [BM, BN // G, G])
-    g1 = tl.maximum(tl.max(tl.abs(x1), axis=2), tiny) / fmax_in
-    g3 = tl.maximum(tl.max(tl.abs(x3), axis=2), tiny) / fmax_in
-    q1 = tl.clamp(x1 / g1[:, :, None], -fmax_in, fmax_in).to(a1_ptr.dtype.element_ty)
-    q3 = tl.clamp(x3 / g3[:, :, None], -fmax_in, fmax_in).to(a3_ptr.dtype.element_ty)
-    tl.store(a1_ptr + offs, tl.reshape(q1, [BM, BN]), mask=mask)
-    tl.store(a3_ptr + offs, tl.reshape(q3, [BM, BN]), mask=mask)
-    tl.store(s1_ptr + rm[:, None] * NG + rg[None, :], g1, mask=gmask)
-    tl.store(s3_ptr + rm[:, None] * NG + rg[None, :], g3, mask=gmask)
-    a1 = tl.reshape(q1.to(tl.float32) * g1[:, :, None], [BM, BN])
-    a3 = tl.reshape(q3.to(tl.float32) * g3[:, :, None], [BM, BN])
+    x1 = tl.load(a_ptr + rm[:, None] * (2 * F) + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    x3 = tl.load(a_ptr + rm[:, None] * (2 * F) + F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    g1 = tl.maximum(tl.max(tl.abs(x1), axis=1), tiny) / fmax_in
+    g3 = tl.maximum(tl.max(tl.abs(x3), axis=1), tiny) / fmax_in
+    q1 = tl.clamp(x1 / g1[:, None], -fmax_in, fmax_in).to(a1_ptr.dtype.element_ty)
+    q3 = tl.clamp(x3 / g3[:, None], -fmax_in, fmax_in).to(a3_ptr.dtype.element_ty)
+    tl.store(a1_ptr + offs, q1, mask=mask)
+    tl.store(a3_ptr + offs, q3, mask=mask)
+    tl.store(s1_ptr + rm * NG + gi, g1, mask=row_ok)
+    tl.store(s3_ptr + rm * NG + gi, g3, mask=row_ok)
+    a1 = q1.to(tl.float32) * g1[:, None]
+    a3 = q3.to(tl.float32) * g3[:, None]
     s = a1 * tl.sigmoid(a1) * a3
-    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    pid = tl.program_id(0) * tl.num_programs(1) + gi
     tl.store(amax_ptr + pid, tl.max(tl.max(tl.abs(s), axis=1), axis=0))
 
 
 @triton.jit
 def _out_kernel(a1_ptr, s1_ptr, a3_ptr, s3_ptr, scale_ptr, y_ptr, M, F, NG, fmax_out,
-                TRANSPOSE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                TRANSPOSE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr):
+    gi = tl.program_id(1)
     rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
-    rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
+    rn = (gi * G + tl.arange(0, G)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < F)
-    a1, a3 = _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, mask, M, F, NG, G, BM, BN)
+    a1, a3 = _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG)
     q = tl.clamp(a1 * tl.sigmoid(a1) * a3 / tl.load(scale_ptr), -fmax_out, fmax_out)
     if TRANSPOSE:
         tl.store(y_ptr + rn[:, None] * M + rm[None, :], tl.trans(q).to(y_ptr.dtype.element_ty), mask=tl.trans(mask))
@@ -126,32 +125,39 @@ def _out_kernel(a1_ptr, s1_ptr, a3_ptr, s3_ptr, scale_ptr, y_ptr, M, F, NG, fmax
 
 
 @triton.jit
-def _bwd_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, da_ptr, dat_ptr, M, F, NG, fmax_g,
-                STAGE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _bwd_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, out_ptr, M, F, NG, fmax_g,
+                STAGE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr):
+    """STAGE 1: amax of da1 and da3 (they share one scale, as one [M, 2F] GEMM operand).
+    STAGE 2: write da1|da3 row-major [M, 2F]. STAGE 3: write them transposed [2F, M]; program axis 2 picks
+    the half, so each program makes one transposed store (the pattern of _out_kernel)."""
+    gi = tl.program_id(1)
     rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
-    rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
+    rn = (gi * G + tl.arange(0, G)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < F)
-    a1, a3 = _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, mask, M, F, NG, G, BM, BN)
+    a1, a3 = _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG)
     ds = tl.load(ds_ptr + rm[:, None] * F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(a1)
     da1 = ds * a3 * sig * (1 + a1 * (1 - sig))
     da3 = ds * a1 * sig
-    if STAGE == 1:  # amax of both halves: they share one scale, as one [M, 2F] operand of the GEMMs
-        pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    if STAGE == 1:
+        pid = tl.program_id(0) * tl.num_programs(1) + gi
         tl.store(amax_ptr + pid, tl.maximum(tl.max(tl.max(tl.abs(da1), axis=1), axis=0),
                                              tl.max(tl.max(tl.abs(da3), axis=1), axis=0)))
-    else:
+    elif STAGE == 2:
         scale = tl.load(scale_ptr)
-        q1 = tl.clamp(da1 / scale, -fmax_g, fmax_g).to(da_ptr.dtype.element_ty)
-        q3 = tl.clamp(da3 / scale, -fmax_g, fmax_g).to(da_ptr.dtype.element_ty)
-        tl.store(da_ptr + rm[:, None] * (2 * F) + rn[None, :], q1, mask=mask)
-        tl.store(da_ptr + rm[:, None] * (2 * F) + F + rn[None, :], q3, mask=mask)
-        tl.store(dat_ptr + rn[:, None] * M + rm[None, :], tl.trans(q1), mask=tl.trans(mask))
-        tl.store(dat_ptr + (rn[:, None] + F) * M + rm[None, :], tl.trans(q3), mask=tl.trans(mask))
+        ty = out_ptr.dtype.element_ty
+        tl.store(out_ptr + rm[:, None] * (2 * F) + rn[None, :], tl.clamp(da1 / scale, -fmax_g, fmax_g).to(ty),
+                 mask=mask)
+        tl.store(out_ptr + rm[:, None] * (2 * F) + F + rn[None, :],
+                 tl.clamp(da3 / scale, -fmax_g, fmax_g).to(ty), mask=mask)
+    else:
+        half = tl.program_id(2)
+        q = tl.clamp(tl.where(half == 0, da1, da3) / tl.load(scale_ptr), -fmax_g, fmax_g)
+        tl.store(out_ptr + (rn[:, None] + half * F) * M + rm[None, :], tl.trans(q).to(out_ptr.dtype.element_ty),
+                 mask=tl.trans(mask))
 
 
-def _blocks(group_size: int) -> tuple[int, int]:
-    return 32, max(group_size, 64)
+_BM = 32
 
 
 def swiglu_fp8_fwd_triton(a13, group_size: int, out_dtype=E4M3):
@@ -159,43 +165,40 @@ def swiglu_fp8_fwd_triton(a13, group_size: int, out_dtype=E4M3):
     a13 = a13.contiguous()
     m = a13.shape[0]
     ng = triton.cdiv(f, group_size)
-    bm, bn = _blocks(group_size)
-    grid = (triton.cdiv(m, bm), triton.cdiv(f, bn))
+    grid = (triton.cdiv(m, _BM), ng)
     dev = a13.device
     a1_8, a3_8 = (torch.empty((m, f), dtype=E4M3, device=dev) for _ in range(2))
     s1, s3 = (torch.empty((m, ng), dtype=torch.float32, device=dev) for _ in range(2))
     amax = torch.empty((grid[0] * grid[1],), dtype=torch.float32, device=dev)
     _fwd_kernel[grid](a13, a1_8, s1, a3_8, s3, amax, m, f, ng, torch.finfo(E4M3).max, TINY,
-                      G=group_size, BM=bm, BN=bn, num_warps=4)
+                      G=group_size, BM=_BM, num_warps=4)
     return a1_8, s1, a3_8, s3, _scale(amax, out_dtype)
 
 
 def swiglu_fp8_out_triton(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpose: bool, out_dtype=E4M3):
     m, f = a1_8.shape
-    bm, bn = _blocks(group_size)
     y = torch.empty((f, m) if transpose else (m, f), dtype=out_dtype, device=a1_8.device)
-    _out_kernel[(triton.cdiv(m, bm), triton.cdiv(f, bn))](
+    _out_kernel[(triton.cdiv(m, _BM), s1.shape[1])](
         a1_8, s1, a3_8, s3, s_scale, y, m, f, s1.shape[1], torch.finfo(out_dtype).max,
-        TRANSPOSE=transpose, G=group_size, BM=bm, BN=bn, num_warps=4)
+        TRANSPOSE=transpose, G=group_size, BM=_BM, num_warps=4)
     return y
 
 
 def swiglu_fp8_bwd_triton(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=torch.float8_e5m2):
     ds = ds.contiguous()
     m, f = a1_8.shape
-    bm, bn = _blocks(group_size)
-    grid = (triton.cdiv(m, bm), triton.cdiv(f, bn))
+    ng = s1.shape[1]
+    grid = (triton.cdiv(m, _BM), ng)
     dev = ds.device
     amax = torch.empty((grid[0] * grid[1],), dtype=torch.float32, device=dev)
     da = torch.empty((m, 2 * f), dtype=grad_dtype, device=dev)
     dat = torch.empty((2 * f, m), dtype=grad_dtype, device=dev)
     fmax = torch.finfo(grad_dtype).max
     args = (ds, a1_8, s1, a3_8, s3, amax)
-    _bwd_kernel[grid](*args, amax, da, dat, m, f, s1.shape[1], fmax, STAGE=1, G=group_size, BM=bm, BN=bn,
-                      num_warps=4)
+    _bwd_kernel[grid](*args, amax, da, m, f, ng, fmax, STAGE=1, G=group_size, BM=_BM, num_warps=4)
     scale = _scale(amax, grad_dtype)
-    _bwd_kernel[grid](*args, scale, da, dat, m, f, s1.shape[1], fmax, STAGE=2, G=group_size, BM=bm, BN=bn,
-                      num_warps=4)
+    _bwd_kernel[grid](*args, scale, da, m, f, ng, fmax, STAGE=2, G=group_size, BM=_BM, num_warps=4)
+    _bwd_kernel[grid + (2,)](*args, scale, dat, m, f, ng, fmax, STAGE=3, G=group_size, BM=_BM, num_warps=4)
     return da, dat, scale
 
 

@@ -49,7 +49,7 @@ def test_backward_reference_is_the_gradient():
     a1_8, s1, a3_8, s3, _ = S.swiglu_fp8_fwd_ref(a13, 32)
     a1 = group_dequantize(a1_8, s1, 32).requires_grad_()
     a3 = group_dequantize(a3_8, s3, 32).requires_grad_()
-    ds = torch.randn(32, 128)
+    ds = torch.randn(32, 128, device=DEV)
     (torch.nn.functional.silu(a1) * a3).backward(ds)
     da, dat, scale = S.swiglu_fp8_bwd_ref(ds, a1_8, s1, a3_8, s3, 32)
     want = torch.cat((a1.grad, a3.grad), dim=1)
