@@ -19,11 +19,12 @@ from torch import nn
 from benchmarks.bench_layer import LLAMA2_7B, add_ratios, bench_ms, check_outputs, environment, measure
 from megacoat.ops.cast_transpose import amax_scale, cast_transpose
 from megacoat.ops.rmsnorm import rmsnorm_fp8_bwd, rmsnorm_fp8_fwd, rmsnorm_fp8_out
+from megacoat.ops.rope import rope_triton
 from megacoat.ops.swiglu import swiglu_fp8_bwd, swiglu_fp8_fwd, swiglu_fp8_out
 from megacoat.fp8.config import FP8Config
 from megacoat.fp8.convert import convert_to_fp8
 from megacoat.model.config import ModelConfig
-from megacoat.model.gpt import GPT
+from megacoat.model.gpt import GPT, rope_tables
 
 
 class MLPBlock(nn.Module):
@@ -58,6 +59,8 @@ def kernel_entries(tokens: int, h: int, f: int, g: int = 128) -> list[dict]:
     a1, s1, a3, s3, ss = swiglu_fp8_fwd(a13, g)
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
     sc = amax_scale(dy, e5)
+    q = torch.randn(tokens, 3 * h, **bf)[:, :h].view(1, tokens, h // 128, 128)  # a slice of [q|k|v], as in the block
+    cos, sin = (t.cuda() for t in rope_tables(128, tokens, 10000.0))
     m, gb = tokens, 1e9
     cases = [  # name, fn, bytes moved (inputs read once + outputs written once)
         ("rmsnorm_fp8_fwd", lambda: rmsnorm_fp8_fwd(x, w, 1e-5, g), m * h * (2 + 1)),
@@ -70,6 +73,7 @@ def kernel_entries(tokens: int, h: int, f: int, g: int = 128) -> list[dict]:
         ("swiglu_fp8_bwd (2 passes)", lambda: swiglu_fp8_bwd(ds, a1, s1, a3, s3, g, e5), m * f * (2 + 2 + 4)),
         ("amax+cast_transpose e5m2", lambda: cast_transpose(dy, amax_scale(dy, e5), e5), m * h * (2 + 2)),
         ("cast_transpose e5m2", lambda: cast_transpose(dy, sc, e5), m * h * (2 + 2)),
+        ("rope (q, 32 heads x 128)", lambda: rope_triton(q, cos, sin), m * h * (2 + 2)),
     ]
     rows = []
     for name, fn, nbytes in cases:

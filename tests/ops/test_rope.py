@@ -1,0 +1,40 @@
+"""RoPE kernel: Triton against the reference, the reference against the model's apply_rope, backward = inverse."""
+import pytest
+import torch
+
+from tests.ops.fp8_compare import DEV, interpreted  # noqa: I001
+from megacoat.model.gpt import apply_rope, rope_tables
+from megacoat.ops import rope as R
+
+
+def _qkv(b=2, s=24, nh=3, d=32):
+    """q as a column slice of a fused [q|k|v] output, as the COAT block passes it."""
+    qkv = torch.randn(b, s, 3 * nh * d, device=DEV)
+    return qkv[..., : nh * d].view(b, s, nh, d)
+
+
+@pytest.mark.parametrize("d", [32, 24])
+def test_triton_matches_reference(d):
+    if DEV == "cpu" and not interpreted(R._rope_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+    q = _qkv(d=d)
+    cos, sin = (t.to(DEV) for t in rope_tables(d, 32, 10000.0))
+    for inverse in (False, True):
+        torch.testing.assert_close(R.rope_triton(q, cos, sin, inverse), R.rope_ref(q, cos, sin, inverse),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_reference_is_the_models_rope_and_backward_is_its_gradient():
+    q = _qkv().cpu().requires_grad_()
+    cos, sin = rope_tables(32, 32, 10000.0)
+    torch.testing.assert_close(R.rope(q, cos, sin), apply_rope(q, cos, sin), rtol=0, atol=0)
+    dy = torch.randn(q.shape)
+    R.rope(q, cos, sin).backward(dy)
+    want = torch.autograd.grad(apply_rope(q, cos, sin), q, dy)[0]
+    torch.testing.assert_close(q.grad, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_shapes_are_named():
+    cos, sin = rope_tables(32, 8, 10000.0)
+    with pytest.raises(ValueError, match="do not cover"):
+        R.rope(torch.randn(1, 16, 2, 32), cos, sin)
