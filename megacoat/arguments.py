@@ -14,9 +14,6 @@ from megacoat.training.config import TrainingConfig
 # Flags that are parsed and documented but whose feature has not landed: they stop the run with a clear
 # message rather than being ignored. Each feature removes its entry when it works.
 NOT_IMPLEMENTED_YET = {
-    "tensor_model_parallel_size": "--tensor-model-parallel-size > 1",
-    "pipeline_model_parallel_size": "--pipeline-model-parallel-size > 1",
-    "sequence_parallel": "--sequence-parallel",
 }
 
 

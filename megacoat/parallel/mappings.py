@@ -34,7 +34,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()  # collectives work on the leading dim of contiguous tensors
     out = x.new_empty((n * x.shape[0],) + x.shape[1:])
     dist.all_gather_into_tensor(out, x, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # a no-op at micro-batch 1; pipeline sends need it
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -44,7 +44,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // n,) + x.shape[1:])
     dist.reduce_scatter_tensor(out, x, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # a no-op at micro-batch 1; pipeline sends need it
 
 
 def _my_chunk(x: torch.Tensor, dim: int, group) -> torch.Tensor:

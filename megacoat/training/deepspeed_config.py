@@ -27,6 +27,10 @@ def build_deepspeed_config(cfg: MegacoatConfig, data_parallel_size: int, on_cuda
         "steps_per_print": 10**9,  # megacoat logs; keep DeepSpeed's own step printing out of the way
         "wall_clock_breakdown": False,
     }
+    if cfg.parallel.pipeline_model_parallel_size > 1 and cfg.parallel.sequence_parallel:
+        # DeepSpeed's pipeline splits each stage's output over the TP ranks and re-gathers it on the next stage,
+        # assuming TP ranks hold the same activation; under sequence parallelism each holds its own shard.
+        ds["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if t.deepspeed_config is None:
         return ds
     with open(t.deepspeed_config) as f:

@@ -1,5 +1,5 @@
-"""Model and engine construction: the plain GPT, then the converters applied to it from outside (FP8 here;
-tensor/pipeline parallelism join here too), then the optimizer and the DeepSpeed engine around it."""
+"""Model and engine construction: the plain GPT, then the converters applied to it from outside (FP8, tensor
+parallelism, the pipeline split), then the optimizer and the DeepSpeed engine around it."""
 from __future__ import annotations
 
 import torch
@@ -8,32 +8,46 @@ from torch import nn
 from megacoat.config import MegacoatConfig
 from megacoat.model import GPT
 from megacoat.optim import WarmupDecayLR, build_optimizer, param_groups
+from megacoat.parallel import ParallelState, apply_tp
 
 
-def build_model(cfg: MegacoatConfig, device: torch.device) -> nn.Module:
-    # Same seed on every rank: data-parallel replicas must start identical (DeepSpeed also broadcasts rank 0's).
+def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState | None = None) -> nn.Module:
+    """The model this rank trains: the plain GPT, FP8-converted, sharded over TP (`apply_tp`) and, with
+    pipelining, wrapped as this stage's deepspeed PipelineModule (which moves only its layers to `device`)."""
+    # Same seed on every rank: data-parallel replicas start identical (DeepSpeed also broadcasts rank 0's) and
+    # every TP rank holds the same full weights before slicing its shard, so TP=N starts as TP=1 does.
     torch.manual_seed(cfg.training.seed)
     model = GPT(cfg.model)
-    if cfg.fp8.enabled:
+    tp = state is not None and state.tp_size > 1
+    if cfg.fp8.enabled and not tp:
         from megacoat.fp8.convert import convert_to_fp8
 
         model = convert_to_fp8(model, cfg.fp8)
-    model = model.to(device)
+    if tp:
+        model = apply_tp(model, state, cfg.fp8)  # FP8 modes run on the shards
     if cfg.training.compile:
         # Per block, like torchtitan's apply_compile: one compiled graph reused by every layer, short compile
         # times, and the embedding/loss stay eager.
         for block in model.layers:
             block.compile()
-    return model
+    if state is not None and state.pp_size > 1:
+        from megacoat.parallel.pipeline import build_pipeline
+
+        return build_pipeline(model, state)
+    return model.to(device)
 
 
-def build_engine(cfg: MegacoatConfig, model: nn.Module, ds_config: dict, device: torch.device):
-    """The DeepSpeed engine with megacoat's optimizer (AdamW or CoatAdamW) and LR schedule as client objects.
-    Returns (engine, scheduler)."""
+def build_engine(cfg: MegacoatConfig, model: nn.Module, ds_config: dict, device: torch.device,
+                 state: ParallelState | None = None):
+    """The DeepSpeed engine with megacoat's optimizer (AdamW or CoatAdamW) and LR schedule as client objects:
+    a PipelineEngine for a PipelineModule (its own grid is the mpu), else the plain engine with the parallel
+    state's grid as mpu (tensor-parallel grad norms and checkpoint shards). Returns (engine, scheduler)."""
     import deepspeed
 
     optimizer = build_optimizer(param_groups(model, cfg.optim.weight_decay), cfg.optim, device)
+    pipelined = state is not None and state.pp_size > 1
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config, dist_init_required=False,
+        mpu=None if pipelined or state is None else state.mpu,
         lr_scheduler=lambda opt: WarmupDecayLR(opt, cfg.optim, cfg.training.train_iters))
     return engine, scheduler

@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from megacoat.config import MegacoatConfig
 from megacoat.fp8.linear import invalidate_fp8_weight_caches
+from megacoat.parallel import initialize_parallel_state
+from megacoat.parallel.grad_norm import global_grad_norm
 from megacoat.training.checkpointing import Layout, TrainState, file_identity, load_checkpoint, save_checkpoint
 from megacoat.training.deepspeed_config import build_deepspeed_config
 from megacoat.training.distributed import all_reduce_mean, init_distributed, is_main_process
@@ -91,7 +93,10 @@ class Trainer:
         check_data_paths(cfg)
         self.device = init_distributed()
         self.world_size = dist.get_world_size()
-        self.dp_rank, self.dp_size = dist.get_rank(), self.world_size
+        # Groups before anything else: the DP rank/size (data sharding, batch arithmetic) come from them.
+        self.parallel = initialize_parallel_state(cfg.parallel, cfg.model)
+        self.dp_rank, self.dp_size = self.parallel.dp_rank, self.parallel.dp_size
+        self.pipelined = self.parallel.pp_size > 1
         t = cfg.training
         self.logger = TrainingLogger(t.log_json, enabled=is_main_process(), resume=bool(t.load),
                                      tensorboard_dir=t.tensorboard_dir, wandb_project=t.wandb_project,
@@ -101,12 +106,15 @@ class Trainer:
         self.ds_config = build_deepspeed_config(cfg, self.dp_size, on_cuda=self.device.type == "cuda")
         self.grad_accum = self.ds_config["gradient_accumulation_steps"]
 
-        model = build_model(cfg, self.device)
+        model = build_model(cfg, self.device, self.parallel)
         self.logger.info(f"model: {cfg.model.num_parameters() / 1e6:.2f}M parameters, {cfg.model.num_layers} layers, "
                          f"hidden {cfg.model.hidden_size}; world size {self.world_size}, micro-batch "
                          f"{t.micro_batch_size}, global batch {t.global_batch_size}, gradient accumulation "
                          f"{self.grad_accum}; ZeRO-{cfg.parallel.zero_stage}; bf16 {self.ds_config['bf16']['enabled']}")
-        self.engine, self.scheduler = build_engine(cfg, model, self.ds_config, self.device)
+        p = self.parallel
+        self.logger.info(f"parallel: TP {p.tp_size} x PP {p.pp_size} x DP {p.dp_size}"
+                         + (", sequence parallel" if p.sequence_parallel else ""))
+        self.engine, self.scheduler = build_engine(cfg, model, self.ds_config, self.device, self.parallel)
 
         self.train_ds, self.valid_ds, _ = build_data(cfg, self.dp_size)
         self.layout = Layout(world_size=self.world_size, data_parallel_size=self.dp_size,
@@ -141,6 +149,8 @@ class Trainer:
     def train_step(self, data_iter, iteration: int) -> tuple[torch.Tensor, float | None, bool]:
         """One optimizer step over grad_accum micro-batches. Returns (mean loss, grad norm, skipped): a
         non-finite gradient leaves weights, optimizer state and LR schedule untouched (stability.py)."""
+        if self.pipelined:
+            return self._pipeline_step(data_iter)
         losses = []
         inject_nan = iteration in self.nan_iterations  # test hook, see stability.py
         applied = True
@@ -166,6 +176,18 @@ class Trainer:
         loss = all_reduce_mean(torch.stack(losses).mean().float())
         return loss, None if norm is None else float(norm), not applied
 
+    def _micro_batches(self, data_iter, count: int):
+        """(tokens, labels) pairs for DeepSpeed's pipeline engine (its first stage reads tokens, its last labels)."""
+        return iter([self._split(next(data_iter)) for _ in range(count)])
+
+    def _pipeline_step(self, data_iter) -> tuple[torch.Tensor, float | None, bool]:
+        """One step of DeepSpeed's 1F1B schedule over grad_accum micro-batches; the loss it returns is already
+        averaged over micro-batches and data-parallel ranks and broadcast to every stage."""
+        loss = self.engine.train_batch(self._micro_batches(data_iter, self.grad_accum))
+        invalidate_fp8_weight_caches()
+        norm = self.engine.get_global_grad_norm()
+        return loss.detach().float(), None if norm is None else float(norm), not self.engine.was_step_applied()
+
     def _grad_norm_if_boundary(self) -> float | None:
         """ZeRO-1/2 and bf16 report their global grad norm through the engine; plain fp32 data parallelism
         (ZeRO-0) does not, so take it here, after DeepSpeed's all-reduce and before clipping."""
@@ -173,17 +195,21 @@ class Trainer:
             return None
         if self.ds_config["bf16"]["enabled"]:
             return None
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+        return global_grad_norm(self.engine.module.parameters(), self.parallel)  # TP shards counted once
 
     @torch.no_grad()
     def evaluate(self) -> float:
         self.engine.eval()
         it = self._loader(self.valid_ds, 0)  # the same validation batches every time: comparable curves
         total = torch.zeros((), device=self.device)
-        for _ in range(self.cfg.training.eval_iters * self.grad_accum):
-            tokens, labels = self._split(next(it))
-            total += self.engine(tokens, labels).float()
+        if self.pipelined:  # eval_batch: grad_accum micro-batches through the pipeline, loss averaged
+            for _ in range(self.cfg.training.eval_iters):
+                loss = self.engine.eval_batch(self._micro_batches(it, self.grad_accum))
+                total += loss.float().reshape(()) * self.grad_accum
+        else:
+            for _ in range(self.cfg.training.eval_iters * self.grad_accum):
+                tokens, labels = self._split(next(it))
+                total += self.engine(tokens, labels).float()
         self.engine.train()
         return float(all_reduce_mean(total / (self.cfg.training.eval_iters * self.grad_accum)))
 
