@@ -11,14 +11,16 @@ import triton.language as tl
 from megacoat.ops.quantize_layout import DEFAULT_BLOCK, DEFAULT_WARPS, group_layout
 from megacoat.ops.quantize_per_group import group_tile
 
+TILE = (2048, 4)  # (elements, warps) per program: the best of benchmarks/bench_quant.py's sweep on an H200
+
 
 @triton.jit
 def _dequantize_per_group_kernel(q_ptr, scale_ptr, out_ptr, cols, n_groups, blocks_per_row,
                                  G: tl.constexpr, BLOCK_G: tl.constexpr):
-    row, g, offs, mask = group_tile(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G)
+    row, g, base, offs, mask = group_tile(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G)
     s = tl.load(scale_ptr + row * n_groups + g, mask=g < n_groups, other=0.0)
-    q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    q = tl.load(q_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + base + offs, (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -41,7 +43,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, group_size: int | None, out
         _dequantize_per_tensor_kernel[(triton.cdiv(q.numel(), block),)](
             q, scale, out, q.numel(), BLOCK=block, num_warps=num_warps or DEFAULT_WARPS)
     else:
-        lay = group_layout(q.shape, group_size, block, num_warps)
+        lay = group_layout(q.shape, group_size, block, num_warps, TILE)
         _dequantize_per_group_kernel[lay.grid](q, scale, out, lay.cols, lay.n_groups, lay.blocks_per_row,
                                                G=group_size, BLOCK_G=lay.block_g, num_warps=lay.num_warps)
     return out

@@ -16,6 +16,8 @@ from megacoat.ops.quantize_cast import cast_fp8
 from megacoat.ops.quantize_layout import fp8_max, group_layout, group_scale_shape
 from megacoat.ops.quantize_per_group import group_tile
 
+TILE = (2048, 4)  # (elements, warps) per program: the best of benchmarks/bench_quant.py's sweep on an H200
+
 
 @triton.jit
 def round_to_bf16(x):
@@ -30,8 +32,8 @@ def round_to_bf16(x):
 def _expand_quantize_kernel(x_ptr, q_ptr, scale_ptr, k_ptr, cols, n_groups, blocks_per_row, log2_range,
                             k_min, k_max, FP8_MAX: tl.constexpr, APPROX: tl.constexpr, G: tl.constexpr,
                             BLOCK_G: tl.constexpr):
-    row, g, offs, mask = group_tile(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    row, g, base, offs, mask = group_tile(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G)
+    x = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
     a = tl.where(x != x, float("inf"), tl.abs(x))
     amax = tl.max(a, axis=1)
     amin = tl.min(tl.where(a > 0, a, float("inf")), axis=1)
@@ -58,7 +60,7 @@ def _expand_quantize_kernel(x_ptr, q_ptr, scale_ptr, k_ptr, cols, n_groups, bloc
     mag = tl.minimum(f * FP8_MAX, FP8_MAX)
     y = tl.where(x < 0, -mag, mag)
     y = tl.where(finite[:, None], y, 0.0)
-    tl.store(q_ptr + offs, cast_fp8(y, q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + base + offs, cast_fp8(y, q_ptr.dtype.element_ty), mask=mask)
     gmask = g < n_groups
     tl.store(scale_ptr + row * n_groups + g, scale, mask=gmask)
     tl.store(k_ptr + row * n_groups + g, k, mask=gmask)
@@ -74,7 +76,7 @@ def expand_quantize(x: torch.Tensor, fp8_dtype: torch.dtype, group_size: int, lo
     gshape = group_scale_shape(x.shape, group_size)
     scale = torch.empty(gshape, dtype=torch.float32, device=x.device)
     k = torch.empty(gshape, dtype=torch.bfloat16, device=x.device)
-    lay = group_layout(x.shape, group_size, block, num_warps)
+    lay = group_layout(x.shape, group_size, block, num_warps, TILE)
     if x.numel():
         _expand_quantize_kernel[lay.grid](x, q, scale, k, lay.cols, lay.n_groups, lay.blocks_per_row, log2_range,
                                           k_min, k_max, FP8_MAX=fp8_max(fp8_dtype), APPROX=approx_math,

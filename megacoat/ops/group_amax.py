@@ -17,6 +17,8 @@ from megacoat.ops.quantize_per_group import group_tile
 
 OPS = {"identity": 0, "relu": 1, "silu": 2, "square": 3}
 
+TILE = (8192, 8)  # (elements, warps) per program: the best of benchmarks/bench_quant.py's sweep on an H200
+
 
 @triton.jit
 def store_group_amax(y, mask, amax_ptr, row, g, n_groups):
@@ -40,12 +42,12 @@ def _apply(x, OP: tl.constexpr):
 def _elementwise_group_amax_kernel(x_ptr, y_ptr, amax_ptr, cols, n_groups, blocks_per_row, OP: tl.constexpr,
                                    WITH_AMAX: tl.constexpr, WRITE_Y: tl.constexpr, G: tl.constexpr,
                                    BLOCK_G: tl.constexpr):
-    row, g, offs, mask = group_tile(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    row, g, base, offs, mask = group_tile(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G)
+    x = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
     y = _apply(x, OP)
     if WRITE_Y:
         y = y.to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + offs, y, mask=mask)
+        tl.store(y_ptr + base + offs, y, mask=mask)
     if WITH_AMAX:
         store_group_amax(y.to(tl.float32), mask, amax_ptr, row, g, n_groups)
 
@@ -57,7 +59,7 @@ def _launch(x, op, group_size, out_dtype, with_amax, write_y, block, num_warps):
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device) if write_y else None
     amax = (torch.empty(group_scale_shape(x.shape, group_size), dtype=torch.float32, device=x.device)
             if with_amax else None)
-    lay = group_layout(x.shape, group_size, block, num_warps)
+    lay = group_layout(x.shape, group_size, block, num_warps, TILE)
     if x.numel():
         _elementwise_group_amax_kernel[lay.grid](x, y if write_y else x, amax if with_amax else x, lay.cols,
                                                  lay.n_groups, lay.blocks_per_row, OP=OPS[op],

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
-# Elements per program and warps: 8K elements / 8 warps keeps 8 loads of 16 B in flight per thread (fp32 input),
-# enough to cover HBM latency on an H100; benchmarks/bench_quant.py sweeps the alternatives.
-DEFAULT_BLOCK = 8192
-DEFAULT_WARPS = 8
+# Elements per program and warps when a kernel file names none; each kernel file sets its own from the sweep in
+# benchmarks/bench_quant.py (results in benchmarks/results/bench_quant*.json).
+DEFAULT_BLOCK = 4096
+DEFAULT_WARPS = 4
 
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:
@@ -40,8 +40,8 @@ class GroupLayout:
         return (self.rows * self.blocks_per_row,)
 
 
-def group_layout(shape: torch.Size, group_size: int, block: int | None = None,
-                 num_warps: int | None = None) -> GroupLayout:
+def group_layout(shape: torch.Size, group_size: int, block: int | None = None, num_warps: int | None = None,
+                 default: tuple = (DEFAULT_BLOCK, DEFAULT_WARPS)) -> GroupLayout:
     cols = shape[-1] if len(shape) else 1
     numel = 1
     for s in shape:
@@ -50,8 +50,8 @@ def group_layout(shape: torch.Size, group_size: int, block: int | None = None,
     if cols and cols % group_size == 0:
         rows, cols = (1, numel) if numel else (0, 0)
     n_groups = triton.cdiv(cols, group_size) if cols else 0
-    block_g = max(1, (block or DEFAULT_BLOCK) // group_size)
-    return GroupLayout(rows, cols, n_groups, block_g, num_warps or DEFAULT_WARPS)
+    block_g = max(1, (block or default[0]) // group_size)
+    return GroupLayout(rows, cols, n_groups, block_g, num_warps or default[1])
 
 
 def group_scale_shape(shape: torch.Size, group_size: int) -> torch.Size:

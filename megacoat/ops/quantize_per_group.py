@@ -12,21 +12,26 @@ import triton.language as tl
 from megacoat.ops.quantize_cast import cast_fp8
 from megacoat.ops.quantize_layout import fp8_max, group_layout, group_scale_shape
 
+TILE = (4096, 4)  # (elements, warps) per program: the best of benchmarks/bench_quant.py's sweep on an H200
+
 
 @triton.jit
 def group_tile(pid, blocks_per_row, cols, G: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Offsets (int64) and mask of the [BLOCK_G, G] tile program `pid` owns, and its group indices in the row."""
+    """The [BLOCK_G, G] tile program `pid` owns: (row, its group indices in the row (int64), base offset (int64
+    scalar), in-tile offsets (int32), mask). 64-bit math once per program, 32-bit per element."""
     row = (pid // blocks_per_row).to(tl.int64)
-    g = (pid % blocks_per_row).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
-    col = g[:, None] * G + tl.arange(0, G)[None, :]
-    return row, g, row * cols + col, col < cols
+    start = (pid % blocks_per_row).to(tl.int64) * (BLOCK_G * G)
+    g = start // G + tl.arange(0, BLOCK_G)
+    local = tl.arange(0, BLOCK_G)[:, None] * G + tl.arange(0, G)[None, :]
+    remaining = tl.minimum(cols - start, BLOCK_G * G).to(tl.int32)
+    return row, g, row * cols + start, local, local < remaining
 
 
 @triton.jit
 def _quantize_per_group_kernel(x_ptr, q_ptr, scale_ptr, cols, n_groups, blocks_per_row,
                                FP8_MAX: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr):
-    row, g, offs, mask = group_tile(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    row, g, base, offs, mask = group_tile(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G)
+    x = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.where(x != x, float("inf"), tl.abs(x)), axis=1)
     finite = amax < float("inf")
     fmax = tl.full(amax.shape, FP8_MAX, tl.float32)
@@ -34,7 +39,7 @@ def _quantize_per_group_kernel(x_ptr, q_ptr, scale_ptr, cols, n_groups, blocks_p
     inv = tl.where(finite & (amax > 0), tl.div_rn(fmax, tl.where(amax > 0, amax, 1.0)), 0.0)
     y = tl.clamp(x * inv[:, None], -FP8_MAX, FP8_MAX)
     y = tl.where(finite[:, None], y, 0.0)
-    tl.store(q_ptr + offs, cast_fp8(y, q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + base + offs, cast_fp8(y, q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * n_groups + g, scale, mask=g < n_groups)
 
 
@@ -44,7 +49,7 @@ def quantize_per_group(x: torch.Tensor, fp8_dtype: torch.dtype, group_size: int,
     x = x.contiguous()
     q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     scale = torch.empty(group_scale_shape(x.shape, group_size), dtype=torch.float32, device=x.device)
-    lay = group_layout(x.shape, group_size, block, num_warps)
+    lay = group_layout(x.shape, group_size, block, num_warps, TILE)
     if x.numel():
         _quantize_per_group_kernel[lay.grid](x, q, scale, lay.cols, lay.n_groups, lay.blocks_per_row,
                                              FP8_MAX=fp8_max(fp8_dtype), G=group_size, BLOCK_G=lay.block_g,

@@ -70,3 +70,45 @@ def test_gpu_bit_exact_large(fmt):
         _check(wide(shape, seed=3), fmt, g)
     _check(wide((1 << 22,), seed=4).square(), fmt, 128)
     _check(with_edge_groups(wide((1 << 20,)), 128), fmt, 128)
+
+
+def _check_approx(x, fmt):
+    """approx_math (PTX lg2/ex2.approx): q within one FP8 step of the reference's; dequantized values within
+    the error those instructions allow. lg2.approx: 2 ulp of its result, |log2(rq)| * 2^-22; divided by k and
+    turned into a relative error by exp2 (x ln 2); ex2.approx: 2 ulp. Bound used: (|log2 rq| + 1) * 2^-21 / k * ln 2
+    + 2^-20 (a factor 2 of margin on each term)."""
+    import math
+
+    from megacoat.fp8.expansion import K_MAX, K_MIN, log2_range
+    from megacoat.fp8.formats import get_format
+    from megacoat.ops.expand_dequantize import expand_dequantize as deq_kernel
+    from megacoat.ops.expand_quantize import expand_quantize as q_kernel
+
+    f = get_format(fmt)
+    ref = expand_quantize(x, fmt, 128, backend="torch")
+    q, s, k = q_kernel(x, f.dtype, 128, log2_range(f), K_MIN, K_MAX, approx_math=True)
+    assert same(s, ref.scale) and same(k, ref.k)
+    assert _within_one_step(q, ref.data, f.dtype) or INTERPRETED is False and bool(
+        ((q.float() - ref.data.float()).abs() <= torch.maximum(ref.data.float().abs() * f.eps,
+                                                               torch.full_like(ref.data.float(), f.min_subnormal))
+         * 1.0001).all())
+    xr = ref.dequantize(torch.float32, backend="torch")
+    xa = deq_kernel(ref.data, ref.scale, ref.k, 128, torch.float32, approx_math=True)
+    rq = ref.data.float().abs() / f.max
+    kf = ref.k.float().repeat_interleave(128)[: x.numel()].reshape(x.shape)
+    bound = (rq.clamp_min(1e-30).log2().abs() + 1) * 2 ** -21 / kf * math.log(2) + 2 ** -20
+    m = (ref.scale * f.max).repeat_interleave(128)[: x.numel()].reshape(x.shape)
+    live = xr.abs() >= 2.0 ** -124 * m  # away from the float32 flush at e = 2^-126, where either side may flush
+    assert ((xa - xr).abs()[live] <= bound[live] * xr.abs()[live]).all()
+
+
+def test_approx_math_interpreted_or_gpu():
+    _check_approx(wide((4096,)), "e4m3")
+    _check_approx(wide((4096,)).square(), "e5m2")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_gpu_approx_math_tolerance(fmt):
+    _check_approx(wide((1 << 22,), seed=5), fmt)
+    _check_approx(wide((1 << 22,), seed=6).square(), fmt)
