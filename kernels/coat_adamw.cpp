@@ -13,7 +13,7 @@ void coat_adamw_step(const torch::Tensor& ptr_table, const torch::Tensor& chunk_
                      const c10::optional<torch::Tensor>& nonfinite, double lr_wd, double step_size, double beta1,
                      double beta2, double bc2_sqrt, double eps, double m_max, double v_max, double log2_range_m,
                      double log2_range_v, double k_min, double k_max, bool m_e5m2, bool v_e5m2, bool expand,
-                     bool param_bf16, bool grad_bf16, int64_t group_size) {
+                     bool param_bf16, bool grad_bf16, int64_t group_size, bool interleave) {
   TORCH_CHECK(ptr_table.is_cuda() && chunk_table.is_cuda(), "coat_adamw: tables must be CUDA tensors");
   TORCH_CHECK(ptr_table.scalar_type() == torch::kInt64 && ptr_table.dim() == 2 && ptr_table.size(1) == 9 &&
                   ptr_table.is_contiguous(),
@@ -41,7 +41,7 @@ void coat_adamw_step(const torch::Tensor& ptr_table, const torch::Tensor& chunk_
   a.one_minus_beta1 = static_cast<float>(1.0 - beta1);
   a.beta2 = static_cast<float>(beta2);
   a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  a.bc2_sqrt = static_cast<float>(bc2_sqrt);
+  a.inv_bc2_sqrt = static_cast<float>(1.0 / bc2_sqrt);
   a.eps = static_cast<float>(eps);
   a.m_max = static_cast<float>(m_max);
   a.v_max = static_cast<float>(v_max);
@@ -57,6 +57,7 @@ void coat_adamw_step(const torch::Tensor& ptr_table, const torch::Tensor& chunk_
   a.param_bf16 = param_bf16;
   a.grad_bf16 = grad_bf16;
   a.group_size = static_cast<int>(group_size);
+  a.interleave = interleave;
   int num_sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, ptr_table.get_device()));
   const cudaError_t err = coat_adamw_launch(a, num_sms, c10::cuda::getCurrentCUDAStream());

@@ -1,8 +1,8 @@
 // CoatAdamW fused step (CUDA): AdamW with FP8 moments under per-group dynamic range expansion.
 //
 // One launch covers every tensor of a list (pointer table + chunk table, see coat_adamw.h). A block of 256 threads
-// takes one chunk at a time (grid-stride); each thread holds VEC consecutive elements (16-byte fp32 loads) for
-// UNROLL slices, so a group of G elements lives in L = G / VEC neighbouring lanes and its amax / amin are shuffle
+// takes one chunk at a time (grid-stride); each thread holds VEC = 8 consecutive elements (2 x 16-byte fp32 loads)
+// for UNROLL slices, so a group of G elements lives in L = G / 8 neighbouring lanes and its amax / amin are shuffle
 // reductions inside the warp. Per element the step reads p, g, m_q, v_q and writes p, m_q, v_q once; scales and
 // exponents are read and written once per group. Formulas and their float32 order follow
 // megacoat/ops/coat_adamw_ref.py; exp2 / log2 use the hardware approximations (ex2.approx, lg2.approx: ~2 ulp),
@@ -23,6 +23,12 @@ constexpr int kUnroll = 2;
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float fast_sqrt(float x) {
+  float y;
+  asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
@@ -173,12 +179,16 @@ __device__ __forceinline__ bool quantize(const float (&x)[VEC], const Moment& mo
   return finite;
 }
 
-template <int G, typename PT, typename GT>
-__global__ void __launch_bounds__(kThreads) coat_adamw_kernel(const CoatAdamWArgs a) {
-  constexpr int VEC = G <= 128 ? 4 : 8;
+// STEP slices are loaded together before any is computed: STEP = 2 keeps twice the bytes in flight per thread
+// (more registers, 2 blocks per SM), STEP = 1 halves the registers (4 blocks per SM). Both are built; the faster
+// on the H100/H200 is the default (benchmarks/bench_optimizer.py measures both).
+template <int G, typename PT, typename GT, int STEP>
+__global__ void __launch_bounds__(kThreads, STEP == 2 ? 2 : 4) coat_adamw_kernel(const CoatAdamWArgs a) {
+  constexpr int VEC = 8;  // 32 bytes of fp32 per thread per slice: per-group work is shared by 8 elements
   constexpr int L = G / VEC;
   constexpr int kChunk = kThreads * VEC * kUnroll;
   static_assert(L <= 32 && 32 % L == 0, "a group must sit inside one warp");
+  static_assert(kUnroll % STEP == 0, "STEP divides the slices of a chunk");
 
   for (int64_t c = blockIdx.x; c < a.n_chunks; c += gridDim.x) {
     const int64_t t = a.chunk_table[2 * c];
@@ -194,51 +204,54 @@ __global__ void __launch_bounds__(kThreads) coat_adamw_kernel(const CoatAdamWArg
     // Vector accesses need every base aligned to its vector width (views into a flat buffer may not be).
     const bool vector_ok = ((row[0] | row[1]) % 16 == 0) && ((row[2] | row[5]) % (VEC) == 0);
 
-    PT p[kUnroll][VEC];
-    GT g[kUnroll][VEC];
-    uint8_t mq[kUnroll][VEC], vq[kUnroll][VEC];
-    float ms[kUnroll], mk[kUnroll], vs[kUnroll], vk[kUnroll];
-    int64_t base[kUnroll];
-    // All loads of both slices first: more independent bytes in flight per thread.
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      base[u] = chunk * kChunk + (int64_t)(u * kThreads + threadIdx.x) * VEC;
-      load_vec<PT, VEC>(p_ptr, base[u], n, vector_ok, p[u]);
-      load_vec<GT, VEC>(g_ptr, base[u], n, vector_ok, g[u]);
-      load_vec<uint8_t, VEC>(mm.q, base[u], n, vector_ok, mq[u]);
-      load_vec<uint8_t, VEC>(vm.q, base[u], n, vector_ok, vq[u]);
-      const int64_t group = base[u] / G;
-      const bool valid = base[u] < n;
-      ms[u] = valid ? mm.scale[group] : 0.0f;
-      vs[u] = valid ? vm.scale[group] : 0.0f;
-      mk[u] = valid ? __bfloat162float(mm.k[group]) : 1.0f;
-      vk[u] = valid ? __bfloat162float(vm.k[group]) : 1.0f;
-    }
+    for (int u0 = 0; u0 < kUnroll; u0 += STEP) {
+      PT p[STEP][VEC];
+      GT g[STEP][VEC];
+      uint8_t mq[STEP][VEC], vq[STEP][VEC];
+      float ms[STEP], mk[STEP], vs[STEP], vk[STEP];
+      int64_t base[STEP];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float m[VEC], v[VEC];
-      dequantize<VEC>(mq[u], ms[u], mk[u], mm, m);
-      dequantize<VEC>(vq[u], vs[u], vk[u], vm, v);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float gj = to_float<GT>(g[u][j]);
-        m[j] = a.beta1 * m[j] + a.one_minus_beta1 * gj;
-        v[j] = a.beta2 * v[j] + a.one_minus_beta2 * (gj * gj);
-        const float denom = sqrtf(v[j]) / a.bc2_sqrt + a.eps;
-        const float pj = to_float<PT>(p[u][j]);
-        // __fdividef: 2 ulp (the tests allow it); IEEE division costs ~10 instructions per element here.
-        p[u][j] = from_float<PT>(pj * (1.0f - a.lr_wd) - a.step_size * __fdividef(m[j], denom));
+      for (int u = 0; u < STEP; ++u) {
+        base[u] = chunk * kChunk + (int64_t)((u0 + u) * kThreads + threadIdx.x) * VEC;
+        load_vec<PT, VEC>(p_ptr, base[u], n, vector_ok, p[u]);
+        load_vec<GT, VEC>(g_ptr, base[u], n, vector_ok, g[u]);
+        load_vec<uint8_t, VEC>(mm.q, base[u], n, vector_ok, mq[u]);
+        load_vec<uint8_t, VEC>(vm.q, base[u], n, vector_ok, vq[u]);
+        const int64_t group = base[u] / G;
+        const bool valid = base[u] < n;
+        ms[u] = valid ? mm.scale[group] : 0.0f;
+        vs[u] = valid ? vm.scale[group] : 0.0f;
+        mk[u] = valid ? __bfloat162float(mm.k[group]) : 1.0f;
+        vk[u] = valid ? __bfloat162float(vm.k[group]) : 1.0f;
       }
-      store_vec<PT, VEC>(p_ptr, base[u], n, vector_ok, p[u]);
-      const int64_t group = base[u] / G;
-      const bool leader = (threadIdx.x % L) == 0;
-      const bool valid = base[u] < n;  // the group's first element exists (leader's view)
-      const bool m_ok = quantize<VEC, L>(m, mm, a, group, leader, valid, mq[u]);
-      const bool v_ok = quantize<VEC, L>(v, vm, a, group, leader, valid, vq[u]);
-      store_vec<uint8_t, VEC>(mm.q, base[u], n, vector_ok, mq[u]);
-      store_vec<uint8_t, VEC>(vm.q, base[u], n, vector_ok, vq[u]);
-      if (a.nonfinite != nullptr && leader && valid && !(m_ok && v_ok))
-        atomicAdd(a.nonfinite, (m_ok ? 0 : 1) + (v_ok ? 0 : 1));
+#pragma unroll
+      for (int u = 0; u < STEP; ++u) {
+        float m[VEC], v[VEC];
+        dequantize<VEC>(mq[u], ms[u], mk[u], mm, m);
+        dequantize<VEC>(vq[u], vs[u], vk[u], vm, v);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float gj = to_float<GT>(g[u][j]);
+          m[j] = a.beta1 * m[j] + a.one_minus_beta1 * gj;
+          v[j] = a.beta2 * v[j] + a.one_minus_beta2 * (gj * gj);
+          // sqrt.approx, a multiply by 1/sqrt(1-beta2^t) and __fdividef: ~1-2 ulp each (the tests allow it),
+          // where IEEE sqrt and two IEEE divisions cost ~40 instructions per element.
+          const float denom = fast_sqrt(v[j]) * a.inv_bc2_sqrt + a.eps;
+          const float pj = to_float<PT>(p[u][j]);
+          p[u][j] = from_float<PT>(pj * (1.0f - a.lr_wd) - a.step_size * __fdividef(m[j], denom));
+        }
+        store_vec<PT, VEC>(p_ptr, base[u], n, vector_ok, p[u]);
+        const int64_t group = base[u] / G;
+        const bool leader = (threadIdx.x % L) == 0;
+        const bool valid = base[u] < n;  // the group's first element exists (leader's view)
+        const bool m_ok = quantize<VEC, L>(m, mm, a, group, leader, valid, mq[u]);
+        const bool v_ok = quantize<VEC, L>(v, vm, a, group, leader, valid, vq[u]);
+        store_vec<uint8_t, VEC>(mm.q, base[u], n, vector_ok, mq[u]);
+        store_vec<uint8_t, VEC>(vm.q, base[u], n, vector_ok, vq[u]);
+        if (a.nonfinite != nullptr && leader && valid && !(m_ok && v_ok))
+          atomicAdd(a.nonfinite, (m_ok ? 0 : 1) + (v_ok ? 0 : 1));
+      }
     }
   }
 }
@@ -246,10 +259,13 @@ __global__ void __launch_bounds__(kThreads) coat_adamw_kernel(const CoatAdamWArg
 template <int G, typename PT, typename GT>
 cudaError_t launch_typed(const CoatAdamWArgs& a, int num_sms, cudaStream_t stream) {
   if (a.n_chunks == 0) return cudaSuccess;
-  // Enough resident blocks to hide memory latency (8 x 256 threads fill an SM), the rest grid-strides.
-  const int64_t max_blocks = (int64_t)num_sms * 8;
+  // Blocks beyond the resident ones only queue; the rest of the chunks grid-stride.
+  const int64_t max_blocks = (int64_t)num_sms * (a.interleave ? 2 : 4);
   const int blocks = (int)(a.n_chunks < max_blocks ? a.n_chunks : max_blocks);
-  coat_adamw_kernel<G, PT, GT><<<blocks, kThreads, 0, stream>>>(a);
+  if (a.interleave)
+    coat_adamw_kernel<G, PT, GT, 2><<<blocks, kThreads, 0, stream>>>(a);
+  else
+    coat_adamw_kernel<G, PT, GT, 1><<<blocks, kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -8,18 +8,19 @@
 struct CoatAdamWArgs {
   // int64 [tensors, 9]: param, grad, m_q, m_scale, m_k, v_q, v_scale, v_k addresses, then the element count.
   const int64_t* ptr_table;
-  // int32 [chunks, 2]: tensor index, chunk index within that tensor (chunk = 256 threads x 2 vectors).
+  // int32 [chunks, 2]: tensor index, chunk index within that tensor.
   const int32_t* chunk_table;
   int64_t n_chunks;
   int32_t* nonfinite;  // optional counter of non-finite moment groups (nullptr: not counted)
-  float lr_wd, step_size, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps;
+  float lr_wd, step_size, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps;
   float m_max, v_max, inv_m_max, inv_v_max, log2_range_m, log2_range_v, k_min, k_max;
   bool m_e5m2, v_e5m2, expand, param_bf16, grad_bf16;
+  bool interleave;  // load both slices of a chunk before computing (more bytes in flight, more registers)
   int group_size;  // 16, 32, 64, 128 or 256
 };
 
-// Elements per chunk for a group size; the Python side builds the chunk table with the same number.
-inline int coat_adamw_chunk_elems(int group_size) { return group_size > 128 ? 4096 : 2048; }
+// Elements per chunk (256 threads x 2 slices x 8 elements); the Python side builds the chunk table with it.
+inline int coat_adamw_chunk_elems(int /*group_size*/) { return 4096; }
 
 // Launches the kernel on `stream`; returns the launch error (cudaSuccess or why not).
 cudaError_t coat_adamw_launch(const CoatAdamWArgs& args, int num_sms, cudaStream_t stream);

@@ -5,6 +5,7 @@ Same signature and contract as `coat_adamw_step_ref`; one launch for the whole l
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -15,6 +16,11 @@ from megacoat.ops.coat_adamw_tables import build_tables, check_lists, chunk_elem
 _module = None
 
 
+def interleave() -> bool:
+    """Kernel variant (kernels/coat_adamw.cu, STEP): MEGACOAT_COAT_ADAMW_INTERLEAVE=0/1; benchmarks compare both."""
+    return os.environ.get("MEGACOAT_COAT_ADAMW_INTERLEAVE", "1") == "1"
+
+
 def load_extension(verbose: bool = False):
     """Build (first call; cached on disk by torch) and import the extension."""
     global _module
@@ -22,7 +28,7 @@ def load_extension(verbose: bool = False):
         from megacoat.ops.op_builder import CoatAdamWBuilder
 
         _module = CoatAdamWBuilder().load(verbose=verbose)
-        if _module.chunk_elems(128) != chunk_elems(128) or _module.chunk_elems(256) != chunk_elems(256):
+        if any(_module.chunk_elems(g) != chunk_elems(g) for g in (16, 128, 256)):
             raise RuntimeError("kernels/coat_adamw.h and megacoat/ops/coat_adamw_tables.py disagree on chunk size")
     return _module
 
@@ -42,4 +48,4 @@ def coat_adamw_step_cuda(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *,
     ext.coat_adamw_step(ptr_table, chunk_table, nonfinite, lr * weight_decay, step_size, beta1, beta2, bc2_sqrt,
                         eps, fm.max, fv.max, math.log2(fm.dynamic_range), math.log2(fv.dynamic_range), K_MIN,
                         K_MAX, fm == E5M2, fv == E5M2, bool(expand), params[0].dtype == torch.bfloat16,
-                        grads[0].dtype == torch.bfloat16, group_size)
+                        grads[0].dtype == torch.bfloat16, group_size, interleave())

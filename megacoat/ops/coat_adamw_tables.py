@@ -25,8 +25,8 @@ def num_groups(numel: int, group_size: int) -> int:
 
 
 def chunk_elems(group_size: int) -> int:
-    """Elements per chunk: one CUDA block of 256 threads, 2 vectors of 4 (8 for G = 256) elements per thread."""
-    return 4096 if group_size > 128 else 2048
+    """Elements per chunk: one CUDA block of 256 threads x 2 slices x 8 elements (kernels/coat_adamw.h)."""
+    return 4096
 
 
 def check_lists(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size: int) -> None:

@@ -83,12 +83,77 @@ def _quantize(x, FMAX, LOG2_RANGE, MIN_NORMAL, SUB_MAGIC, MBITS: tl.constexpr, E
 
 
 @triton.jit
+def _st(ptrs, values, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptrs, values, mask=mask)
+    else:
+        tl.store(ptrs, values)
+
+
+@triton.jit
+def _chunk_step(p_ptr, g_ptr, mq_ptr, ms_ptr, mk_ptr, vq_ptr, vs_ptr, vk_ptr, n, c, nonfinite_ptr, lr_wd, step_size,
+                beta1, beta2, bc2_sqrt, eps, M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M, LOG2_RANGE_V,
+                M_MIN_NORMAL, V_MIN_NORMAL, M_SUB_MAGIC, V_SUB_MAGIC, M_MBITS: tl.constexpr, V_MBITS: tl.constexpr,
+                P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr, G: tl.constexpr, GPC: tl.constexpr,
+                EXPAND: tl.constexpr, COUNT: tl.constexpr, K_LO: tl.constexpr, K_HI: tl.constexpr,
+                MASKED: tl.constexpr):
+    """One chunk of GPC groups. MASKED=False (every chunk but a tensor's last) leaves the loads unmasked so they
+    compile to 16-byte vectors."""
+    grp = c * GPC + tl.arange(0, GPC)
+    offs = grp[:, None] * G + tl.arange(0, G)[None, :]
+    mask = offs < n
+    gmask = grp * G < n
+    if MASKED:
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mq = tl.load(mq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        vq = tl.load(vq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        ms = tl.load(ms_ptr + grp, mask=gmask, other=0.0)
+        vs = tl.load(vs_ptr + grp, mask=gmask, other=0.0)
+        mk = tl.load(mk_ptr + grp, mask=gmask, other=1.0).to(tl.float32)
+        vk = tl.load(vk_ptr + grp, mask=gmask, other=1.0).to(tl.float32)
+    else:
+        p = tl.load(p_ptr + offs).to(tl.float32)
+        g = tl.load(g_ptr + offs).to(tl.float32)
+        mq = tl.load(mq_ptr + offs).to(tl.float32)
+        vq = tl.load(vq_ptr + offs).to(tl.float32)
+        ms = tl.load(ms_ptr + grp)
+        vs = tl.load(vs_ptr + grp)
+        mk = tl.load(mk_ptr + grp).to(tl.float32)
+        vk = tl.load(vk_ptr + grp).to(tl.float32)
+
+    m = _dequantize(mq, ms[:, None], mk[:, None], M_MAX, INV_M_MAX)
+    v = _dequantize(vq, vs[:, None], vk[:, None], V_MAX, INV_V_MAX)
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * (g * g)
+    denom = tl.sqrt(v) / bc2_sqrt + eps
+    p = p * (1.0 - lr_wd) - step_size * (m / denom)
+    _st(p_ptr + offs, p.to(P_DT), mask, MASKED)
+
+    q, s, k, bad_m = _quantize(m, M_MAX, LOG2_RANGE_M, M_MIN_NORMAL, M_SUB_MAGIC, M_MBITS, EXPAND, K_LO, K_HI)
+    _st(mq_ptr + offs, q.to(M_DT), mask, MASKED)
+    _st(ms_ptr + grp, s, gmask, MASKED)
+    _st(mk_ptr + grp, k, gmask, MASKED)
+    q, s, k, bad_v = _quantize(v, V_MAX, LOG2_RANGE_V, V_MIN_NORMAL, V_SUB_MAGIC, V_MBITS, EXPAND, K_LO, K_HI)
+    _st(vq_ptr + offs, q.to(V_DT), mask, MASKED)
+    _st(vs_ptr + grp, s, gmask, MASKED)
+    _st(vk_ptr + grp, k, gmask, MASKED)
+    if COUNT:
+        bad = bad_m + bad_v
+        if MASKED:
+            bad = tl.where(gmask, bad, 0)
+        nbad = tl.sum(bad)
+        if nbad > 0:
+            tl.atomic_add(nonfinite_ptr, nbad)
+
+
+@triton.jit
 def _coat_adamw_kernel(ptr_table, chunk_table, nonfinite_ptr, lr_wd, step_size, beta1, beta2, bc2_sqrt, eps,
                        M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M, LOG2_RANGE_V, M_MIN_NORMAL,
                        V_MIN_NORMAL, M_SUB_MAGIC, V_SUB_MAGIC, M_MBITS: tl.constexpr, V_MBITS: tl.constexpr,
                        P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
                        G: tl.constexpr, GPC: tl.constexpr, EXPAND: tl.constexpr, COUNT: tl.constexpr,
-                       K_LO: tl.constexpr, K_HI: tl.constexpr):
+                       K_LO: tl.constexpr, K_HI: tl.constexpr, ALIGNED: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(chunk_table + 2 * pid).to(tl.int64)
     c = tl.load(chunk_table + 2 * pid + 1).to(tl.int64)
@@ -102,41 +167,21 @@ def _coat_adamw_kernel(ptr_table, chunk_table, nonfinite_ptr, lr_wd, step_size, 
     vs_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
     vk_ptr = tl.load(row + 7).to(tl.pointer_type(tl.bfloat16))
     n = tl.load(row + 8)
-
-    grp = c * GPC + tl.arange(0, GPC)
-    offs = grp[:, None] * G + tl.arange(0, G)[None, :]
-    mask = offs < n
-    gmask = grp * G < n
-
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    mq = tl.load(mq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    vq = tl.load(vq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    ms = tl.load(ms_ptr + grp, mask=gmask, other=0.0)
-    vs = tl.load(vs_ptr + grp, mask=gmask, other=0.0)
-    mk = tl.load(mk_ptr + grp, mask=gmask, other=1.0).to(tl.float32)
-    vk = tl.load(vk_ptr + grp, mask=gmask, other=1.0).to(tl.float32)
-
-    m = _dequantize(mq, ms[:, None], mk[:, None], M_MAX, INV_M_MAX)
-    v = _dequantize(vq, vs[:, None], vk[:, None], V_MAX, INV_V_MAX)
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * (g * g)
-    denom = tl.sqrt(v) / bc2_sqrt + eps
-    p = p * (1.0 - lr_wd) - step_size * (m / denom)
-    tl.store(p_ptr + offs, p.to(P_DT), mask=mask)
-
-    q, s, k, bad_m = _quantize(m, M_MAX, LOG2_RANGE_M, M_MIN_NORMAL, M_SUB_MAGIC, M_MBITS, EXPAND, K_LO, K_HI)
-    tl.store(mq_ptr + offs, q.to(M_DT), mask=mask)
-    tl.store(ms_ptr + grp, s, mask=gmask)
-    tl.store(mk_ptr + grp, k, mask=gmask)
-    q, s, k, bad_v = _quantize(v, V_MAX, LOG2_RANGE_V, V_MIN_NORMAL, V_SUB_MAGIC, V_MBITS, EXPAND, K_LO, K_HI)
-    tl.store(vq_ptr + offs, q.to(V_DT), mask=mask)
-    tl.store(vs_ptr + grp, s, mask=gmask)
-    tl.store(vk_ptr + grp, k, mask=gmask)
-    if COUNT:
-        nbad = tl.sum(tl.where(gmask, bad_m + bad_v, 0))
-        if nbad > 0:
-            tl.atomic_add(nonfinite_ptr, nbad)
+    if ALIGNED:  # addresses read from a table carry no alignment: promise what the host checked
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        mq_ptr = tl.multiple_of(mq_ptr, 16)
+        vq_ptr = tl.multiple_of(vq_ptr, 16)
+    if (c + 1) * (GPC * G) <= n:
+        _chunk_step(p_ptr, g_ptr, mq_ptr, ms_ptr, mk_ptr, vq_ptr, vs_ptr, vk_ptr, n, c, nonfinite_ptr, lr_wd,
+                    step_size, beta1, beta2, bc2_sqrt, eps, M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M,
+                    LOG2_RANGE_V, M_MIN_NORMAL, V_MIN_NORMAL, M_SUB_MAGIC, V_SUB_MAGIC, M_MBITS, V_MBITS, P_DT, M_DT,
+                    V_DT, G, GPC, EXPAND, COUNT, K_LO, K_HI, False)
+    else:
+        _chunk_step(p_ptr, g_ptr, mq_ptr, ms_ptr, mk_ptr, vq_ptr, vs_ptr, vk_ptr, n, c, nonfinite_ptr, lr_wd,
+                    step_size, beta1, beta2, bc2_sqrt, eps, M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M,
+                    LOG2_RANGE_V, M_MIN_NORMAL, V_MIN_NORMAL, M_SUB_MAGIC, V_SUB_MAGIC, M_MBITS, V_MBITS, P_DT, M_DT,
+                    V_DT, G, GPC, EXPAND, COUNT, K_LO, K_HI, True)
 
 
 def coat_adamw_step_triton(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, lr: float, beta1: float,
@@ -153,6 +198,7 @@ def coat_adamw_step_triton(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, 
     count = nonfinite is not None
     nb = nonfinite if count else ptr_table  # any pointer; unused when COUNT is False
     n_chunks = chunk_table.shape[0]
+    aligned = all(t.data_ptr() % 16 == 0 for ts in (params, grads, m_q, v_q) for t in ts)
     _coat_adamw_kernel[(n_chunks,)](
         ptr_table, chunk_table, nb, lr * weight_decay, step_size, beta1, beta2, bc2_sqrt, eps,
         fm.max, fv.max, 1.0 / fm.max, 1.0 / fv.max, math.log2(fm.dynamic_range), math.log2(fv.dynamic_range),
@@ -160,4 +206,4 @@ def coat_adamw_step_triton(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, 
         M_MBITS=fm.mantissa_bits, V_MBITS=fv.mantissa_bits,
         P_DT=_TL_DTYPES[params[0].dtype], G_DT=_TL_DTYPES[grads[0].dtype], M_DT=_TL_DTYPES[m_q[0].dtype],
         V_DT=_TL_DTYPES[v_q[0].dtype], G=group_size, GPC=groups_per_chunk, EXPAND=bool(expand), COUNT=count,
-        K_LO=K_MIN, K_HI=K_MAX, num_warps=8)
+        K_LO=K_MIN, K_HI=K_MAX, ALIGNED=aligned, num_warps=8)
