@@ -1,0 +1,79 @@
+"""Estimate per-GPU memory of a megacoat run before launching it: weights, gradients, optimizer states and
+activations in bf16, fp8-linear and coat modes (the model in megacoat/training/memory.py).
+
+    python tools/memory_estimator.py --num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 \
+        --num-attention-heads 32 --seq-length 4096 --vocab-size 32000 --micro-batch-size 1 \
+        --data-parallel-size 8 --zero-stage 1            # prints all three modes, AdamW and CoatAdamW
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megacoat.model.config import ModelConfig  # noqa: E402
+from megacoat.training.memory import MODES, estimate_memory  # noqa: E402
+
+GiB = 2**30
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = ModelConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-layers", type=int, default=d.num_layers)
+    p.add_argument("--hidden-size", type=int, default=d.hidden_size)
+    p.add_argument("--ffn-hidden-size", type=int, default=d.ffn_hidden_size)
+    p.add_argument("--num-attention-heads", type=int, default=d.num_attention_heads)
+    p.add_argument("--num-query-groups", type=int, default=None)
+    p.add_argument("--seq-length", type=int, default=d.seq_length)
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    p.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2))
+    p.add_argument("--fp8-group-size", type=int, default=128)
+    p.add_argument("--mode", choices=MODES, default=None, help="one activation mode (default: all three)")
+    p.add_argument("--fp8-optimizer", action="store_true", help="CoatAdamW only (default: AdamW and CoatAdamW)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                          ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
+                          num_query_groups=args.num_query_groups, seq_length=args.seq_length,
+                          vocab_size=args.vocab_size, tie_embeddings=not args.untie_embeddings_and_output_weights)
+        rows = []
+        for mode in [args.mode] if args.mode else MODES:
+            for fp8_opt in [True] if args.fp8_optimizer else [False, True]:
+                est = estimate_memory(cfg, mode, micro_batch_size=args.micro_batch_size,
+                                      data_parallel_size=args.data_parallel_size, zero_stage=args.zero_stage,
+                                      tensor_parallel_size=args.tensor_model_parallel_size,
+                                      pipeline_parallel_size=args.pipeline_model_parallel_size,
+                                      fp8_optimizer=fp8_opt, fp8_group_size=args.fp8_group_size)
+                rows.append({"mode": mode, "optimizer_class": "CoatAdamW" if fp8_opt else "AdamW", **est.as_dict()})
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"parameters": cfg.num_parameters(), "estimates": rows}, indent=1))
+        return 0
+    print(f"{cfg.num_parameters() / 1e9:.3f} B parameters; micro-batch {args.micro_batch_size} x {cfg.seq_length} "
+          f"tokens; TP {args.tensor_model_parallel_size} PP {args.pipeline_model_parallel_size} "
+          f"DP {args.data_parallel_size} ZeRO-{args.zero_stage}  (GiB per GPU)")
+    print(f"{'mode':<11} {'optimizer':<10} {'weights':>8} {'grads':>8} {'optim':>8} {'activ.':>8} {'total':>8}")
+    for r in rows:
+        print(f"{r['mode']:<11} {r['optimizer_class']:<10} " + " ".join(
+            f"{r[k] / GiB:>8.2f}" for k in ("weights", "gradients", "optimizer", "activations", "total")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
