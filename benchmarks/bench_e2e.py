@@ -86,17 +86,25 @@ def run_pretrain(argv: list[str], timeout: int) -> dict:
     }
 
 
+def compiled_modes(args) -> list[str]:
+    if args.compile is None:
+        return []
+    return list(args.compile) or list(MODES)
+
+
+def mode_flags(mode: str, args) -> list[str]:
+    return MODES[mode] + (["--compile"] if mode in compiled_modes(args) else [])
+
+
 def speed(args) -> dict:
     model = MODEL_TINY if args.tiny else MODEL_1P3B
     common = model + ["--bf16" if not args.tiny else "--fp32", "--mock-data", "--zero-stage", str(args.zero_stage), "--eval-iters", "0",
                            "--train-iters", str(args.iters), "--log-interval", str(args.log_interval)]
-    if args.compile:
-        common.append("--compile")
     out = {"environment": environment(), "model": " ".join(model),
-           "zero_stage": args.zero_stage, "compile": args.compile, "equal_micro_batch": {}, "largest_micro_batch": {}}
+           "zero_stage": args.zero_stage, "compiled_modes": compiled_modes(args), "equal_micro_batch": {}, "largest_micro_batch": {}}
     mbs = args.micro_batch_size
     for mode in args.modes:
-        res = run_pretrain(common + MODES[mode] + ["--micro-batch-size", str(mbs),
+        res = run_pretrain(common + mode_flags(mode, args) + ["--micro-batch-size", str(mbs),
                                                    "--global-batch-size", str(mbs * args.grad_accum)], args.timeout)
         out["equal_micro_batch"][mode] = dict(res, micro_batch_size=mbs)
         print(mode, {k: res.get(k) for k in ("tokens_per_s", "mfu", "max_memory_gib", "error")}, flush=True)
@@ -111,7 +119,7 @@ def speed(args) -> dict:
         for mode in args.modes:
             best = None
             for size in sizes:
-                res = run_pretrain(common + MODES[mode] + ["--micro-batch-size", str(size),
+                res = run_pretrain(common + mode_flags(mode, args) + ["--micro-batch-size", str(size),
                                                            "--global-batch-size", str(size * args.grad_accum)],
                                    args.timeout)
                 print(mode, size, {k: res.get(k) for k in ("tokens_per_s", "max_memory_gib", "error")}, flush=True)
@@ -138,12 +146,11 @@ def convergence(args) -> dict:
                            "--lr", "6e-4", "--min-lr", "6e-5", "--lr-warmup-iters", str(max(iters // 50, 10)),
                            "--log-interval", str(args.log_interval), "--eval-interval", str(args.eval_interval),
                            "--eval-iters", "10", "--zero-stage", "1"]
-    if args.compile:
-        common.append("--compile")
     out = {"environment": environment(), "model": "12 layers, hidden 768, ffn 2048, seq 1024",
+           "compiled_modes": compiled_modes(args),
            "tokens": iters * args.global_batch_size * 1024, "runs": {}}
     for mode in args.modes:
-        out["runs"][mode] = run_pretrain(common + MODES[mode], args.timeout)
+        out["runs"][mode] = run_pretrain(common + mode_flags(mode, args), args.timeout)
         r = out["runs"][mode]
         print(mode, r.get("val_losses", [])[-1:] or r.get("error"), flush=True)
     runs = out["runs"]
@@ -196,7 +203,9 @@ def main() -> None:
     c.add_argument("--eval-interval", type=int, default=100)
     for q in (s, c):
         q.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-        q.add_argument("--compile", action="store_true")
+        q.add_argument("--compile", nargs="*", default=None, choices=list(MODES), metavar="MODE",
+                       help="--compile for these modes (flag alone: all). The FP8 modes run their own fused "
+                            "Triton kernels and are measured eager unless named")
         q.add_argument("--timeout", type=int, default=600)
         q.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_e2e_<what>.json)")
     args = p.parse_args()

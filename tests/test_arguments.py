@@ -36,3 +36,8 @@ def test_reserved_flags_fail_clearly_until_implemented(capsys, key):
             "pipeline_model_parallel_size": ["--pipeline-model-parallel-size", "2"],
             "sequence_parallel": ["--sequence-parallel", "--tensor-model-parallel-size", "2"]}[key]
     assert "not implemented yet" in _error(capsys, argv)
+
+
+def test_compile_with_fp8_activations_is_refused(capsys):
+    assert "--compile" in _error(capsys, ["--compile", "--coat-fp8"])
+    assert parse_config(["--compile", "--fp8-optimizer"]).training.compile
