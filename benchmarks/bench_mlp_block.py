@@ -70,7 +70,7 @@ def kernel_entries(tokens: int, h: int, f: int, g: int = 128) -> list[dict]:
         ("swiglu_fp8_fwd", lambda: swiglu_fp8_fwd(a13, g), m * f * (4 + 2)),
         ("swiglu_fp8_out", lambda: swiglu_fp8_out(a1, s1, a3, s3, ss, g, False), m * f * 3),
         ("swiglu_fp8_out_T", lambda: swiglu_fp8_out(a1, s1, a3, s3, ss, g, True), m * f * 3),
-        ("swiglu_fp8_bwd (2 passes)", lambda: swiglu_fp8_bwd(ds, a1, s1, a3, s3, g, e5), m * f * (2 + 2 + 4)),
+        ("swiglu_fp8_bwd (3 launches)", lambda: swiglu_fp8_bwd(ds, a1, s1, a3, s3, g, e5), m * f * (2 + 2 + 4)),
         ("amax+cast_transpose e5m2", lambda: cast_transpose(dy, amax_scale(dy, e5), e5), m * h * (2 + 2)),
         ("cast_transpose e5m2", lambda: cast_transpose(dy, sc, e5), m * h * (2 + 2)),
         ("rope (q, 32 heads x 128)", lambda: rope_triton(q, cos, sin), m * h * (2 + 2)),

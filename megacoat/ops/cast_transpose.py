@@ -16,7 +16,8 @@ import triton.language as tl
 def amax_scale(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Per-tensor dequantization scale amax / fmt_max as a 1-element fp32 tensor (no host sync).
     An all-zero tensor gets the smallest positive scale so that dividing by it stays finite."""
-    amax = x.detach().abs().amax().float()
+    lo, hi = torch.aminmax(x.detach())  # one pass, no |x| temporary
+    amax = torch.maximum(lo.abs(), hi.abs()).float()
     return (amax.clamp(min=torch.finfo(torch.float32).tiny) / torch.finfo(out_dtype).max).reshape(1)
 
 
