@@ -33,7 +33,8 @@ def train(name: str, flags: list[str], args, workdir: str) -> dict:
            "--seed", str(args.seed), "--log-interval", "1", "--eval-interval", str(eval_interval),
            "--log-json", log] + flags + args.extra
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=workdir, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True)
+    pythonpath = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run(cmd, cwd=workdir, env=dict(os.environ, PYTHONPATH=pythonpath), capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in open(log)]
