@@ -102,6 +102,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         return dx, dw, None, None
 
 
+@torch.compiler.disable  # runs its own Triton kernels; torch.compile graph-breaks around it
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | None = None,
                grad_dtype: str | torch.dtype = "e5m2") -> torch.Tensor:
     """FP8 x @ weight^T over any leading dims. `cache` keeps the weight's FP8 copies across micro-batches

@@ -88,6 +88,7 @@ class CoatMLPFunction(torch.autograd.Function):
         return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, None, None, None, None, None
 
 
+@torch.compiler.disable  # the fused functions run their own Triton kernels: torch.compile graph-breaks
 def coat_norm_linear(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, group_size: int,
                      grad_dtype: torch.dtype):
     lead = x.shape[:-1]
@@ -98,6 +99,7 @@ def coat_norm_linear(x, norm_weight, weights, cache: Fp8WeightCache, eps: float,
     return out.view(*lead, out.shape[-1])
 
 
+@torch.compiler.disable
 def coat_mlp(x, norm_weight, w1, w3, w2, cache13: Fp8WeightCache, cache2: Fp8WeightCache, eps: float,
              group_size: int, grad_dtype: torch.dtype):
     if torch.is_grad_enabled():

@@ -79,6 +79,7 @@ class RopeFunction(torch.autograd.Function):
         return _rope(grad_out.contiguous(), *ctx.tables, inverse=True), None, None
 
 
+@torch.compiler.disable  # runs its own Triton kernel; torch.compile graph-breaks around it
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [batch, seq, heads, head_dim] (any strides, unit last stride); returns a contiguous tensor."""
     return RopeFunction.apply(x, cos, sin)
