@@ -45,15 +45,24 @@ def two_rank_run(tmp_path_factory):
     return tmp, losses
 
 
+@pytest.fixture(scope="module")
+def one_rank_run(tmp_path_factory):
+    """The same 8 iterations on 1 rank (ZeRO-1: one flat partition per group), saved at the end."""
+    tmp = tmp_path_factory.mktemp("zero1")
+    argv = TINY + ["--train-iters", "8", "--zero-stage", "1", "--save", str(tmp / "ckpt")]
+    _, losses = pretrain(tmp, argv, "one.json")
+    return tmp, losses
+
+
 @pytest.mark.slow
-def test_zero2_two_ranks_match_one_rank(tmp_path, two_rank_run):
+def test_zero2_two_ranks_match_one_rank(one_rank_run, two_rank_run):
     """Same global batch on 1 rank (ZeRO-1: one flat partition) and 2 ranks (ZeRO-2: two partitions). The
     gradients agree to fp32 summation order, but the FP8 groups of 128 start at each partition's first element, so
     groups straddle different elements: each moment differs by its quantization error (<= u = 2^-4 relative), the
     update direction by a fraction of that. Over 8 steps the loss curves stay within 1e-3 relative (measured
     ~1e-5), far inside the 1% quality target; a wrong partition or a missed step moves them by ~1e-2."""
     _, two = two_rank_run
-    _, one = pretrain(tmp_path, TINY + ["--train-iters", "8", "--zero-stage", "1"], "one.json")
+    _, one = one_rank_run
     assert sorted(one) == sorted(two) == list(range(1, 9))
     for it in one:
         assert two[it] == pytest.approx(one[it], rel=1e-3), (it, one[it], two[it])
@@ -76,9 +85,9 @@ def test_zero2_resume_is_bitwise(two_rank_run):
 
 
 @pytest.mark.slow
-def test_loading_with_another_fp8_config_is_a_clear_error(two_rank_run):
-    tmp, _ = two_rank_run
-    argv = TINY + ["--train-iters", "8", "--zero-stage", "2", "--load", str(tmp / "ckpt"), "--fp8-v-dtype", "e5m2"]
+def test_loading_with_another_fp8_config_is_a_clear_error(one_rank_run):
+    tmp, _ = one_rank_run
+    argv = TINY + ["--train-iters", "9", "--zero-stage", "1", "--load", str(tmp / "ckpt"), "--fp8-v-dtype", "e5m2"]
     proc, _ = pretrain(tmp, argv, "mismatch.json", check=False)
     assert proc.returncode != 0
     assert "v_dtype='e4m3' but this optimizer has v_dtype='e5m2'" in proc.stdout + proc.stderr
