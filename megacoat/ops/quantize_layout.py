@@ -13,8 +13,8 @@ import triton
 
 # Elements per program and warps when a kernel file names none; each kernel file sets its own from the sweep in
 # benchmarks/bench_quant.py (results in benchmarks/results/bench_quant*.json).
-DEFAULT_BLOCK = 4096
-DEFAULT_WARPS = 4
+DEFAULT_BLOCK = 8192
+DEFAULT_WARPS = 8
 
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:
