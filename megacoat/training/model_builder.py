@@ -17,7 +17,11 @@ def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState 
     # Same seed on every rank: data-parallel replicas start identical (DeepSpeed also broadcasts rank 0's) and
     # every TP rank holds the same full weights before slicing its shard, so TP=N starts as TP=1 does.
     torch.manual_seed(cfg.training.seed)
-    model = GPT(cfg.model)
+    pipelined = state is not None and state.pp_size > 1
+    # Initialise where the model will live (a 1 B model's normal_ takes ~30 s on two CPU cores); a pipeline
+    # is built on the CPU and each stage moves only its own layers.
+    with torch.device("cpu" if pipelined else device):
+        model = GPT(cfg.model)
     tp = state is not None and state.tp_size > 1
     if cfg.fp8.enabled and not tp:
         from megacoat.fp8.convert import convert_to_fp8
@@ -30,7 +34,7 @@ def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState 
         # times, and the embedding/loss stay eager.
         for block in model.layers:
             block.compile()
-    if state is not None and state.pp_size > 1:
+    if pipelined:
         from megacoat.parallel.pipeline import build_pipeline
 
         return build_pipeline(model, state)
