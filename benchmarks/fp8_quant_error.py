@@ -5,7 +5,8 @@ The moments come from a short training run of the default model (GPT(ModelConfig
 default corpus (Python stdlib sources, megacoat.data.prepare_default_corpus). Each parameter's moment is
 quantized as the optimizer stores it: flattened, 1xG groups, the last group shorter. Error = sum((x^-x)^2) /
 sum(x^2) over all parameters; also the error this causes in Adam's update direction m / (sqrt(v) + eps).
-CPU is fine (~12 min on 2 cores):  python benchmarks/fp8_quant_error.py [--steps 200] [--out benchmarks/results/fp8_quant_error]
+CPU is fine (~12 min on 2 cores):
+    python benchmarks/fp8_quant_error.py [--steps 200] [--out benchmarks/results/fp8_quant_error]
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import platform
 import sys
 import time
 
+import numpy as np
 import torch
 
 from megacoat.data import GPTDataset, IndexedDataset, prepare_default_corpus
@@ -37,8 +39,7 @@ def train(steps: int, batch: int, snapshots: list[int], seed: int = 0):
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=EPS, weight_decay=0.1)
     for step in range(1, steps + 1):
-        tokens = torch.from_numpy(
-            __import__("numpy").stack([data[(step - 1) * batch + i] for i in range(batch)])).long()
+        tokens = torch.from_numpy(np.stack([data[(step - 1) * batch + i] for i in range(batch)])).long()
         loss = model(tokens[:, :-1], tokens[:, 1:])
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -1,4 +1,4 @@
-"""FP8 numerics: formats, quantized-tensor container, per-tensor/per-group quantization, group scaling, dynamic range expansion."""
+"""FP8 numerics: formats, QuantizedTensor, per-tensor/per-group quantization, group scaling, range expansion."""
 from megacoat.fp8.expansion import K_MAX, K_MIN, expand_dequantize, expand_quantize, expansion_exponent
 from megacoat.fp8.formats import E4M3, E5M2, FORMATS, Fp8Format, get_format
 from megacoat.fp8.group_scaling import (elementwise_group_amax, group_amax, quantize_group_scaled,
