@@ -24,11 +24,11 @@ def _interrupted_then_resumed(tmp_path, argv, ranks=1, port=29600):
     return ckpt, log
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "fp8-optimizer"])
+# AdamW resumes are covered by the ZeRO-2 test below (slow); here CoatAdamW (FP8 moments, per-group scales
+# and expansion exponents in the optimizer state) on plain data parallelism.
+@pytest.mark.parametrize("optimizer", ["fp8-optimizer"])
 def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, optimizer):
-    argv = ["--train-iters", str(ITERS), "--zero-stage", "0", "--fp32"]
-    if optimizer == "fp8-optimizer":
-        argv.append("--fp8-optimizer")
+    argv = ["--train-iters", str(ITERS), "--zero-stage", "0", "--fp32", "--fp8-optimizer"]
     run(tmp_path, argv, tmp_path / "full.json")
     ckpt, log = _interrupted_then_resumed(tmp_path, argv)
     full, resumed = losses(tmp_path / "full.json"), losses(log)
@@ -38,7 +38,7 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, optimizer):
     assert sorted(os.listdir(ckpt)) == ["iter_0000006", "iter_0000008", "latest"]
     meta = json.loads((ckpt / "iter_0000008" / "megacoat.json").read_text())
     assert meta["iteration"] == ITERS and meta["consumed_samples"] == ITERS * 8
-    assert meta["layout"]["fp8_optimizer"] == (optimizer == "fp8-optimizer")
+    assert meta["layout"]["fp8_optimizer"] is True
     rng = torch.load(ckpt / "iter_0000008" / "rng_rank00000.pt", weights_only=False)
     assert set(rng) >= {"python", "numpy", "torch"}
     # DeepSpeed wrote into .tmp-iter_0000008 and megacoat renamed it: no file may name the temporary tag.
