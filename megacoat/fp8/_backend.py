@@ -1,6 +1,8 @@
 """Which implementation runs: the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1) or the torch reference."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 BACKENDS = ("auto", "torch", "triton")
@@ -12,4 +14,6 @@ def use_triton(x: torch.Tensor, backend: str) -> bool:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return x.is_cuda
+    if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError("backend='triton' on a CPU tensor needs TRITON_INTERPRET=1 (set before importing triton)")
     return backend == "triton"

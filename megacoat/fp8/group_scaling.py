@@ -57,9 +57,10 @@ def reduce_group_amax(amax: torch.Tensor) -> torch.Tensor:
     return amax.amax() if amax.numel() else torch.zeros((), device=amax.device)
 
 
-def quantize_group_scaled(x: torch.Tensor, fmt="e4m3", group_amax: Optional[torch.Tensor] = None, *,
+def quantize_group_scaled(x: torch.Tensor, fmt="e4m3", amaxes: Optional[torch.Tensor] = None, *,
                           group_size: int = 128, backend: str = "auto") -> QuantizedTensor:
-    """Per-tensor quantization with the scale from the two-stage amax (stage 1 computed here if not given)."""
-    if group_amax is None:
-        group_amax = globals()["group_amax"](x, group_size)
-    return quantize_per_tensor(x, fmt, amax=reduce_group_amax(group_amax), backend=backend)
+    """Per-tensor quantization with the scale from the two-stage amax; `amaxes` is stage 1's output (the
+    per-group amaxes written by the kernel that produced x), computed here if not given."""
+    if amaxes is None:
+        amaxes = group_amax(x, group_size)
+    return quantize_per_tensor(x, fmt, amax=reduce_group_amax(amaxes), backend=backend)

@@ -100,3 +100,11 @@ def test_per_tensor_edge_cases():
         quantize_per_tensor(y, amax=torch.tensor([1.0, 2.0]))
     with pytest.raises(TypeError, match="QuantizedTensor"):
         dequantize(y)
+    with pytest.raises(ValueError, match="backend must be"):
+        quantize_per_tensor(y, backend="cuda")
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        quantize_per_group(torch.randn(8), backend="triton")
