@@ -1,9 +1,10 @@
 """log2/exp2 for the expansion kernels.
 
 Accurate (default): libdevice's log2/exp2, as torch's CUDA log2/exp2 (CUDA's log2f/exp2f), so the kernels agree
-with the torch reference bit for bit; tl.log2 gives the same code on NVIDIA, at the same cost (about 25 FMAs
-per log2). Approximate: the PTX lg2.approx/ex2.approx (one MUFU op each, ~2 ulp), for callers that take a
-measured tolerance for speed (the CoatAdamW CUDA kernel makes the same choice).
+with the torch reference bit for bit (tl.log2 compiles to the same software log2: no lg2 in the PTX, and the
+same time in benchmarks/bench_quant.py). Approximate: the PTX lg2.approx/ex2.approx (one MUFU op each, ~2 ulp;
+about 12 fewer FFMA per element in the SASS), for callers that accept the error bound tested in
+tests/ops/test_expand_kernels.py in exchange for speed (the CoatAdamW CUDA kernel makes the same choice).
 Float32 subnormals: the compiled kernels run libdevice in flush-to-zero mode, so both the kernels and the
 reference flush explicitly (`FLT_MIN`) where a subnormal could arise; that keeps them bit-identical.
 The Triton interpreter has no libdevice and no inline PTX: under TRITON_INTERPRET=1 numpy's log2/exp2 stand
