@@ -15,7 +15,7 @@ from torch import nn
 from megacoat.fp8.formats import get_format
 from megacoat.fp8.linear import Fp8WeightCache
 from megacoat.fp8.precision_flow import coat_mlp, coat_norm_linear
-from megacoat.model.gpt import apply_rope
+from megacoat.ops.rope import rope
 from megacoat.parallel.layers import TPRegion
 from megacoat.parallel.mappings import copy_to_tp
 
@@ -41,8 +41,8 @@ class TensorParallelCoatBlock(nn.Module):
         qkv = coat_norm_linear(xin, self._norm_weight(self.attention_norm), (a.wq.weight, a.wk.weight, a.wv.weight),
                                self.qkv_cache, self.attention_norm.eps, self.group_size, self.grad_dtype)
         q, k, v = qkv.split([a.wq.weight.shape[0], a.wk.weight.shape[0], a.wv.weight.shape[0]], dim=-1)
-        q = apply_rope(q.view(b, s, -1, a.head_dim), cos, sin)
-        k = apply_rope(k.view(b, s, -1, a.head_dim), cos, sin)
+        q = rope(q.view(b, s, -1, a.head_dim), cos, sin)  # the fused kernel, as CoatTransformerBlock
+        k = rope(k.view(b, s, -1, a.head_dim), cos, sin)
         v = v.contiguous().view(b, s, -1, a.head_dim)  # not a view of the whole BF16 [q|k|v] (see blocks.py)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         repeats = q.shape[1] // k.shape[1]
