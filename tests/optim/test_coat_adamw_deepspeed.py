@@ -91,10 +91,3 @@ def test_loading_with_another_fp8_config_is_a_clear_error(one_rank_run):
     proc, _ = pretrain(tmp, argv, "mismatch.json", check=False)
     assert proc.returncode != 0
     assert "v_dtype='e4m3' but this optimizer has v_dtype='e5m2'" in proc.stdout + proc.stderr
-
-
-@pytest.mark.slow
-def test_zero0_runs(tmp_path):
-    """No ZeRO: CoatAdamW updates the model's own parameters (one launch per group over many tensors)."""
-    _, losses = pretrain(tmp_path, TINY + ["--train-iters", "4", "--zero-stage", "0"], "z0.json")
-    assert sorted(losses) == [1, 2, 3, 4]
