@@ -4,6 +4,8 @@
     python benchmarks/bench_parallel.py --gpus 2
     # CPU smoke test of this script (tiny model, gloo, fp32):
     python benchmarks/bench_parallel.py --gpus 2 --tiny
+    # and each layout/mode's largest micro-batch (same number of micro-batches per step as the base run):
+    python benchmarks/bench_parallel.py --gpus 2 --search 8,12,16
 
 Each layout x mode is a separate run of the trainer under DeepSpeed's launcher (one process per GPU), exactly
 as pretrain_gpt.py trains, plus one all-gather at the end of every rank's torch.cuda.max_memory_allocated
@@ -129,21 +131,30 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--log-interval", type=int, default=4)
     p.add_argument("--timeout", type=int, default=150, help="seconds per run")
+    p.add_argument("--search", default="", help="comma-separated micro-batch sizes to try, ascending, until OOM")
     p.add_argument("--tiny", action="store_true", help="tiny fp32 model on CPU ranks: checks this script")
     args = p.parse_args()
     model = MODEL_TINY if args.tiny else MODEL_1P3B
     common = model + ["--fp32" if args.tiny else "--bf16", "--mock-data", "--eval-iters", "0",
-                      "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.global_batch_size),
                       "--train-iters", str(args.iters), "--log-interval", str(args.log_interval)]
+    if args.global_batch_size % args.micro_batch_size:
+        raise SystemExit("--global-batch-size must be a multiple of --micro-batch-size")
+    micro_batches = args.global_batch_size // args.micro_batch_size  # per step, over all DP ranks
+
+    def batch(size: int) -> list[str]:
+        return ["--micro-batch-size", str(size), "--global-batch-size", str(size * micro_batches)]
+
     name = "bench_parallel_tiny.json" if args.tiny else "bench_parallel.json"
     out = {"environment": environment(), "gpus": args.gpus, "model": " ".join(model),
            "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
-           "iters": args.iters, "largest_micro_batch_search": "not run (device time)", "runs": {}}
+           "iters": args.iters, "precision": "fp32 (CPU smoke run)" if args.tiny else "bf16 (+FP8 for coat)",
+           "runs": {}, "largest_micro_batch": {} if args.search else "not searched"}
     port = 29700
     for layout in args.layouts:
         for mode in args.modes:
             port += 1
-            res = run(args.gpus, common + layouts(args.gpus)[layout] + MODES[mode], args.timeout, port)
+            res = run(args.gpus, common + batch(args.micro_batch_size) + layouts(args.gpus)[layout] + MODES[mode],
+                      args.timeout, port)
             out["runs"][f"{layout}/{mode}"] = res
             print(layout, mode, {k: res.get(k) for k in ("tokens_per_s_per_gpu", "mfu", "max_memory_gib", "wall_s")},
                   res.get("error", "")[-800:], flush=True)
@@ -153,6 +164,22 @@ def main() -> None:
                 res["memory_ratio_vs_bf16"] = res["max_memory_gib"] / base["max_memory_gib"]
             os.makedirs(RESULTS, exist_ok=True)
             with open(os.path.join(RESULTS, name), "w") as f:  # after every run: a cut-off call keeps the rest
+                json.dump(out, f, indent=1)
+            if os.environ.get("OUT"):
+                shutil.copy(os.path.join(RESULTS, name), os.environ["OUT"])
+    for layout in args.layouts if args.search else []:
+        for mode in args.modes:
+            best = None
+            for size in (int(x) for x in args.search.split(",")):
+                port += 1
+                res = run(args.gpus, common + batch(size) + layouts(args.gpus)[layout] + MODES[mode], args.timeout, port)
+                print(layout, mode, size, {k: res.get(k) for k in ("tokens_per_s_per_gpu", "max_memory_gib")},
+                      res.get("error", "")[-300:], flush=True)
+                if not res["ok"]:
+                    break  # OOM (or another failure, kept in the JSON of the last size that ran)
+                best = dict(res, micro_batch_size=size)
+            out["largest_micro_batch"][f"{layout}/{mode}"] = best or {"ok": False, "error": res.get("error")}
+            with open(os.path.join(RESULTS, name), "w") as f:
                 json.dump(out, f, indent=1)
             if os.environ.get("OUT"):
                 shutil.copy(os.path.join(RESULTS, name), os.environ["OUT"])

@@ -19,8 +19,8 @@ from torch import nn
 
 from megacoat.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megacoat.parallel.layers import (ColumnParallelLinear, ParallelRMSNorm, RowParallelLinear, TPRegion,
-                                      VocabParallelEmbedding)
-from megacoat.parallel.mappings import gather_logits, scatter_to_sp
+                                      VocabParallelEmbedding, mark_replicated)
+from megacoat.parallel.mappings import gather_logits
 from megacoat.parallel.state import ParallelState
 
 COLUMN = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
@@ -47,7 +47,7 @@ def _parallelize_block(block: nn.Module, region: TPRegion, fp8, prefix: str) -> 
         from megacoat.parallel.fp8_blocks import TensorParallelCoatBlock
 
         for norm in ("attention_norm", "ffn_norm"):
-            getattr(block, norm).weight.tensor_model_parallel = False
+            mark_replicated(getattr(block, norm).weight)
         return TensorParallelCoatBlock(block, region, fp8)
     block.attention_norm = ParallelRMSNorm(block.attention_norm, region)
     block.ffn_norm = ParallelRMSNorm(block.ffn_norm, region)
@@ -95,8 +95,3 @@ def apply_tp(model: nn.Module, state: ParallelState, fp8=None) -> nn.Module:
     model.tp_region = region
     model.__class__ = type(f"TensorParallel{type(model).__name__}", (TensorParallelGPTMixin, type(model)), {})
     return model
-
-
-def sequence_shard(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
-    """This rank's sequence shard of a replicated [batch, seq, ...] tensor (for tests and pipeline inputs)."""
-    return scatter_to_sp(x, state.tp_group) if state.sequence_parallel else x

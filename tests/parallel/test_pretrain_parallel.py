@@ -6,7 +6,7 @@ Same data, same global batch, same initial weights: the runs differ only in the 
 require 1e-5 relative on each logged loss (far inside bf16's 2^-8)."""
 import pytest
 
-from tests.training.checkpoint_runs import losses, run
+from tests.training.checkpoint_runs import losses, records, run
 
 ITERS = 8
 ARGV = ["--train-iters", str(ITERS), "--zero-stage", "1", "--fp32"]
@@ -18,11 +18,17 @@ def _close(a, b, rel=1e-5):
         assert x == pytest.approx(y, rel=rel), (i, x, y)
 
 
+def grad_norms(log) -> list[tuple[int, float]]:
+    """DeepSpeed's global gradient norm per step: TP shards counted on every rank, replicated norms once,
+    the tied embedding once across the two stages; any double counting shows as a different norm."""
+    return [(r["iteration"], r["grad_norm"]) for r in records(log) if "loss" in r]
+
+
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one_rank")
     run(tmp, ARGV, tmp / "one.json")
-    return losses(tmp / "one.json")
+    return tmp / "one.json"
 
 
 @pytest.mark.slow
@@ -53,7 +59,8 @@ def test_tp2_pp2_sequence_parallel_trains_checkpoints_and_resumes(tmp_path, one_
     assert shards == [f"layer_{i:02d}-model_{m:02d}-model_states.pt" for i in range(4) for m in range(2)]
     second = run(tmp_path, argv + ["--load", str(tmp_path / "ckpt")], log, ranks=4, port=29643)
     assert f"resumed from {tmp_path / 'ckpt' / f'iter_{ITERS // 2:07d}'}" in second.stdout
-    _close(losses(log), one_rank)
+    _close(losses(log), losses(one_rank))
+    _close(grad_norms(log), grad_norms(one_rank), rel=1e-4)
 
 
 def test_bad_split_is_refused_with_the_numbers(tmp_path):
