@@ -60,7 +60,7 @@ class StabilityGuard:
         self.consecutive = 0
         self.since_log = 0
 
-    def record(self, skipped: bool, iteration: int, loss: float, grad_norm: float | None) -> None:
+    def record(self, skipped: bool, iteration: int, loss, grad_norm: float | None) -> None:
         """Count a step (the log reads the count before `check` may stop the run)."""
         if not skipped:
             self.consecutive = 0
@@ -75,7 +75,7 @@ class StabilityGuard:
             iteration, loss, grad_norm = self.last
             raise NonFiniteTrainingError(
                 f"iteration {iteration}: {self.consecutive} steps in a row skipped for a non-finite loss or "
-                f"gradient (loss {loss}, grad norm {grad_norm}); stopping (--max-skipped-steps "
+                f"gradient (loss {float(loss)}, grad norm {grad_norm}); stopping (--max-skipped-steps "
                 f"{self.max_skipped_steps}). No checkpoint was written after the last good one.")
 
     def pop_since_log(self) -> int:

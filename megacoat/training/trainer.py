@@ -244,7 +244,7 @@ class Trainer:
             if skipped:
                 self.logger.info(f"iter {it}: non-finite loss or gradient, step skipped "
                                  f"({self.guard.consecutive + 1} in a row)")
-            self.guard.record(skipped, it, float(loss), grad_norm)
+            self.guard.record(skipped, it, loss, grad_norm)  # the loss stays a tensor: no sync here
             if it % t.log_interval == 0 or it == t.train_iters:
                 loss_value = float(loss)  # synchronises the device: the timing below is honest
                 now = time.perf_counter()
