@@ -58,3 +58,33 @@ def test_zero2_two_ranks_resume_bitwise_and_other_dp_size_is_refused(tmp_path):
     proc = run(tmp_path, argv + ["--load", str(ckpt)], tmp_path / "bad.json", check=False)
     assert proc.returncode != 0
     assert "incompatible parallel layout" in proc.stderr and "data_parallel_size: saved 2, now 1" in proc.stderr
+
+
+def test_sigkill_at_any_moment_leaves_a_loadable_latest(tmp_path):
+    """Saving every iteration, the run is SIGKILLed as soon as DeepSpeed's model file of the 5th save appears
+    in its temporary directory (mid-save, before the rename): `latest` names a complete checkpoint, the dead temporary is ignored and later removed,
+    and the resumed run finishes with a log that counts every iteration once."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.training.checkpoint_runs import command, env
+
+    ckpt = tmp_path / "ckpt"
+    argv = ["--train-iters", "30", "--zero-stage", "0", "--fp32", "--save", str(ckpt), "--save-interval", "1"]
+    log = tmp_path / "log.json"
+    proc = subprocess.Popen(command(argv, log), cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    partial = ckpt / ".tmp-iter_0000005" / "mp_rank_00_model_states.pt"
+    while not partial.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    proc.send_signal(signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, out[-3000:]
+    tag = (ckpt / "latest").read_text()
+    assert tag in ("iter_0000004", "iter_0000005") and (ckpt / tag / "megacoat.json").is_file()
+    second = run(tmp_path, argv + ["--load", str(ckpt)], log)
+    assert f"resumed from {ckpt / tag}" in second.stdout
+    assert [i for i, _ in losses(log)] == list(range(1, 31))
+    assert not [n for n in os.listdir(ckpt) if n.startswith(".tmp-")]
