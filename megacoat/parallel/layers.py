@@ -81,15 +81,15 @@ class _ShardedLinear(nn.Module):
 
 
 class ColumnParallelLinear(_ShardedLinear):
-    """y_local = x W_local^T; x must already be inside the region (a ParallelRMSNorm entered it) unless
-    `enter=True`. The output stays split over the TP group (local heads, local FFN columns, local vocab)."""
+    """y_local = x W_local^T. x is already inside the region: the ParallelRMSNorm in front entered it once for
+    all the projections that read it. The output stays split over the TP group (local heads, FFN columns or
+    vocabulary rows)."""
 
-    def __init__(self, linear: nn.Linear, region: TPRegion, fp8=None, enter: bool = False, name: str = "linear"):
+    def __init__(self, linear: nn.Linear, region: TPRegion, fp8=None, name: str = "linear"):
         super().__init__(_shard(linear.weight, 0, region, name), fp8)
-        self.region, self.enter = region, enter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(self.region.enter(x) if self.enter else x)
+        return self._matmul(x)
 
 
 class RowParallelLinear(_ShardedLinear):

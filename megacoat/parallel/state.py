@@ -43,37 +43,25 @@ def check_parallel_sizes(world_size: int, parallel: ParallelConfig, model: Model
 
 @dataclass
 class ParallelState:
-    """This rank's coordinates and groups. `grid` is DeepSpeed's PipelineParallelGrid (pass it as `mpu`)."""
-    tp_size: int
-    pp_size: int
-    dp_size: int
-    sequence_parallel: bool
-    grid: object = None  # None: a world of one, no groups needed
+    """This rank's coordinates and groups. `grid` is DeepSpeed's PipelineParallelGrid (None for plain data
+    parallelism, where DeepSpeed's defaults are the groups)."""
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    sequence_parallel: bool = False
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    grid: object = None
 
     @property
     def tp_group(self):
         return None if self.grid is None else self.grid.get_slice_parallel_group()
 
     @property
-    def tp_rank(self) -> int:
-        return 0 if self.grid is None else self.grid.get_slice_parallel_rank()
-
-    @property
-    def pp_rank(self) -> int:
-        return 0 if self.grid is None else self.grid.get_pipe_parallel_rank()
-
-    @property
-    def dp_rank(self) -> int:
-        return 0 if self.grid is None else self.grid.get_data_parallel_rank()
-
-    @property
-    def dp_group(self):
-        return None if self.grid is None else self.grid.get_data_parallel_group()
-
-    @property
     def mpu(self):
         """What deepspeed.initialize takes as `mpu`: model-parallel grad norms, checkpoint shard names."""
-        return self.grid if self.tp_size > 1 or self.pp_size > 1 else None
+        return self.grid
 
 
 def initialize_parallel_state(parallel: ParallelConfig, model: ModelConfig) -> ParallelState:
@@ -81,10 +69,14 @@ def initialize_parallel_state(parallel: ParallelConfig, model: ModelConfig) -> P
     world = dist.get_world_size() if dist.is_initialized() else 1
     dp = check_parallel_sizes(world, parallel, model)
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    grid = None
-    if dist.is_initialized():
-        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+    state = ParallelState(tp_size=tp, pp_size=pp, dp_size=dp, sequence_parallel=parallel.sequence_parallel)
+    if tp * pp == 1:  # plain data parallelism: every rank is its own model replica
+        state.dp_rank = dist.get_rank() if dist.is_initialized() else 0
+        return state
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
 
-        grid = PipelineParallelGrid(topology=PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp))
-    return ParallelState(tp_size=tp, pp_size=pp, dp_size=dp, sequence_parallel=parallel.sequence_parallel,
-                         grid=grid)
+    grid = PipelineParallelGrid(topology=PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp))
+    state.grid = grid
+    state.tp_rank, state.pp_rank = grid.get_slice_parallel_rank(), grid.get_pipe_parallel_rank()
+    state.dp_rank = grid.get_data_parallel_rank()
+    return state
