@@ -28,14 +28,13 @@ def test_bad_flags_name_the_flag(capsys, argv, flag):
     assert flag in _error(capsys, argv)
 
 
-@pytest.mark.parametrize("key", sorted(NOT_IMPLEMENTED_YET))
-def test_reserved_flags_fail_clearly_until_implemented(capsys, key):
-    argv = {"coat_fp8": ["--coat-fp8"], "fp8_optimizer": ["--fp8-optimizer"],
-            "fp8_activations": ["--fp8-activations"],
-            "tensor_model_parallel_size": ["--tensor-model-parallel-size", "2"],
-            "pipeline_model_parallel_size": ["--pipeline-model-parallel-size", "2"],
-            "sequence_parallel": ["--sequence-parallel", "--tensor-model-parallel-size", "2"]}[key]
-    assert "not implemented yet" in _error(capsys, argv)
+def test_a_reserved_flag_fails_clearly_until_implemented(capsys, monkeypatch):
+    # Every feature has landed, so reserve one for the test: the mechanism must still stop the run.
+    monkeypatch.setitem(NOT_IMPLEMENTED_YET, "sequence_parallel", "--sequence-parallel")
+    assert "not implemented yet" in _error(capsys, ["--sequence-parallel", "--tensor-model-parallel-size", "2"])
+    monkeypatch.setitem(NOT_IMPLEMENTED_YET, "coat_fp8", "--coat-fp8")
+    assert "not implemented yet" in _error(capsys, ["--coat-fp8"])
+    parse_config([])  # unset flags pass
 
 
 def test_compile_with_fp8_activations_is_refused(capsys):
