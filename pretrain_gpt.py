@@ -21,7 +21,12 @@ def main(argv: list[str] | None = None) -> dict:
         check_data_paths(cfg)  # a missing shard or tokenizer file also stops before any work
     except FileNotFoundError as e:
         raise SystemExit(f"error: {e}") from None
-    return pretrain(cfg)
+    from megacoat.training.stability import NonFiniteTrainingError
+
+    try:
+        return pretrain(cfg)
+    except NonFiniteTrainingError as e:  # the guard's stop: a message, not a traceback; checkpoints intact
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":
