@@ -4,12 +4,22 @@ CPU ranks (gloo, fp32), against the one-rank run of the same flags.
 Same data, same global batch, same initial weights: the runs differ only in the order of floating-point sums
 (row-parallel all-reduces, per-stage accumulation), ~1e-7 relative per step in fp32; over 8 Adam steps we
 require 1e-5 relative on each logged loss (far inside bf16's 2^-8)."""
+import socket
+
 import pytest
 
 from tests.training.checkpoint_runs import losses, records, run
 
 ITERS = 8
-ARGV = ["--train-iters", str(ITERS), "--zero-stage", "1", "--fp32"]
+BASE = ["--train-iters", str(ITERS), "--fp32"]
+ARGV = BASE + ["--zero-stage", "1"]
+
+
+def free_port() -> int:
+    """A port nobody listens on now: fixed ports collide with other launches on a shared machine."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _close(a, b, rel=1e-5):
@@ -33,10 +43,10 @@ def one_rank(tmp_path_factory):
 
 @pytest.mark.slow
 def test_pipeline_two_stages_untied_matches_one_rank(tmp_path):
-    """Untied head: the last stage holds `output` itself (the tied case is the 4-rank test below)."""
+    """Untied head: the last stage holds `output` itself (the tied case is the TP x PP test below)."""
     argv = ARGV + ["--untie-embeddings-and-output-weights"]
     run(tmp_path, argv, tmp_path / "one.json")
-    proc = run(tmp_path, argv + ["--pipeline-model-parallel-size", "2"], tmp_path / "pp.json", ranks=2, port=29641)
+    proc = run(tmp_path, argv + ["--pipeline-model-parallel-size", "2"], tmp_path / "pp.json", ranks=2, port=free_port())
     assert "parallel: TP 1 x PP 2 x DP 1" in proc.stdout
     one = losses(tmp_path / "one.json")
     _close(losses(tmp_path / "pp.json"), one)
@@ -51,14 +61,25 @@ def test_tp2_pp2_sequence_parallel_trains_checkpoints_and_resumes(tmp_path, one_
     argv = ARGV + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
                    "--save", str(tmp_path / "ckpt")]
     log = tmp_path / "tp_pp.json"
-    first = run(tmp_path, argv + ["--exit-interval", str(ITERS // 2)], log, ranks=4, port=29642)
+    first = run(tmp_path, argv + ["--exit-interval", str(ITERS // 2)], log, ranks=4, port=free_port())
     assert "parallel: TP 2 x PP 2 x DP 1, sequence parallel" in first.stdout
     assert f"exiting at iteration {ITERS // 2}" in first.stdout
     shards = sorted(p.name for p in (tmp_path / "ckpt" / f"iter_{ITERS // 2:07d}").iterdir() if p.name.startswith("layer_"))
     # DeepSpeed writes one file per layer and TP rank: the tied embedding/head once (layer 00), 2 blocks, norm.
     assert shards == [f"layer_{i:02d}-model_{m:02d}-model_states.pt" for i in range(4) for m in range(2)]
-    second = run(tmp_path, argv + ["--load", str(tmp_path / "ckpt")], log, ranks=4, port=29643)
+    second = run(tmp_path, argv + ["--load", str(tmp_path / "ckpt")], log, ranks=4, port=free_port())
     assert f"resumed from {tmp_path / 'ckpt' / f'iter_{ITERS // 2:07d}'}" in second.stdout
+    _close(losses(log), losses(one_rank))
+    _close(grad_norms(log), grad_norms(one_rank), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_tp2_with_data_parallel_zero2_matches_one_rank(tmp_path, one_rank):
+    """TP=2 x DP=2 (4 ranks) under ZeRO-2: DeepSpeed partitions gradients and optimizer state over the DP
+    group of each TP rank, and its gradient norm counts each shard once."""
+    log = tmp_path / "tp_dp.json"
+    proc = run(tmp_path, BASE + ["--zero-stage", "2", "--tensor-model-parallel-size", "2"], log, ranks=4, port=free_port())
+    assert "parallel: TP 2 x PP 1 x DP 2" in proc.stdout and "ZeRO-2" in proc.stdout
     _close(losses(log), losses(one_rank))
     _close(grad_norms(log), grad_norms(one_rank), rel=1e-4)
 
