@@ -1,6 +1,6 @@
 """The pretraining loop: build data, model and optimizer from a MegacoatConfig, hand them to the DeepSpeed
-engine (data parallelism, ZeRO-0/1/2, bf16, gradient accumulation and clipping), then train, evaluate, log
-and checkpoint."""
+engine (data parallelism with ZeRO-0/1/2, its pipeline engine under PP, bf16, gradient accumulation and
+clipping; tensor parallelism comes from megacoat.parallel), then train, evaluate, log and checkpoint."""
 from __future__ import annotations
 
 import logging
