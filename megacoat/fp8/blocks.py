@@ -11,14 +11,28 @@ stays BF16 (flash SDPA on GPU) and what it saves is counted in the measurements.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megacoat.fp8.config import FP8Config
 from megacoat.fp8.formats import get_format
 from megacoat.fp8.linear import Fp8Linear, Fp8WeightCache
 from megacoat.fp8.precision_flow import coat_mlp, coat_norm_linear
+from megacoat.model.gpt import causal_attention
 from megacoat.ops.rope import rope
+
+
+def attention_core(attention: nn.Module, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[q|k|v] (the fused norm + GEMM output, [b, s, *]) -> attention output before wo, [b, s, heads * d]."""
+    b, s, _ = qkv.shape
+    a = attention
+    q, k, v = qkv.split([a.wq.weight.shape[0], a.wk.weight.shape[0], a.wv.weight.shape[0]], dim=-1)
+    # one fused kernel per tensor, reading the slices of qkv in place (the model's apply_rope is ~10
+    # fp32 passes each way); same math, so CPU results equal the model's.
+    q = rope(q.view(b, s, -1, a.head_dim), cos, sin)
+    k = rope(k.view(b, s, -1, a.head_dim), cos, sin)
+    # contiguous: a view would keep the whole BF16 [q|k|v] GEMM output alive as SDPA's saved v.
+    v = v.contiguous().view(b, s, -1, a.head_dim)
+    return causal_attention(q, k, v)
 
 
 class CoatTransformerBlock(nn.Module):
@@ -37,22 +51,8 @@ class CoatTransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         a, ff = self.attention, self.feed_forward
-        b, s, _ = x.shape
         qkv = coat_norm_linear(x, self.attention_norm.weight, (a.wq.weight, a.wk.weight, a.wv.weight),
                                self.qkv_cache, self.attention_norm.eps, self.group_size, self.grad_dtype)
-        q, k, v = qkv.split([a.wq.weight.shape[0], a.wk.weight.shape[0], a.wv.weight.shape[0]], dim=-1)
-        # one fused kernel per tensor, reading the slices of qkv in place (the model's apply_rope is ~10
-        # fp32 passes each way); same math, so CPU results equal the model's.
-        q = rope(q.view(b, s, -1, a.head_dim), cos, sin)
-        k = rope(k.view(b, s, -1, a.head_dim), cos, sin)
-        # contiguous: a view would keep the whole BF16 [q|k|v] GEMM output alive as SDPA's saved v.
-        v = v.contiguous().view(b, s, -1, a.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        repeats = q.shape[1] // k.shape[1]
-        if repeats > 1:
-            k = k.repeat_interleave(repeats, dim=1)
-            v = v.repeat_interleave(repeats, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = x + a.wo(attn.transpose(1, 2).reshape(b, s, -1))
+        h = x + a.wo(attention_core(a, qkv, cos, sin))
         return h + coat_mlp(h, self.ffn_norm.weight, ff.w1.weight, ff.w3.weight, ff.w2.weight, self.w13_cache,
                             self.w2_cache, self.ffn_norm.eps, self.group_size, self.grad_dtype)

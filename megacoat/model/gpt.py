@@ -56,6 +56,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).type_as(x)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [b, s, heads, d], k/v [b, s, kv_heads, d] -> [b, s, heads * d]: causal SDPA, each key/value head
+    serving heads / kv_heads query heads."""
+    b, s = q.shape[:2]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
+    repeats = q.shape[1] // k.shape[1]
+    if repeats > 1:
+        k = k.repeat_interleave(repeats, dim=1)
+        v = v.repeat_interleave(repeats, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out.transpose(1, 2).reshape(b, s, -1)
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention: `num_query_groups` key/value heads shared by the query heads."""
 
@@ -76,13 +89,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
-        repeats = q.shape[1] // k.shape[1]
-        if repeats > 1:
-            k = k.repeat_interleave(repeats, dim=1)
-            v = v.repeat_interleave(repeats, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        return self.wo(causal_attention(q, k, v))
 
 
 class FeedForward(nn.Module):

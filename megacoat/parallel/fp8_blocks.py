@@ -9,13 +9,12 @@ The MLP's w2 is inside the fused function, so its partial output leaves the regi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from megacoat.fp8.blocks import attention_core
 from megacoat.fp8.formats import get_format
 from megacoat.fp8.linear import Fp8WeightCache
 from megacoat.fp8.precision_flow import coat_mlp, coat_norm_linear
-from megacoat.ops.rope import rope
 from megacoat.parallel.layers import TPRegion
 from megacoat.parallel.mappings import copy_to_tp
 
@@ -37,20 +36,9 @@ class TensorParallelCoatBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         a, ff = self.attention, self.feed_forward
         xin = self.region.enter(x)
-        b, s, _ = xin.shape
         qkv = coat_norm_linear(xin, self._norm_weight(self.attention_norm), (a.wq.weight, a.wk.weight, a.wv.weight),
                                self.qkv_cache, self.attention_norm.eps, self.group_size, self.grad_dtype)
-        q, k, v = qkv.split([a.wq.weight.shape[0], a.wk.weight.shape[0], a.wv.weight.shape[0]], dim=-1)
-        q = rope(q.view(b, s, -1, a.head_dim), cos, sin)  # the fused kernel, as CoatTransformerBlock
-        k = rope(k.view(b, s, -1, a.head_dim), cos, sin)
-        v = v.contiguous().view(b, s, -1, a.head_dim)  # not a view of the whole BF16 [q|k|v] (see blocks.py)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        repeats = q.shape[1] // k.shape[1]
-        if repeats > 1:
-            k = k.repeat_interleave(repeats, dim=1)
-            v = v.repeat_interleave(repeats, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = x + a.wo(attn.transpose(1, 2).reshape(b, s, -1))  # RowParallelLinear (FP8) leaves the region
+        h = x + a.wo(attention_core(a, qkv, cos, sin))  # RowParallelLinear (FP8) leaves the region
         hin = self.region.enter(h)
         out = coat_mlp(hin, self._norm_weight(self.ffn_norm), ff.w1.weight, ff.w3.weight, ff.w2.weight,
                        self.w13_cache, self.w2_cache, self.ffn_norm.eps, self.group_size, self.grad_dtype)
