@@ -53,8 +53,7 @@ def environment() -> dict:
     except ImportError:
         pass
     if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name()
-        env["cuda"] = torch.version.cuda
+        env.update(device=torch.cuda.get_device_name(), gpus_on_host=torch.cuda.device_count(), cuda=torch.version.cuda)
     return env
 
 

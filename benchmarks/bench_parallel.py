@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -31,11 +30,12 @@ import sys
 import tempfile
 import time
 
+# The sibling script (this folder is on sys.path when run as `python benchmarks/bench_parallel.py`).
+from bench_e2e import MODEL_1P3B, environment  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
-MODEL_1P3B = ["--num-layers", "24", "--hidden-size", "2048", "--ffn-hidden-size", "5632", "--num-attention-heads", "16",
-              "--seq-length", "2048", "--vocab-size", "32000"]
 MODEL_TINY = ["--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "256", "--num-attention-heads", "4",
               "--seq-length", "64", "--vocab-size", "256"]
 MODES = {"bf16": [], "coat": ["--coat-fp8"]}
@@ -69,24 +69,6 @@ def worker(argv: list[str], result_path: str) -> None:
             json.dump({"max_memory_bytes_per_rank": [int(t.item()) for t in peaks],
                        "tp": p.tp_size, "pp": p.pp_size, "dp": p.dp_size,
                        "grad_accum": trainer.grad_accum}, f)
-
-
-def environment() -> dict:
-    import torch
-
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    try:
-        import deepspeed
-        import triton
-
-        env.update(deepspeed=deepspeed.__version__, triton=triton.__version__)
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        env.update(device=torch.cuda.get_device_name(), gpus_on_host=torch.cuda.device_count(), cuda=torch.version.cuda)
-    return env
 
 
 def run(gpus: int, argv: list[str], timeout: int, port: int) -> dict:
