@@ -10,14 +10,7 @@ from megacoat.optim.coat_adamw import CoatAdamW
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensors: on a loaded CI box, intra-op threads cost 1000x more than they gain (measured: 20 ms vs
-    0.02 ms for log2 of 7k floats with 2 threads under load)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def mlp(seed=1):
