@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megacoat.config import MegacoatConfig
+from megacoat.data.config import parse_data_path
 from megacoat.fp8.linear import invalidate_fp8_weight_caches
 from megacoat.parallel import initialize_parallel_state
 from megacoat.parallel.grad_norm import global_grad_norm
@@ -29,12 +30,8 @@ from megacoat.training.stability import StabilityGuard, clear_skip_flag, nan_inj
 
 def check_data_paths(cfg: MegacoatConfig) -> None:
     """Fail before any work when a --data-path shard or the tokenizer file is missing."""
-    for item in cfg.data.data_path:
-        try:
-            float(item)  # a blend weight
-            continue
-        except ValueError:
-            pass
+    _, prefixes = parse_data_path(cfg.data.data_path) if cfg.data.data_path else (None, [])
+    for item in prefixes:
         for ext in (".bin", ".idx"):
             if not os.path.exists(item + ext):
                 raise FileNotFoundError(f"--data-path {item}: {item + ext} does not exist")
