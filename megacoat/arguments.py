@@ -154,10 +154,6 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         max_skipped_steps=args.max_skipped_steps, tensorboard_dir=args.tensorboard_dir,
         wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
         compile=args.compile)
-    if training.compile and fp8.enabled:
-        # Measured on the H200: inductor fails to build the FP8 flow's Triton kernels (python-float arguments
-        # traced as fp64) and its own FP8 casts; the FP8 modes run their hand-fused kernels eagerly instead.
-        raise ValueError("--compile is not supported with --fp8-activations / --coat-fp8 yet")
     if data.mock_data and data.data_path:
         raise ValueError("--mock-data and --data-path are exclusive")
     return MegacoatConfig(model=model, optim=optim, data=data, fp8=fp8, parallel=parallel, training=training)
