@@ -7,9 +7,10 @@ Forward, two launches:
      computed from the dequantized values (stage 1 of group scaling).
   2. `swiglu_fp8_out`: re-read the FP8 pair and write s with that per-tensor scale, row-major for the down
      projection's GEMM, or transposed for its weight gradient (made again in backward, not saved).
-Backward, three launches of one kernel: `swiglu_fp8_bwd` takes ds, computes da1 and da3 from the saved pair,
-reduces their amax, then writes them in the gradient format with one per-tensor scale, as da13 [M, 2F] for
-the dgrad GEMM and (a third launch) da13^T [2F, M] for the wgrad GEMM.
+Backward, two passes over ds and the saved pair (the per-tensor scale needs the whole tensor's amax before any
+byte is written, so ds, a1, a3 are read twice; 12 bytes per (token, ffn) pair in all): `swiglu_fp8_bwd`'s first
+kernel reduces max|da1|, |da3| into one float by atomic max; the second derives the scale from it and writes
+da13 [M, 2F] for the dgrad GEMM and da13^T [2F, M] for the wgrad GEMM from one read.
 """
 from __future__ import annotations
 
@@ -125,39 +126,52 @@ def _out_kernel(a1_ptr, s1_ptr, a3_ptr, s3_ptr, scale_ptr, y_ptr, M, F, NG, fmax
 
 
 @triton.jit
-def _bwd_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, out_ptr, M, F, NG, fmax_g,
-                STAGE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr):
-    """STAGE 1: amax of da1 and da3 (they share one scale, as one [M, 2F] GEMM operand).
-    STAGE 2: write da1|da3 row-major [M, 2F]. STAGE 3: write them transposed [2F, M]; program axis 2 picks
-    the half, so each program makes one transposed store (the pattern of _out_kernel)."""
+def _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG):
+    """da1 = ds a3 sig (1 + a1 (1 - sig)) and da3 = ds silu(a1) on a [BM, G] tile, in fp32."""
+    a1, a3 = _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG)
+    ds = tl.load(ds_ptr + rm[:, None] * F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(a1)
+    return ds * a3 * sig * (1 + a1 * (1 - sig)), ds * a1 * sig
+
+
+@triton.jit
+def _bwd_amax_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, M, F, NG, G: tl.constexpr, BM: tl.constexpr):
+    """Pass 1: max |da1|, |da3| into one float (they share one scale, as one [M, 2F] GEMM operand). The
+    atomic max replaces a partial-amax array and the torch reductions over it (three launches)."""
     gi = tl.program_id(1)
     rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < F)
-    a1, a3 = _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG)
-    ds = tl.load(ds_ptr + rm[:, None] * F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(a1)
-    da1 = ds * a3 * sig * (1 + a1 * (1 - sig))
-    da3 = ds * a1 * sig
-    if STAGE == 1:
-        pid = tl.program_id(0) * tl.num_programs(1) + gi
-        tl.store(amax_ptr + pid, tl.maximum(tl.max(tl.max(tl.abs(da1), axis=1), axis=0),
-                                             tl.max(tl.max(tl.abs(da3), axis=1), axis=0)))
-    elif STAGE == 2:
-        scale = tl.load(scale_ptr)
-        ty = out_ptr.dtype.element_ty
-        tl.store(out_ptr + rm[:, None] * (2 * F) + rn[None, :], tl.clamp(da1 / scale, -fmax_g, fmax_g).to(ty),
-                 mask=mask)
-        tl.store(out_ptr + rm[:, None] * (2 * F) + F + rn[None, :],
-                 tl.clamp(da3 / scale, -fmax_g, fmax_g).to(ty), mask=mask)
-    else:
-        half = tl.program_id(2)
-        q = tl.clamp(tl.where(half == 0, da1, da3) / tl.load(scale_ptr), -fmax_g, fmax_g)
-        tl.store(out_ptr + (rn[:, None] + half * F) * M + rm[None, :], tl.trans(q).to(out_ptr.dtype.element_ty),
-                 mask=tl.trans(mask))
+    da1, da3 = _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.maximum(tl.abs(da1), tl.abs(da3)), axis=1), axis=0))
+
+
+@triton.jit
+def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, F, NG,
+                     fmax_g, tiny, G: tl.constexpr, BM: tl.constexpr):
+    """Pass 2: one read of ds, a1, a3 writes da1|da3 both row-major [M, 2F] (dgrad) and transposed [2F, M]
+    (wgrad). Tiles run in the reverse order of pass 1, so the first ones read what pass 1 left in L2."""
+    gi = tl.num_programs(1) - 1 - tl.program_id(1)
+    rm = ((tl.num_programs(0) - 1 - tl.program_id(0)) * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = (gi * G + tl.arange(0, G)).to(tl.int64)
+    mask = (rm[:, None] < M) & (rn[None, :] < F)
+    scale = tl.math.div_rn(tl.maximum(tl.load(amax_ptr), tiny), fmax_g)  # IEEE, as the reference's torch division
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(scale_ptr, scale)
+    da1, da3 = _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG)
+    ty = out_ptr.dtype.element_ty
+    q1 = tl.clamp(da1 / scale, -fmax_g, fmax_g).to(ty)
+    q3 = tl.clamp(da3 / scale, -fmax_g, fmax_g).to(ty)
+    row = out_ptr + rm[:, None] * (2 * F) + rn[None, :]
+    tl.store(row, q1, mask=mask)
+    tl.store(row + F, q3, mask=mask)
+    col = outt_ptr + rn[:, None] * M + rm[None, :]
+    tl.store(col, tl.trans(q1), mask=tl.trans(mask))
+    tl.store(col + F * M, tl.trans(q3), mask=tl.trans(mask))
 
 
 _BM = 32
+_BM_T, _WARPS_T = 64, 8  # the transposed store writes BM contiguous bytes per row: 64 of them
 
 
 def swiglu_fp8_fwd_triton(a13, group_size: int, out_dtype=E4M3):
@@ -188,17 +202,15 @@ def swiglu_fp8_bwd_triton(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=to
     ds = ds.contiguous()
     m, f = a1_8.shape
     ng = s1.shape[1]
-    grid = (triton.cdiv(m, _BM), ng)
     dev = ds.device
-    amax = torch.empty((grid[0] * grid[1],), dtype=torch.float32, device=dev)
+    amax = torch.zeros((1,), dtype=torch.float32, device=dev)  # |da| >= 0: zero is the neutral start
+    scale = torch.empty((1,), dtype=torch.float32, device=dev)
     da = torch.empty((m, 2 * f), dtype=grad_dtype, device=dev)
     dat = torch.empty((2 * f, m), dtype=grad_dtype, device=dev)
-    fmax = torch.finfo(grad_dtype).max
     args = (ds, a1_8, s1, a3_8, s3, amax)
-    _bwd_kernel[grid](*args, amax, da, m, f, ng, fmax, STAGE=1, G=group_size, BM=_BM, num_warps=4)
-    scale = _scale(amax, grad_dtype)
-    _bwd_kernel[grid](*args, scale, da, m, f, ng, fmax, STAGE=2, G=group_size, BM=_BM, num_warps=4)
-    _bwd_kernel[grid + (2,)](*args, scale, dat, m, f, ng, fmax, STAGE=3, G=group_size, BM=_BM, num_warps=4)
+    _bwd_amax_kernel[(triton.cdiv(m, _BM), ng)](*args, m, f, ng, G=group_size, BM=_BM, num_warps=4)
+    _bwd_cast_kernel[(triton.cdiv(m, _BM_T), ng)](*args, scale, da, dat, m, f, ng, torch.finfo(grad_dtype).max,
+                                                  TINY, G=group_size, BM=_BM_T, num_warps=_WARPS_T)
     return da, dat, scale
 
 
