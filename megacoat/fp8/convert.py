@@ -4,7 +4,8 @@ It swaps modules of the plain model from outside and keeps every parameter objec
 and an optimizer built before or after see the same parameters:
   * `bf16`:       nothing changes.
   * `fp8-linear`: every nn.Linear inside the transformer blocks becomes an Fp8Linear (FP8 GEMMs, the FP8
-                  input saved); norms, SwiGLU and attention stay in the activation dtype.
+                  input saved); norms, SwiGLU and attention stay in the activation dtype. The linears of a
+                  block share one Fp8InputCache, so wq/wk/wv (and w1/w3) quantize and save their input once.
   * `coat`:       each TransformerBlock becomes a CoatTransformerBlock (the full FP8 precision flow).
 The embedding and the output head stay in high precision in every mode (as in COAT and TransformerEngine):
 the vocabulary need not meet FP8 GEMM alignment, and the logits feed a softmax over ~1e4-1e5 classes.
@@ -18,7 +19,7 @@ from torch import nn
 
 from megacoat.fp8.blocks import CoatTransformerBlock
 from megacoat.fp8.config import FP8Config
-from megacoat.fp8.linear import Fp8Linear
+from megacoat.fp8.linear import Fp8InputCache, Fp8Linear
 
 
 def _check_dims(model: nn.Module) -> None:
@@ -43,10 +44,11 @@ def convert_to_fp8(model: nn.Module, fp8: FP8Config) -> nn.Module:
         if fp8.mode == "coat":
             model.layers[i] = CoatTransformerBlock(block, fp8)
         elif fp8.mode == "fp8-linear":
+            shared = Fp8InputCache()
             for parent in block.modules():
                 for child_name, child in list(parent.named_children()):
                     if type(child) is nn.Linear:
-                        setattr(parent, child_name, Fp8Linear.from_linear(child, fp8.grad_dtype))
+                        setattr(parent, child_name, Fp8Linear.from_linear(child, fp8.grad_dtype, shared))
         else:
             raise ValueError(f"unknown FP8 activation mode {fp8.mode!r}")
     return model

@@ -13,16 +13,21 @@ M (tokens per micro-batch) must be multiples of 16: cuBLASLt's FP8 kernels need 
 dimensions. Shapes that break this get a ValueError naming the dimension (no silent fallback to BF16).
 
 The weight's FP8 copies are made once per optimizer step and reused by every micro-batch: see Fp8WeightCache.
+Linears that read the very same input tensor (wq, wk, wv; w1, w3) quantize it once: see Fp8InputCache.
+
+No host sync anywhere (scales stay on the device; tests/fp8/test_no_host_sync.py checks it), and per GEMM
+operand two launches (amax, fused cast+transpose that also writes the scale): see ops/cast_transpose.py.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
 from torch import nn
 
 from megacoat.fp8.formats import E4M3, get_format
-from megacoat.ops.cast_transpose import amax_scale, cast_transpose
+from megacoat.ops.cast_transpose import quantize_transpose
 
 _generation = 0  # bumped by invalidate_fp8_weight_caches(); every cache compares it with its own
 
@@ -52,11 +57,43 @@ class Fp8WeightCache:
         if key != self._key:
             with torch.no_grad():
                 w = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
-                self.scale = amax_scale(w, E4M3.dtype)
-                self.w8, self.w8t = cast_transpose(w, self.scale, E4M3.dtype)
+                self.w8, self.w8t, self.scale = quantize_transpose(w, E4M3.dtype)
             self._key = key
             self.builds += 1
         return self.w8, self.w8t, self.scale
+
+
+class Fp8InputCache:
+    """The E4M3 copy (x8, x8^T, scale) of the last input quantized, shared by the linears of a block: wq, wk
+    and wv read one tensor, w1 and w3 another, so each is quantized once (two launches and a read of x saved
+    per sharing linear) and its FP8 transpose is saved for backward once instead of three or two times.
+
+    A hit needs the very same tensor object at the same version counter (in-place ops bump it; writes through
+    `.data` do not, and no forward does that between two sibling linears). The copies are dropped when the
+    input dies, so the cache never keeps a micro-batch's activations alive.
+    """
+
+    def __init__(self):
+        self._ref = self._version = self._value = None
+        self.hits = 0  # how many quantizations were saved (tests check the sharing)
+
+    def _forget(self, ref) -> None:
+        if ref is self._ref:
+            self._ref = self._value = None
+
+    def get(self, x: torch.Tensor, transpose: bool):
+        if self._ref is not None and self._ref() is x and x._version == self._version \
+                and (self._value[1] is not None or not transpose):
+            self.hits += 1
+            return self._value
+        self._value = quantize_x(x, transpose)
+        self._ref, self._version = weakref.ref(x, self._forget), x._version
+        return self._value
+
+
+def quantize_x(x: torch.Tensor, transpose: bool):
+    """A linear's input [..., K] → (x8 [M, K], x8^T [K, M] or None, scale), E4M3."""
+    return quantize_transpose(x.detach().reshape(-1, x.shape[-1]), E4M3.dtype, transpose=transpose)
 
 
 def check_gemm_dims(**dims: int) -> None:
@@ -70,21 +107,20 @@ def scaled_mm(a8, b8_colmajor, scale_a, scale_b, out_dtype) -> torch.Tensor:
     return torch._scaled_mm(a8, b8_colmajor, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 
-def quantize_grad(g: torch.Tensor, grad_dtype: torch.dtype):
-    """Output gradient → (g8 [M, N], g8^T [N, M], scale), one read of g after its amax."""
-    scale = amax_scale(g, grad_dtype)
-    g8, g8t = cast_transpose(g, scale, grad_dtype)
-    return g8, g8t, scale
+def quantize_grad(g: torch.Tensor, grad_dtype: torch.dtype, rowwise: bool = True, transpose: bool = True):
+    """Output gradient → (g8 [M, N] for dgrad, g8^T [N, M] for wgrad, scale): its amax, then one read of g.
+    A layout nobody needs (frozen weight, or an input without grad) is not written."""
+    return quantize_transpose(g, grad_dtype, rowwise, transpose)
 
 
 class Fp8LinearFunction(torch.autograd.Function):
-    """y = x @ W^T in FP8. x [M, K] in the activation dtype; returns [M, N] in the same dtype."""
+    """y = x @ W^T in FP8. x [M, K] in the activation dtype, x_fp8 its (x8, x8^T, scale) made by the caller
+    (possibly shared with sibling linears); returns [M, N] in x's dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, cache, grad_dtype):
+    def forward(ctx, x, weight, cache, grad_dtype, x_fp8):
         w8, w8t, w_scale = (cache or Fp8WeightCache()).get((weight,))
-        x_scale = amax_scale(x, E4M3.dtype)
-        x8, x8t = cast_transpose(x, x_scale, E4M3.dtype, transpose=weight.requires_grad)
+        x8, x8t, x_scale = x_fp8
         out = scaled_mm(x8, w8.t(), x_scale, w_scale, x.dtype)
         ctx.save_for_backward(x8t, x_scale)  # FP8 input, transposed for wgrad: the only activation saved
         ctx.w8t, ctx.w_scale, ctx.grad_dtype, ctx.w_dtype = w8t, w_scale, grad_dtype, weight.dtype
@@ -93,24 +129,29 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x8t, x_scale = ctx.saved_tensors
-        g8, g8t, g_scale = quantize_grad(grad_out.contiguous(), ctx.grad_dtype)
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        g8, g8t, g_scale = quantize_grad(grad_out, ctx.grad_dtype, rowwise=need_dx, transpose=need_dw)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = scaled_mm(g8, ctx.w8t.t(), g_scale, ctx.w_scale, grad_out.dtype)
         if ctx.needs_input_grad[1]:
             dw = scaled_mm(g8t, x8t.t(), g_scale, x_scale, ctx.w_dtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 @torch.compiler.disable  # runs its own Triton kernels; torch.compile graph-breaks around it
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | None = None,
-               grad_dtype: str | torch.dtype = "e5m2") -> torch.Tensor:
+               grad_dtype: str | torch.dtype = "e5m2", input_cache: Fp8InputCache | None = None) -> torch.Tensor:
     """FP8 x @ weight^T over any leading dims. `cache` keeps the weight's FP8 copies across micro-batches
-    (None: quantize the weight on every call). A tensor-parallel layer passes its shard."""
+    (None: quantize the weight on every call); `input_cache` shares x's FP8 copy with sibling linears that
+    read the same x (None: quantize x here). A tensor-parallel layer passes its shard."""
     lead = x.shape[:-1]
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if grad:
         check_gemm_dims(tokens_per_micro_batch=lead.numel())  # wgrad contracts over the tokens
-    out = Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, cache, get_format(grad_dtype).dtype)
+    transpose = grad and weight.requires_grad  # x^T only feeds wgrad
+    x_fp8 = input_cache.get(x, transpose) if input_cache is not None else quantize_x(x, transpose)
+    out = Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, cache, get_format(grad_dtype).dtype, x_fp8)
     return out.view(*lead, weight.shape[0])
 
 
@@ -118,14 +159,18 @@ class Fp8Linear(nn.Linear):
     """nn.Linear (no bias) whose GEMMs run in FP8; built from an existing nn.Linear, sharing its Parameter
     so checkpoints and the optimizer see the same `weight`."""
 
-    def __init__(self, in_features: int, out_features: int, grad_dtype: str = "e5m2", device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int, grad_dtype: str = "e5m2", device=None, dtype=None,
+                 input_cache: Fp8InputCache | None = None):
         check_gemm_dims(in_features=in_features, out_features=out_features)
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
         self.grad_dtype = get_format(grad_dtype).name
         self.fp8_cache = Fp8WeightCache()
+        self.input_cache = input_cache
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, grad_dtype: str = "e5m2") -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear, grad_dtype: str = "e5m2",
+                    input_cache: Fp8InputCache | None = None) -> "Fp8Linear":
+        """`input_cache`: one Fp8InputCache given to every linear of a block lets siblings share their input."""
         if linear.bias is not None:
             raise ValueError("Fp8Linear supports bias-free linears only (the model has no biases)")
         new = cls.__new__(cls)
@@ -136,10 +181,11 @@ class Fp8Linear(nn.Linear):
         new.register_parameter("bias", None)
         new.grad_dtype = get_format(grad_dtype).name
         new.fp8_cache = Fp8WeightCache()
+        new.input_cache = input_cache
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.fp8_cache, self.grad_dtype)
+        return fp8_linear(x, self.weight, self.fp8_cache, self.grad_dtype, self.input_cache)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8=e4m3, grad={self.grad_dtype}"

@@ -42,7 +42,7 @@ class CoatNormLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x8, xs, rstd, y_scale, norm_weight = ctx.saved_tensors
-        g8, g8t, g_scale = quantize_grad(grad_out.contiguous(), ctx.grad_dtype)
+        g8, g8t, g_scale = quantize_grad(grad_out, ctx.grad_dtype)
         dy = scaled_mm(g8, ctx.w8t.t(), g_scale, ctx.w_scale, grad_out.dtype)
         y8t = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, ctx.group_size, transpose=True)
         dw = scaled_mm(g8t, y8t.t(), g_scale, y_scale, ctx.w_dtype)
@@ -73,7 +73,7 @@ class CoatMLPFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x8, xs, rstd, y_scale, a1_8, s1, a3_8, s3, s_scale, norm_weight = ctx.saved_tensors
         g = ctx.group_size
-        g8, g8t, g_scale = quantize_grad(grad_out.contiguous(), ctx.grad_dtype)
+        g8, g8t, g_scale = quantize_grad(grad_out, ctx.grad_dtype)
         ds = scaled_mm(g8, ctx.w2_8t.t(), g_scale, ctx.w2_scale, grad_out.dtype)  # [M, F]
         s8t = swiglu_fp8_out(a1_8, s1, a3_8, s3, s_scale, g, transpose=True)
         dw2 = scaled_mm(g8t, s8t.t(), g_scale, s_scale, ctx.w_dtype)

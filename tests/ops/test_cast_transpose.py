@@ -1,16 +1,22 @@
-"""FP8 cast + transpose: Triton against the torch reference."""
+"""FP8 cast + transpose: Triton against the torch reference, the scale from amax, and the edge cases."""
 import pytest
 import torch
 
 from tests.ops.fp8_compare import DEV, assert_fp8_close, interpreted  # noqa: I001
 from megacoat.ops import cast_transpose as C
 
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
-@pytest.mark.parametrize("shape", [(48, 80), (130, 33)])
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_triton_matches_reference(shape, dtype):
+
+def _kernels_usable():
     if DEV == "cpu" and not interpreted(C._cast_transpose_kernel):
         pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (130, 33)])
+@pytest.mark.parametrize("dtype", [E4, E5])
+def test_triton_matches_reference(shape, dtype):
+    _kernels_usable()
     x = (torch.randn(*shape, device=DEV) * 5).to(torch.bfloat16)
     scale = C.amax_scale(x, dtype)
     q, qt = C.cast_transpose_triton(x, scale, dtype)
@@ -21,8 +27,55 @@ def test_triton_matches_reference(shape, dtype):
     assert only_t[0] is None and torch.equal(only_t[1], qt)
 
 
-def test_zero_tensor_has_finite_scale():
-    x = torch.zeros(16, 16)
-    scale = C.amax_scale(x, torch.float8_e4m3fn)
-    q, _ = C.cast_transpose_ref(x, scale, torch.float8_e4m3fn)
-    assert scale.item() > 0 and (q.float() == 0).all()
+@pytest.mark.parametrize("dtype", [E4, E5])
+def test_quantize_transpose_writes_the_scale_from_amax(dtype):
+    _kernels_usable()
+    x = (torch.randn(130, 33, device=DEV) * 3).to(torch.bfloat16)
+    q, qt, scale = C.quantize_transpose_triton(x, dtype)
+    rq, rqt, rscale = C.quantize_transpose_ref(x, dtype)
+    # the scale is float32 arithmetic on an exact amax: identical, even under the interpreter
+    assert scale.dtype == torch.float32 and scale.shape == (1,) and torch.equal(scale, rscale)
+    amax = x.float().abs().max().cpu()
+    assert torch.equal(scale.cpu(), (amax / torch.tensor(torch.finfo(dtype).max)).reshape(1))
+    assert_fp8_close(q, rq)
+    assert torch.equal(qt, q.t().contiguous())
+    # the largest |x| lands on the format's max: the full range is used
+    assert q.float().abs().max().item() == torch.finfo(dtype).max
+    q_only, none, _ = C.quantize_transpose_triton(x, dtype, transpose=False)
+    assert none is None and torch.equal(q_only, q)
+
+
+@pytest.mark.parametrize("fn", ["ref", "triton"])
+def test_zero_tensor_has_finite_scale(fn):
+    if fn == "triton":
+        _kernels_usable()
+    q, qt, scale = getattr(C, f"quantize_transpose_{fn}")(torch.zeros(16, 16, device=DEV), E4)
+    assert 0 < scale.item() < float("inf") and (q.float() == 0).all() and (qt.float() == 0).all()
+
+
+def test_nonfinite_input_gives_a_nan_scale_not_a_silent_result():
+    x = torch.randn(32, 32, device=DEV)
+    x[3, 5] = float("nan")
+    assert torch.isnan(C.tensor_amax(x)).all()  # NaN propagates through the one-kernel amax
+    assert torch.isnan(C.quantize_transpose(x, E4)[2]).all()
+    x[3, 5] = float("inf")
+    assert torch.isinf(C.quantize_transpose(x, E4)[2]).all()
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="2-D"):
+        C.quantize_transpose(torch.randn(2, 3, 4, device=DEV), E4)
+    with pytest.raises(ValueError, match="empty"):
+        C.quantize_transpose(torch.empty(0, 16, device=DEV), E4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [E4, E5])
+def test_gpu_bit_exact_with_reference(dtype):
+    """On the GPU the kernel does the reference's float32 operations: same bytes, same scale."""
+    x = (torch.randn(2048, 4096, device="cuda") * 7).to(torch.bfloat16)
+    q, qt, scale = C.quantize_transpose(x, dtype)
+    rq, rqt, rscale = C.quantize_transpose_ref(x, dtype)
+    assert torch.equal(scale, rscale)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), rqt.view(torch.uint8))
