@@ -3,10 +3,17 @@
 x = sign(q) * (F.max * scale) * exp2(log2(|q| * fp32(1/F.max)) * (1/k)), 1/k once per group, the reference's
 float32 operation order. k == 1 skips the pow. A NaN scale gives NaN.
 
-|q| takes at most 256 values, so log2(|q| * fp32(1/F.max)) comes from a 256-entry float32 table built with
-torch on the tensor's device: bit-identical to what the torch reference computes there, and one libdevice log2
-per element cheaper (the 1 KB table stays in L1). `lut=False` computes log2 in the kernel (benchmark
-comparison); `approx_math=True` uses the hardware lg2/ex2.approx (not bit-exact, see expand_math).
+|q| takes at most 128 values, so log2(|q| * fp32(1/F.max)) comes from a float32 table built with torch on the
+tensor's device: bit-identical to what the torch reference computes there, and one libdevice log2 per element
+cheaper. The table is indexed by the magnitude bits (q & 0x7F), so a warp's gathers touch at most 4 of its 128-byte
+lines instead of 8 (each distinct line is one more L1 wavefront per gather).
+The tile is [G / VEC, BLOCK_G, VEC] with VEC = 16 bytes of the output (quantize_per_group.group_tile_vec): the
+FP8 load and the output store then share one register layout. With the plain [BLOCK_G, G] tile (`vec=0`, the
+session-2 kernel, kept for the benchmark) Triton loads 16 FP8 per thread, stores 4 float32 / 8 bf16 per thread,
+and passes the whole tile through shared memory between the two (8-16 KB per program, STS/LDS + barriers per
+element), on top of the gathers -- the likely reason bf16 output ran at 62% of copy.
+`lut=False` computes log2 in the kernel and `approx_math=True` uses the hardware lg2/ex2.approx (not bit-exact,
+see expand_math): benchmark comparisons.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import triton.language as tl
 
 from megacoat.ops import expand_math
 from megacoat.ops.quantize_layout import fp8_max, group_layout
-from megacoat.ops.quantize_per_group import group_tile
+from megacoat.ops.quantize_per_group import group_tile, group_tile_vec
 
 _LUTS: dict = {}
 
@@ -33,10 +40,21 @@ def log2_table(fp8_dtype: torch.dtype, device) -> torch.Tensor:
 
 
 @triton.jit
+def _per_group(v, VEC: tl.constexpr):
+    """A [BLOCK_G] per-group vector broadcast against the tile."""
+    if VEC:
+        return v[None, :, None]
+    return v[:, None]
+
+
+@triton.jit
 def _expand_dequantize_kernel(q_ptr, scale_ptr, k_ptr, lut_ptr, out_ptr, cols, n_groups, blocks_per_row,
                               FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, LUT: tl.constexpr,
-                              APPROX: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr):
-    row, g, base, offs, mask = group_tile(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G)
+                              APPROX: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, VEC: tl.constexpr):
+    if VEC:
+        row, g, base, offs, mask = group_tile_vec(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G, VEC)
+    else:
+        row, g, base, offs, mask = group_tile(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G)
     gmask = g < n_groups
     s = tl.load(scale_ptr + row * n_groups + g, mask=gmask, other=0.0)
     kf = tl.load(k_ptr + row * n_groups + g, mask=gmask, other=1.0).to(tl.float32)
@@ -46,30 +64,34 @@ def _expand_dequantize_kernel(q_ptr, scale_ptr, k_ptr, lut_ptr, out_ptr, cols, n
     qv = q8.to(tl.float32)
     rq = tl.abs(qv) * INV_FP8_MAX
     if APPROX:
-        e = expand_math.approx_exp2(expand_math.approx_log2(rq) * inv_k[:, None])
+        e = expand_math.approx_exp2(expand_math.approx_log2(rq) * _per_group(inv_k, VEC))
     else:
         if LUT:
-            lg = tl.load(lut_ptr + q8.to(tl.uint8, bitcast=True).to(tl.int32))
+            bits = q8.to(tl.uint8, bitcast=True)
+            lg = tl.load(lut_ptr + ((bits & 0x7F) if VEC else bits).to(tl.int32))
         else:
             lg = expand_math.log2(rq)
-        e = expand_math.exp2(lg * inv_k[:, None])
-    e = tl.where(kf[:, None] == 1.0, rq, e)
+        e = expand_math.exp2(lg * _per_group(inv_k, VEC))
+    e = tl.where(_per_group(kf, VEC) == 1.0, rq, e)
     e = tl.where(e < expand_math.FLT_MIN, 0.0, e)  # as the reference (FTZ here)
-    out = e * m[:, None]
+    out = e * _per_group(m, VEC)
     out = tl.where(qv < 0, -out, out)
     tl.store(out_ptr + base + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def expand_dequantize(q: torch.Tensor, scale: torch.Tensor, k: torch.Tensor, group_size: int,
-                      out_dtype: torch.dtype, *, lut: bool = True, approx_math: bool = False,
+                      out_dtype: torch.dtype, *, lut: bool = True, approx_math: bool = False, vec: int | None = None,
                       block: int | None = None, num_warps: int | None = None):
+    """vec: elements per thread vector (default 16 bytes of out_dtype, at most G); 0 = the plain tile."""
     q, scale, k = q.contiguous(), scale.contiguous(), k.contiguous()
+    if vec is None:
+        vec = min(16 // torch.empty((), dtype=out_dtype).element_size(), group_size)
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     lay = group_layout(q.shape, group_size, block, num_warps, TILE)
     if q.numel():
         fmax = fp8_max(q.dtype)
         _expand_dequantize_kernel[lay.grid](q, scale, k, log2_table(q.dtype, q.device), out, lay.cols, lay.n_groups,
                                             lay.blocks_per_row, FP8_MAX=fmax, INV_FP8_MAX=1.0 / fmax, LUT=lut,
-                                            APPROX=approx_math, G=group_size, BLOCK_G=lay.block_g,
+                                            APPROX=approx_math, G=group_size, BLOCK_G=lay.block_g, VEC=vec,
                                             num_warps=lay.num_warps)
     return out

@@ -28,6 +28,22 @@ def group_tile(pid, blocks_per_row, cols, G: tl.constexpr, BLOCK_G: tl.constexpr
 
 
 @triton.jit
+def group_tile_vec(pid, blocks_per_row, cols, G: tl.constexpr, BLOCK_G: tl.constexpr, VEC: tl.constexpr):
+    """group_tile with the tile shaped [G / VEC, BLOCK_G, VEC] (chunk of a group, group, element in chunk):
+    memory ops then hold at most VEC contiguous elements per thread, so an FP8 load and a store of 16-byte
+    vectors of bf16 (VEC 8) or float32 (VEC 4) share one register layout instead of exchanging the tile through
+    shared memory. Chunks first: Triton orders equally-contiguous dims as given, so a warp's lanes walk the
+    chunks of a group (coalesced). Per-group values broadcast as v[None, :, None]."""
+    row = (pid // blocks_per_row).to(tl.int64)
+    start = (pid % blocks_per_row).to(tl.int64) * (BLOCK_G * G)
+    g = start // G + tl.arange(0, BLOCK_G)
+    local = (tl.arange(0, G // VEC)[:, None, None] * VEC + tl.arange(0, BLOCK_G)[None, :, None] * G
+             + tl.arange(0, VEC)[None, None, :])
+    remaining = tl.minimum(cols - start, BLOCK_G * G).to(tl.int32)
+    return row, g, row * cols + start, local, local < remaining
+
+
+@triton.jit
 def _quantize_per_group_kernel(x_ptr, q_ptr, scale_ptr, cols, n_groups, blocks_per_row,
                                FP8_MAX: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr):
     row, g, base, offs, mask = group_tile(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G)
