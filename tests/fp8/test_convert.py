@@ -64,8 +64,9 @@ def test_loss_and_gradients_match_bf16(mode):
         assert F.cosine_similarity(grads[name].flatten(), g.flatten(), dim=0) >= 0.98, name
 
 
-def test_activation_checkpointing_gives_the_same_gradients():
-    model = convert_to_fp8(_model(), FP8Config(mode="coat", group_size=64))
+@pytest.mark.parametrize("mode", ["fp8-linear", "coat"])
+def test_activation_checkpointing_gives_the_same_gradients(mode):
+    model = convert_to_fp8(_model(), FP8Config(mode=mode, group_size=64))
     x = torch.randn(2, 64, CFG["hidden_size"], requires_grad=True)
     cos, sin = model._rope(x.device)
     block = model.layers[0]
@@ -88,3 +89,14 @@ def test_coat_saves_at_most_055_of_bf16_per_layer():
         saved[mode], _ = saved_activation_bytes(lambda: layer(x, cos, sin), list(layer.parameters()))
     assert saved["coat"] <= 0.55 * saved["bf16"], saved
     assert saved["coat"] < saved["fp8-linear"] < saved["bf16"], saved
+
+
+def test_fp8_linear_block_quantizes_each_input_once():
+    """wq/wk/wv share the normed x, w1/w3 the other: 4 quantizations of 7 linears' inputs per forward."""
+    model = convert_to_fp8(_model(), FP8Config(mode="fp8-linear"))
+    block = model.layers[0]
+    cache = block.attention.wq.input_cache
+    assert all(m.input_cache is cache for m in block.modules() if isinstance(m, Fp8Linear))
+    x = torch.randn(2, 64, CFG["hidden_size"], requires_grad=True)
+    block(x, *model._rope(x.device)).sum().backward()
+    assert cache.hits == 3

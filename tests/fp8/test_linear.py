@@ -4,7 +4,8 @@ import torch
 
 from tests.ops.fp8_compare import DEV, rel_err  # noqa: I001
 from megacoat.fp8.formats import E4M3, E5M2
-from megacoat.fp8.linear import Fp8Linear, Fp8WeightCache, fp8_linear, invalidate_fp8_weight_caches
+from megacoat.fp8.linear import (Fp8InputCache, Fp8Linear, Fp8WeightCache, fp8_linear,
+                                 invalidate_fp8_weight_caches)
 from megacoat.fp8.saved_memory import saved_activation_bytes
 
 U4, U5 = E4M3.unit_roundoff, E5M2.unit_roundoff
@@ -88,6 +89,45 @@ def test_cache_concatenates_weights():
     w8, w8t, scale = Fp8WeightCache().get((a, b))
     assert w8.shape == (48, 32) and w8t.shape == (32, 48)
     assert rel_err(w8.float() * scale, torch.cat((a, b))) <= U4
+
+
+def _siblings(shared):
+    torch.manual_seed(1)
+    cache = Fp8InputCache() if shared else None
+    return [Fp8Linear.from_linear(torch.nn.Linear(64, n, bias=False).to(DEV).bfloat16(), input_cache=cache)
+            for n in (32, 48, 16)]
+
+
+def test_siblings_share_one_fp8_input_and_get_the_same_gradients():
+    """wq/wk/wv read one x: quantized once, its FP8 transpose saved once, results unchanged."""
+    grads, saved = {}, {}
+    for shared in (False, True):
+        lins = _siblings(shared)
+        x = torch.randn(2, 16, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        params = [lin.weight for lin in lins]
+        saved[shared], _ = saved_activation_bytes(lambda: sum(lin(x).sum() for lin in lins), params)
+        sum(lin(x).float().square().sum() for lin in lins).backward()
+        grads[shared] = [x.grad] + [p.grad for p in params]
+        if shared:
+            assert lins[0].input_cache.hits == 5  # 2 siblings in the first forward, all 3 in the second (same x)
+    assert saved[False] == 3 * saved[True]
+    for a, b in zip(grads[False], grads[True]):
+        assert torch.equal(a, b)
+
+
+def test_input_cache_misses_on_another_tensor_or_an_in_place_change_and_lets_go():
+    cache = Fp8InputCache()
+    x = torch.randn(32, 64, device=DEV)
+    first = cache.get(x, transpose=True)
+    assert cache.get(x, transpose=True) is first and cache.hits == 1
+    assert cache.get(x.clone(), transpose=True) is not first  # equal values, another tensor: no hit
+    y = torch.randn(32, 64, device=DEV)
+    before = cache.get(y, transpose=False)
+    assert cache.get(y, transpose=True) is not before  # the transpose was not made: made now
+    y.mul_(2)
+    assert cache.get(y, transpose=True)[2].item() == 2 * before[2].item()  # version bumped: quantized again
+    del y
+    assert cache._value is None  # the FP8 copies die with their input
 
 
 @pytest.mark.gpu
