@@ -2,11 +2,13 @@
 
 Forward, in two launches:
   1. `rmsnorm_fp8_fwd`: read x once; write it as E4M3 with 1xG group scales (the tensor saved for backward),
-     the row's rstd computed from those dequantized values, and each block's amax of the output
-     y = x * rstd * w (stage 1 of group scaling; a few hundred floats reduced by torch to one scale).
+     the row's rstd computed from those dequantized values, and fold the row's amax of the output
+     y = x * rstd * w into the per-tensor scale, which the last program writes (megacoat.ops.tensor_scale:
+     no reduction launches after the kernel).
   2. `rmsnorm_fp8_out`: re-read the 1-byte x and write y quantized with that per-tensor scale, row-major
      for the next GEMM, or transposed for its weight gradient (made again in backward instead of saved).
-Backward `rmsnorm_fp8_bwd` reads dy and the saved FP8 x and writes dx and per-block partial sums of dw.
+Backward `rmsnorm_fp8_bwd` reads dy and the saved FP8 x once and writes dx, with a persistent grid (two
+programs per SM) whose programs each keep one partial sum of dw, summed by torch.
 
 Every function computes from the dequantized FP8 input, so forward, the backward recompute and the
 reference agree on the same values. Works for any hidden size (a short last group is padded with zeros).
@@ -18,6 +20,7 @@ import triton
 import triton.language as tl
 
 from megacoat.ops.group_cast_ref import TINY, group_dequantize, group_quantize
+from megacoat.ops.tensor_scale import fold_amax_to_scale, scale_workspace
 
 E4M3 = torch.float8_e4m3fn
 
@@ -59,34 +62,36 @@ def rmsnorm_fp8_bwd_ref(dy, x8, x_scales, rstd, weight, group_size: int):
 
 
 # --------------------------------------------------------------------------------------------------- triton
-# Every kernel walks a row in tiles of exactly one group (BN == G), so a group's amax is a plain row reduction
-# of the tile: no 3-D reshapes, which Triton 3.6 mis-compiles on Hopper when the groups' FP8 values are
-# converted inside them (seen as NaN rstd).
+# A row lives in registers as a [NGP, G] tile, one group per tile row (NGP = groups rounded up to a power of
+# two): group amaxes are reductions along axis 1, row sums over the whole tile, and no 3-D reshape is needed
+# (Triton 3.6 mis-compiles those on Hopper when FP8 values are converted inside them; seen as NaN rstd).
+# The first version walked a row one [8 rows, G] tile at a time: ~3 KB in flight per program, a shared-memory
+# round trip for the weight and a reduction per step (574 GB/s backward, 974 forward on an H200).
 @triton.jit
-def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, M, H, NG, eps, fmax_in, tiny,
-                G: tl.constexpr, BM: tl.constexpr):
-    pid = tl.program_id(0)
-    rm = (pid * BM + tl.arange(0, BM)).to(tl.int64)
-    row_ok = rm < M
-    sumsq = tl.zeros([BM], dtype=tl.float32)
-    wmax = tl.zeros([BM], dtype=tl.float32)
-    for gi in range(0, NG):
-        rn = gi * G + tl.arange(0, G)
-        mask = row_ok[:, None] & (rn[None, :] < H)
-        offs = rm[:, None] * H + rn[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        gs = tl.maximum(tl.max(tl.abs(x), axis=1), tiny) / fmax_in
-        q = tl.clamp(x / gs[:, None], -fmax_in, fmax_in).to(x8_ptr.dtype.element_ty)
-        tl.store(x8_ptr + offs, q, mask=mask)
-        tl.store(xs_ptr + rm * NG + gi, gs, mask=row_ok)
-        xd = q.to(tl.float32) * gs[:, None]
-        w = tl.load(w_ptr + rn, mask=rn < H, other=0.0).to(tl.float32)
-        sumsq += tl.sum(xd * xd, axis=1)
-        wmax = tl.maximum(wmax, tl.max(tl.abs(xd * w[None, :]), axis=1))
-    rstd = 1.0 / tl.sqrt(sumsq / H + eps)
-    tl.store(rstd_ptr + rm, rstd, mask=row_ok)
+def _row_tile(H, G: tl.constexpr, NGP: tl.constexpr):
+    """Group index [NGP], column offsets [NGP, G] and their mask for one row."""
+    gi = tl.arange(0, NGP)
+    col = gi[:, None] * G + tl.arange(0, G)[None, :]
+    return gi, col, col < H
+
+
+@triton.jit
+def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, count_ptr, scale_ptr, H, NG, eps, fmax_in,
+                fmax_out, tiny, G: tl.constexpr, NGP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    gi, col, mask = _row_tile(H, G, NGP)
+    x = tl.load(x_ptr + row * H + col, mask=mask, other=0.0).to(tl.float32)
+    gs = tl.maximum(tl.max(tl.abs(x), axis=1), tiny) / fmax_in
+    q = tl.clamp(x / gs[:, None], -fmax_in, fmax_in).to(x8_ptr.dtype.element_ty)
+    tl.store(x8_ptr + row * H + col, q, mask=mask)
+    tl.store(xs_ptr + row * NG + gi, gs, mask=gi < NG)
+    xd = q.to(tl.float32) * gs[:, None]
+    rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(xd * xd, axis=1), axis=0) / H + eps)
+    tl.store(rstd_ptr + row, rstd)
     # rstd > 0, so max|x * rstd * w| over a row is rstd * max|x * w|: the output amax without the output.
-    tl.store(amax_ptr + pid, tl.max(tl.where(row_ok, rstd * wmax, 0.0), axis=0))
+    w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    amax = rstd * tl.max(tl.max(tl.abs(xd * w), axis=1), axis=0)
+    fold_amax_to_scale(amax, amax_ptr, count_ptr, scale_ptr, fmax_out, tiny)
 
 
 @triton.jit
@@ -115,30 +120,39 @@ def _out_kernel(x8_ptr, xs_ptr, rstd_ptr, w_ptr, scale_ptr, y_ptr, M, H, NG, fma
 
 
 @triton.jit
+def _load_row(dy_ptr, x8_ptr, xs_ptr, rstd_ptr, row, col, gi, mask, H, NG):
+    r = row.to(tl.int64)
+    dy = tl.load(dy_ptr + r * H + col, mask=mask, other=0.0)
+    q = tl.load(x8_ptr + r * H + col, mask=mask, other=0.0)
+    gs = tl.load(xs_ptr + r * NG + gi, mask=gi < NG, other=0.0)
+    return dy, q, gs, tl.load(rstd_ptr + r)
+
+
+@triton.jit
 def _bwd_kernel(dy_ptr, x8_ptr, xs_ptr, rstd_ptr, w_ptr, dx_ptr, dwp_ptr, M, H, NG,
-                G: tl.constexpr, BM: tl.constexpr):
+                G: tl.constexpr, NGP: tl.constexpr):
+    """Persistent: program p takes rows p, p + P, ... and keeps its share of dw in registers (one [H] partial
+    per program, not per row block). The next row's loads are issued before this row's math, so each program
+    has two rows in flight."""
     pid = tl.program_id(0)
-    rm = (pid * BM + tl.arange(0, BM)).to(tl.int64)
-    row_ok = rm < M
-    rstd = tl.load(rstd_ptr + rm, mask=row_ok, other=0.0)
-    c = tl.zeros([BM], dtype=tl.float32)
-    for gi in range(0, NG):  # pass 1: c = mean(dy * w * xhat) per row
-        rn = gi * G + tl.arange(0, G)
-        mask = row_ok[:, None] & (rn[None, :] < H)
-        xhat = _load_xd(x8_ptr, xs_ptr, rm, rn, gi, row_ok, mask, H, NG) * rstd[:, None]
-        dy = tl.load(dy_ptr + rm[:, None] * H + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rn, mask=rn < H, other=0.0).to(tl.float32)
-        c += tl.sum(dy * w[None, :] * xhat, axis=1)
-    c = c / H
-    for gi in range(0, NG):  # pass 2: dx, and this block's share of dw
-        rn = gi * G + tl.arange(0, G)
-        mask = row_ok[:, None] & (rn[None, :] < H)
-        xhat = _load_xd(x8_ptr, xs_ptr, rm, rn, gi, row_ok, mask, H, NG) * rstd[:, None]
-        dy = tl.load(dy_ptr + rm[:, None] * H + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rn, mask=rn < H, other=0.0).to(tl.float32)
-        dx = rstd[:, None] * (dy * w[None, :] - xhat * c[:, None])
-        tl.store(dx_ptr + rm[:, None] * H + rn[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dwp_ptr + pid * H + rn, tl.sum(dy * xhat, axis=0), mask=rn < H)
+    step = tl.num_programs(0)
+    gi, col, mask = _row_tile(H, G, NGP)
+    w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([NGP, G], dtype=tl.float32)
+    nxt = _load_row(dy_ptr, x8_ptr, xs_ptr, rstd_ptr, pid, col, gi, mask, H, NG)
+    for i in range(0, tl.cdiv(M - pid, step)):
+        row = pid + i * step
+        dy, q, gs, rstd = nxt
+        # past the last row: reload the last row (in bounds, unused) rather than mask by a scalar
+        nxt = _load_row(dy_ptr, x8_ptr, xs_ptr, rstd_ptr, tl.minimum(row + step, M - 1), col, gi, mask, H, NG)
+        dy = dy.to(tl.float32)
+        xhat = q.to(tl.float32) * (gs * rstd)[:, None]
+        wdy = dy * w
+        c = tl.sum(tl.sum(wdy * xhat, axis=1), axis=0) / H
+        dx = rstd * (wdy - xhat * c)
+        tl.store(dx_ptr + row.to(tl.int64) * H + col, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += dy * xhat
+    tl.store(dwp_ptr + pid.to(tl.int64) * H + col, dw, mask=mask)
 
 
 def rmsnorm_fp8_fwd_triton(x, weight, eps: float, group_size: int, out_dtype=E4M3):
@@ -149,12 +163,17 @@ def rmsnorm_fp8_fwd_triton(x, weight, eps: float, group_size: int, out_dtype=E4M
     x8 = torch.empty((m, h), dtype=E4M3, device=x.device)
     xs = torch.empty((m, ng), dtype=torch.float32, device=x.device)
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
-    bm = 8  # rows per program: enough programs to fill the GPU at one 2048-token sequence
-    amax = torch.empty((triton.cdiv(m, bm),), dtype=torch.float32, device=x.device)
-    _fwd_kernel[(triton.cdiv(m, bm),)](x, weight, x8, xs, rstd, amax, m, h, ng, eps, torch.finfo(E4M3).max, TINY,
-                                       G=group_size, BM=bm, num_warps=4)
-    y_scale = (amax.amax().clamp(min=TINY) / torch.finfo(out_dtype).max).reshape(1)
+    y_scale = torch.empty((1,), dtype=torch.float32, device=x.device)
+    amax, count = scale_workspace(x.device)
+    ngp = triton.next_power_of_2(ng)
+    _fwd_kernel[(m,)](x, weight, x8, xs, rstd, amax, count, y_scale, h, ng, eps, torch.finfo(E4M3).max,
+                      torch.finfo(out_dtype).max, TINY, G=group_size, NGP=ngp, num_warps=_warps(ngp * group_size))
     return x8, xs, rstd, y_scale
+
+
+def _warps(row_elements: int) -> int:
+    """Warps for one row in registers: about 16 elements a thread, 4 to 16 warps."""
+    return max(4, min(16, row_elements // 512))
 
 
 def rmsnorm_fp8_out_triton(x8, x_scales, rstd, weight, y_scale, group_size: int, transpose: bool, out_dtype=E4M3):
@@ -167,15 +186,23 @@ def rmsnorm_fp8_out_triton(x8, x_scales, rstd, weight, y_scale, group_size: int,
     return y
 
 
+def _persistent_programs(m: int, device) -> int:
+    """Two programs per SM: each carries a [H] dw partial that torch then sums, so more programs cost more
+    bytes (2 x 4 H per program) while two rows in flight per program already cover memory latency."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    return max(1, min(m, 2 * sms))
+
+
 def rmsnorm_fp8_bwd_triton(dy, x8, x_scales, rstd, weight, group_size: int):
     dy = dy.contiguous()
     m, h = x8.shape
-    bm = 8
-    grid = triton.cdiv(m, bm)
+    ng = x_scales.shape[1]
+    ngp = triton.next_power_of_2(ng)
+    grid = _persistent_programs(m, dy.device)
     dx = torch.empty((m, h), dtype=dy.dtype, device=dy.device)
     dwp = torch.empty((grid, h), dtype=torch.float32, device=dy.device)
-    _bwd_kernel[(grid,)](dy, x8, x_scales, rstd, weight, dx, dwp, m, h, x_scales.shape[1],
-                         G=group_size, BM=bm, num_warps=4)
+    _bwd_kernel[(grid,)](dy, x8, x_scales, rstd, weight, dx, dwp, m, h, ng, G=group_size, NGP=ngp,
+                         num_warps=_warps(ngp * group_size))
     return dx, dwp.sum(0)
 
 
