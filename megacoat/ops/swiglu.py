@@ -4,7 +4,8 @@ a13 [M, 2F] is the output of the fused w1|w3 GEMM (gate in the first F columns, 
 Forward, two launches:
   1. `swiglu_fp8_fwd`: read a13 once; write a1 and a3 as E4M3 with 1xG group scales (what backward keeps:
      2 bytes per pair instead of BF16's 4 plus silu's output) and each block's amax of s = silu(a1) * a3,
-     computed from the dequantized values (stage 1 of group scaling).
+     computed from the dequantized values (stage 1 of group scaling), folded into the per-tensor scale in the
+     kernel (megacoat.ops.tensor_scale: no reduction launches after it).
   2. `swiglu_fp8_out`: re-read the FP8 pair and write s with that per-tensor scale, row-major for the down
      projection's GEMM, or transposed for its weight gradient (made again in backward, not saved).
 Backward, two passes over ds and the saved pair (the per-tensor scale needs the whole tensor's amax before any
@@ -19,6 +20,7 @@ import triton
 import triton.language as tl
 
 from megacoat.ops.group_cast_ref import TINY, group_dequantize, group_quantize
+from megacoat.ops.tensor_scale import fold_amax_to_scale, scale_workspace
 
 E4M3 = torch.float8_e4m3fn
 
@@ -85,8 +87,8 @@ def _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG):
 
 
 @triton.jit
-def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, M, F, NG, fmax_in, tiny,
-                G: tl.constexpr, BM: tl.constexpr):
+def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, count_ptr, scale_ptr, M, F, NG, fmax_in, fmax_out,
+                tiny, G: tl.constexpr, BM: tl.constexpr):
     gi = tl.program_id(1)
     rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
@@ -106,8 +108,7 @@ def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, M, F, NG, fmax_
     a1 = q1.to(tl.float32) * g1[:, None]
     a3 = q3.to(tl.float32) * g3[:, None]
     s = a1 * tl.sigmoid(a1) * a3
-    pid = tl.program_id(0) * tl.num_programs(1) + gi
-    tl.store(amax_ptr + pid, tl.max(tl.max(tl.abs(s), axis=1), axis=0))
+    fold_amax_to_scale(tl.max(tl.max(tl.abs(s), axis=1), axis=0), amax_ptr, count_ptr, scale_ptr, fmax_out, tiny)
 
 
 @triton.jit
@@ -183,10 +184,11 @@ def swiglu_fp8_fwd_triton(a13, group_size: int, out_dtype=E4M3):
     dev = a13.device
     a1_8, a3_8 = (torch.empty((m, f), dtype=E4M3, device=dev) for _ in range(2))
     s1, s3 = (torch.empty((m, ng), dtype=torch.float32, device=dev) for _ in range(2))
-    amax = torch.empty((grid[0] * grid[1],), dtype=torch.float32, device=dev)
-    _fwd_kernel[grid](a13, a1_8, s1, a3_8, s3, amax, m, f, ng, torch.finfo(E4M3).max, TINY,
-                      G=group_size, BM=_BM, num_warps=4)
-    return a1_8, s1, a3_8, s3, _scale(amax, out_dtype)
+    s_scale = torch.empty((1,), dtype=torch.float32, device=dev)
+    amax, count = scale_workspace(dev)
+    _fwd_kernel[grid](a13, a1_8, s1, a3_8, s3, amax, count, s_scale, m, f, ng, torch.finfo(E4M3).max,
+                      torch.finfo(out_dtype).max, TINY, G=group_size, BM=_BM, num_warps=4)
+    return a1_8, s1, a3_8, s3, s_scale
 
 
 def swiglu_fp8_out_triton(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpose: bool, out_dtype=E4M3):
