@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# One device call = one group of GPU evidence, sized to fit a 10-minute call. Run from the repository root on the
+# lent GPU machine, with `.whl` (DeepSpeed and its wheels, see shared/device/README.md) carried:
+#
+#     bash benchmarks/device_run.sh GROUP
+#
+# Results go to $OUT (at most 8 files come back: the JSON/PNG results plus one logs.tgz with every command's
+# output); copy them into benchmarks/results/ afterwards. Each command has its own time limit, so one that hangs
+# or fails leaves the others' results intact. Groups, in the order a session should take them:
+#   kernels     (~8 min, 1 GPU) GPU tests (pytest -m gpu), bench_quant, bench_optimizer         issues 4, 5
+#   layers      (~6 min, 1 GPU) bench_layer, bench_mlp_block                                     issue 6
+#   e2e-equal   (~8 min, 1 GPU) 1.3 B model, the three modes at micro-batch 4, all compiled        issue 10 (a)
+#   e2e-eager   (~8 min, 1 GPU) the same, FP8 modes eager (compiled bf16 as the baseline)       issue 10 (a)
+#   e2e-search  (~9 min, 1 GPU) the largest micro-batch of the modes named after it (default: bf16 coat;
+#               a second call with fp8-linear)                                                  issue 10 (b)
+#   convergence (~9 min, 1 GPU) 125 M model, bf16 vs coat, 20 M tokens of real text             issue 10
+#   quality     (~6 min, 1 GPU) CoatAdamW vs AdamW on a larger model; coat vs bf16 300 steps    issues 5, 6
+#   parallel2   (~9 min, nvidia-h200-x2) TP=2, PP=2, DP=2 x bf16/coat, 1.3 B model              issue 8
+#   parallel4   (~9 min, nvidia-h200-x4) TP2xPP2, TP2xDP2 x bf16/coat, 7 B model, micro-batch 1  issue 11
+#   parallel4-search LAYOUT (~9 min, nvidia-h200-x4) micro-batch 2, then 4 and 8 until OOM      issue 11
+#   curves4     (~9 min, nvidia-h200-x4) 200 steps on real text per mode, one PNG               issue 11
+set -uo pipefail
+GROUP=${1:?usage: bash benchmarks/device_run.sh GROUP (see the header)}
+OUT=${OUT:-$PWD/device_out}
+mkdir -p "$OUT" /tmp/megacoat_logs
+LOGS=/tmp/megacoat_logs
+
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
+        || { echo "wheel install failed"; exit 1; }
+    export PYTHONPATH=$PWD/.site:$PWD:${PYTHONPATH:-}
+else
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+fi
+# DeepSpeed's op_builder cannot parse the machine's '9.0a'; builds are cached for the whole call.
+export TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/ext MEGACOAT_CACHE=/tmp/megacoat_cache
+trap 'tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null' EXIT
+
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $LOGS/NAME.txt, say how it ended
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    echo "=== $name (limit ${limit}s): $*"
+    timeout --kill-after=10 "$limit" "$@" > "$LOGS/$name.txt" 2>&1
+    local rc=$?
+    echo "=== $name: rc=$rc after $((SECONDS - t0))s"
+    tail -n 15 "$LOGS/$name.txt"
+}
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv > "$LOGS/gpu.txt" 2>&1
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" \
+    >> "$LOGS/gpu.txt" 2>&1
+cat "$LOGS/gpu.txt"
+
+E2E="python3 benchmarks/bench_e2e.py speed --iters 8 --log-interval 2 --timeout 240"
+case $GROUP in
+kernels)
+    step gpu_tests 300 python3 -m pytest -m gpu -q -x --no-header -p no:cacheprovider tests
+    cp "$LOGS/gpu_tests.txt" "$OUT/gpu_tests.txt"
+    step bench_quant 150 python3 benchmarks/bench_quant.py --out "$OUT/bench_quant.json"
+    step bench_optimizer 120 python3 benchmarks/bench_optimizer.py --out "$OUT/bench_optimizer.json"
+    ;;
+layers)
+    step bench_layer 240 python3 benchmarks/bench_layer.py --out "$OUT/bench_layer.json"
+    step bench_mlp_block 180 python3 benchmarks/bench_mlp_block.py --out "$OUT/bench_mlp_block.json"
+    ;;
+e2e-equal)
+    step e2e_equal 560 $E2E --micro-batch-size 4 --compile --out "$OUT/bench_e2e_speed_compiled.json"
+    ;;
+e2e-eager)
+    step e2e_eager 560 $E2E --micro-batch-size 4 --compile bf16 --out "$OUT/bench_e2e_speed_eager_fp8.json"
+    ;;
+e2e-search)
+    MODES=${*:2}
+    MODES=${MODES:-bf16 coat}
+    step e2e_search 570 $E2E --micro-batch-size 8 --search 8,12,16,24 --compile --modes $MODES \
+        --out "$OUT/bench_e2e_speed_search_${MODES// /_}.json"
+    ;;
+convergence)
+    python3 - <<'EOF' > "$LOGS/corpus.txt" 2>&1
+from megacoat.data.default_corpus import prepare_default_corpus
+c = prepare_default_corpus(workers=12)
+open("/tmp/corpus_paths", "w").write(f"{c.data_prefix} {c.tokenizer_model}\n")
+EOF
+    read -r PREFIX TOK < /tmp/corpus_paths || { echo "corpus preparation failed"; cat "$LOGS/corpus.txt"; exit 1; }
+    step convergence 540 python3 benchmarks/bench_e2e.py convergence --data-path "$PREFIX" --tokenizer-model "$TOK" \
+        --tokens 20e6 --modes bf16 coat --compile bf16 --timeout 260 --out "$OUT/bench_e2e_convergence.json"
+    ;;
+quality)
+    step optimizer_quality 300 python3 benchmarks/optimizer_quality.py --name larger_gpu --out-dir "$OUT" \
+        --workdir /tmp/optimizer_quality_runs \
+        -- --num-layers 12 --hidden-size 768 --ffn-hidden-size 2048 --num-attention-heads 12 --seq-length 1024
+    step fp8_convergence 240 python3 benchmarks/fp8_convergence.py --iters 300 --out-dir "$OUT"
+    ;;
+parallel2)
+    step parallel2 570 python3 benchmarks/bench_parallel.py --gpus 2 --timeout 170 --out "$OUT/bench_parallel.json"
+    ;;
+parallel4)
+    step parallel4 570 python3 benchmarks/bench_parallel.py --gpus 4 --model 7b --layouts tp2pp2 tp2dp2 \
+        --micro-batch-size 1 --global-batch-size 16 --iters 8 --log-interval 2 --timeout 135 \
+        --out "$OUT/bench_parallel_4gpu.json"
+    ;;
+parallel4-search)
+    LAYOUT=${2:?parallel4-search needs a layout: tp2pp2 or tp2dp2}
+    step parallel4_search 570 python3 benchmarks/bench_parallel.py --gpus 4 --model 7b --layouts "$LAYOUT" \
+        --micro-batch-size 2 --global-batch-size 32 --iters 8 --log-interval 2 --search 4,8 --timeout 100 \
+        --out "$OUT/bench_parallel_4gpu_search_$LAYOUT.json"
+    ;;
+curves4)
+    step curves4 570 python3 benchmarks/bench_parallel.py --gpus 4 --model 7b --layouts tp2pp2 --real-text \
+        --iters 200 --micro-batch-size 1 --global-batch-size 8 --log-interval 5 --timeout 270 --plot \
+        --out "$OUT/bench_parallel_4gpu_curves.json"
+    ;;
+*)
+    echo "unknown group $GROUP (see the header of $0)"; exit 2 ;;
+esac
+ls -la "$OUT"
