@@ -5,22 +5,30 @@ model's modules), bf16-compile (torch.compile of the same block), fp8-linear, co
 bench_layer.py. Reference points from the issue (same block, same H100): NVlabs/COAT 0.61/1.47/1.56/1.59x of
 eager BF16, saving 0.553x; torchao float8 tensorwise + torch.compile 1.13/1.44/1.59/1.62x, saving 0.41x.
 
-    PYTHONPATH=. python benchmarks/bench_mlp_block.py [--micro-batches 1 2 4 8]
+    PYTHONPATH=. python benchmarks/bench_mlp_block.py [--micro-batches 1 2 4 8] [--baseline-rev REV] [--kernels-only]
+
+--baseline-rev REV loads megacoat/ops/{rmsnorm,swiglu,rope}.py as they were at git revision REV beside the
+current ones and measures both in the same run: a `coat@REV` block mode (a private copy of precision_flow
+pointed at the old kernels) and, per fused kernel, a row of version REV with the current row's speed-up over it.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
+import os
+import subprocess
+import tempfile
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from benchmarks.bench_layer import LLAMA2_7B, add_ratios, bench_ms, check_outputs, environment, measure
+from benchmarks.bench_layer import (LLAMA2_7B, add_ratios, bench_ms, check_outputs, environment, kernels_per_step,
+                                    measure)
+from megacoat.ops import rmsnorm as rmsnorm_ops, rope as rope_ops, swiglu as swiglu_ops
 from megacoat.ops.cast_transpose import amax_scale, cast_transpose
-from megacoat.ops.rmsnorm import rmsnorm_fp8_bwd, rmsnorm_fp8_fwd, rmsnorm_fp8_out
-from megacoat.ops.rope import rope_triton
-from megacoat.ops.swiglu import swiglu_fp8_bwd, swiglu_fp8_fwd, swiglu_fp8_out
 from megacoat.fp8.config import FP8Config
 from megacoat.fp8.convert import convert_to_fp8
 from megacoat.model.config import ModelConfig
@@ -39,46 +47,110 @@ class MLPBlock(nn.Module):
 
 
 class CoatMLPBlock(nn.Module):
-    def __init__(self, coat_block):
+    def __init__(self, coat_block, flow=None):
         super().__init__()
         self.b = coat_block
+        self.flow = flow  # a precision_flow module; None: megacoat's own
 
     def forward(self, x):
-        from megacoat.fp8.precision_flow import coat_mlp
+        from megacoat.fp8 import precision_flow
         b, ff = self.b, self.b.feed_forward
-        return x + coat_mlp(x, b.ffn_norm.weight, ff.w1.weight, ff.w3.weight, ff.w2.weight, b.w13_cache,
-                            b.w2_cache, b.ffn_norm.eps, b.group_size, b.grad_dtype)
+        return x + (self.flow or precision_flow).coat_mlp(
+            x, b.ffn_norm.weight, ff.w1.weight, ff.w3.weight, ff.w2.weight, b.w13_cache, b.w2_cache,
+            b.ffn_norm.eps, b.group_size, b.grad_dtype)
 
 
-def kernel_entries(tokens: int, h: int, f: int, g: int = 128) -> list[dict]:
-    """Each fused kernel alone at the block's shapes: time and bandwidth over the bytes it must move."""
+def flow_with_ops(ops: SimpleNamespace):
+    """A private copy of megacoat.fp8.precision_flow whose fused-kernel names point at `ops` (see ops_at): the
+    COAT block with an older version of the kernels, measured in the same run as the current one."""
+    import megacoat.fp8.precision_flow as pf
+    spec = importlib.util.spec_from_file_location("precision_flow_baseline", pf.__file__)
+    flow = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(flow)
+    for mod, names in ((ops.rmsnorm, ("rmsnorm_fp8_fwd", "rmsnorm_fp8_out", "rmsnorm_fp8_bwd")),
+                       (ops.swiglu, ("swiglu_fp8_fwd", "swiglu_fp8_out", "swiglu_fp8_bwd"))):
+        for name in names:
+            if hasattr(flow, name):
+                setattr(flow, name, getattr(mod, name))
+    return flow
+
+
+def ops_at(rev: str) -> SimpleNamespace:
+    """The fused-kernel modules (rmsnorm, swiglu, rope) as they were at git revision `rev`, loaded beside the
+    current ones, so that one run times old and new kernels on the same GPU."""
+    tmp = tempfile.mkdtemp(prefix="megacoat_ops_")
+    mods = {}
+    for name in ("rmsnorm", "swiglu", "rope"):
+        src = subprocess.run(["git", "show", f"{rev}:megacoat/ops/{name}.py"], capture_output=True, text=True,
+                             check=True).stdout
+        path = os.path.join(tmp, f"{name}.py")  # @triton.jit reads its source from a file
+        with open(path, "w") as f:
+            f.write(src)
+        spec = importlib.util.spec_from_file_location(f"megacoat_ops_{rev}_{name}", path)
+        mods[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods[name])
+    return SimpleNamespace(**mods)
+
+
+CURRENT_OPS = SimpleNamespace(rmsnorm=rmsnorm_ops, swiglu=swiglu_ops, rope=rope_ops)
+
+
+def kernel_entries(tokens: int, h: int, f: int, g: int = 128, ops: SimpleNamespace = CURRENT_OPS,
+                   version: str = "current") -> list[dict]:
+    """Each fused kernel alone at the block's shapes: time, launches (kernels and memsets, from the profiler)
+    and bandwidth over the bytes it must move (`min_bytes`: inputs read once + outputs written once; a kernel
+    that needs two passes, like swiglu_fp8_bwd's amax then cast, reads more than that)."""
     bf = dict(device="cuda", dtype=torch.bfloat16)
+    R, S = ops.rmsnorm, ops.swiglu
     x, w, a13 = torch.randn(tokens, h, **bf), 1 + 0.1 * torch.randn(h, **bf), torch.randn(tokens, 2 * f, **bf)
     ds, dy = torch.randn(tokens, f, **bf), torch.randn(tokens, h, **bf)
-    x8, xs, rstd, ys = rmsnorm_fp8_fwd(x, w, 1e-5, g)
-    a1, s1, a3, s3, ss = swiglu_fp8_fwd(a13, g)
-    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    x8, xs, rstd, ys = R.rmsnorm_fp8_fwd(x, w, 1e-5, g)
+    a1, s1, a3, s3, ss = S.swiglu_fp8_fwd(a13, g)
+    e5 = torch.float8_e5m2
     sc = amax_scale(dy, e5)
     q = torch.randn(tokens, 3 * h, **bf)[:, :h].view(1, tokens, h // 128, 128)  # a slice of [q|k|v], as in the block
     cos, sin = (t.cuda() for t in rope_tables(128, tokens, 10000.0))
     m, gb = tokens, 1e9
-    cases = [  # name, fn, bytes moved (inputs read once + outputs written once)
-        ("rmsnorm_fp8_fwd", lambda: rmsnorm_fp8_fwd(x, w, 1e-5, g), m * h * (2 + 1)),
-        ("rmsnorm_fp8_out", lambda: rmsnorm_fp8_out(x8, xs, rstd, w, ys, g, False), m * h * 2),
-        ("rmsnorm_fp8_out_T", lambda: rmsnorm_fp8_out(x8, xs, rstd, w, ys, g, True), m * h * 2),
-        ("rmsnorm_fp8_bwd", lambda: rmsnorm_fp8_bwd(dy, x8, xs, rstd, w, g), m * h * (2 + 1 + 2)),
-        ("swiglu_fp8_fwd", lambda: swiglu_fp8_fwd(a13, g), m * f * (4 + 2)),
-        ("swiglu_fp8_out", lambda: swiglu_fp8_out(a1, s1, a3, s3, ss, g, False), m * f * 3),
-        ("swiglu_fp8_out_T", lambda: swiglu_fp8_out(a1, s1, a3, s3, ss, g, True), m * f * 3),
-        ("swiglu_fp8_bwd (3 launches)", lambda: swiglu_fp8_bwd(ds, a1, s1, a3, s3, g, e5), m * f * (2 + 2 + 4)),
+    cases = [  # name (kept stable across runs: results are compared by it), fn, bytes it must move
+        ("rmsnorm_fp8_fwd", lambda: R.rmsnorm_fp8_fwd(x, w, 1e-5, g), m * h * (2 + 1)),
+        ("rmsnorm_fp8_out", lambda: R.rmsnorm_fp8_out(x8, xs, rstd, w, ys, g, False), m * h * 2),
+        ("rmsnorm_fp8_out_T", lambda: R.rmsnorm_fp8_out(x8, xs, rstd, w, ys, g, True), m * h * 2),
+        ("rmsnorm_fp8_bwd", lambda: R.rmsnorm_fp8_bwd(dy, x8, xs, rstd, w, g), m * h * (2 + 1 + 2)),
+        ("swiglu_fp8_fwd", lambda: S.swiglu_fp8_fwd(a13, g), m * f * (4 + 2)),
+        ("swiglu_fp8_out", lambda: S.swiglu_fp8_out(a1, s1, a3, s3, ss, g, False), m * f * 3),
+        ("swiglu_fp8_out_T", lambda: S.swiglu_fp8_out(a1, s1, a3, s3, ss, g, True), m * f * 3),
+        # the name is the first version's (three launches); "launches" says what this version does
+        ("swiglu_fp8_bwd (3 launches)", lambda: S.swiglu_fp8_bwd(ds, a1, s1, a3, s3, g, e5), m * f * (2 + 2 + 4)),
         ("amax+cast_transpose e5m2", lambda: cast_transpose(dy, amax_scale(dy, e5), e5), m * h * (2 + 2)),
         ("cast_transpose e5m2", lambda: cast_transpose(dy, sc, e5), m * h * (2 + 2)),
-        ("rope (q, 32 heads x 128)", lambda: rope_triton(q, cos, sin), m * h * (2 + 2)),
+        ("rope (q, 32 heads x 128)", lambda: ops.rope.rope_triton(q, cos, sin), m * h * (2 + 2)),
     ]
     rows = []
     for name, fn, nbytes in cases:
         ms = bench_ms(fn)
-        rows.append({"kernel": name, "tokens": tokens, "ms": ms, "min_bytes": nbytes, "GB_per_s": nbytes / (ms * 1e-3) / gb})
+        rows.append({"kernel": name, "version": version, "tokens": tokens, "ms": ms, "launches": kernels_per_step(fn),
+                     "min_bytes": nbytes, "GB_per_s": nbytes / (ms * 1e-3) / gb})
+    return rows
+
+
+def print_kernels(rows: list[dict]) -> None:
+    base = {r["kernel"]: r["ms"] for r in rows if r["version"] != "current"}
+    print(f"\nfused kernels at {rows[0]['tokens']} tokens (GB/s over the minimum bytes; copy ceiling ~3000 H100, "
+          f"~4100 H200)")
+    for k in rows:
+        old = f" {base[k['kernel']] / k['ms']:5.2f}x vs {k.get('baseline', '')}" if k.get("baseline") else ""
+        print(f"{k['kernel']:>28} {k['version']:>10} {k['ms'] * 1e3:8.1f} us {k['GB_per_s']:8.0f} GB/s "
+              f"{k['launches']:3d} launches{old}")
+
+
+def kernel_section(tokens: int, h: int, f: int, baseline: str | None) -> list[dict]:
+    rows = kernel_entries(tokens, h, f)
+    if baseline:
+        old = kernel_entries(tokens, h, f, ops=ops_at(baseline), version=baseline)
+        old_ms = {r["kernel"]: r["ms"] for r in old}
+        for r in rows:
+            r["baseline"], r["speedup_vs_baseline"] = baseline, old_ms[r["kernel"]] / r["ms"]
+        rows += old
     return rows
 
 
@@ -86,11 +158,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--out", default="benchmarks/results/bench_mlp_block.json")
+    ap.add_argument("--kernels-only", action="store_true", help="only the fused kernels alone (no block runs)")
+    ap.add_argument("--baseline-rev", default=None, help="git revision whose rmsnorm/swiglu/rope kernels are "
+                    "measured in the same run: a coat@REV block mode and a baseline row per kernel")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/bench_mlp_block[_kernels].json")
     args = ap.parse_args()
+    out = args.out or f"benchmarks/results/bench_mlp_block{'_kernels' if args.kernels_only else ''}.json"
+    micro_batches = [] if args.kernels_only else args.micro_batches
     torch.manual_seed(0)
     cfg = ModelConfig(num_layers=1, vocab_size=128, **LLAMA2_7B)
     block = GPT(cfg).layers[0].cuda().bfloat16()
+    old_ops = ops_at(args.baseline_rev) if args.baseline_rev else None
     modules = {"bf16": MLPBlock(block)}
     if not args.no_compile:
         modules["bf16-compile"] = torch.compile(MLPBlock(block))
@@ -99,8 +177,10 @@ def main() -> None:
         holder.layers = nn.ModuleList([copy.deepcopy(block)])
         convert_to_fp8(holder, FP8Config(mode=mode))
         modules[mode] = MLPBlock(holder.layers[0]) if mode == "fp8-linear" else CoatMLPBlock(holder.layers[0])
+    if old_ops:
+        modules[f"coat@{args.baseline_rev}"] = CoatMLPBlock(modules["coat"].b, flow_with_ops(old_ops))
     result = {"benchmark": "bench_mlp_block", "shape": LLAMA2_7B, "env": environment(), "runs": []}
-    for mb in args.micro_batches:
+    for mb in micro_batches:
         tokens = mb * cfg.seq_length
         rows = []
         x = torch.randn(mb, cfg.seq_length, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -119,13 +199,11 @@ def main() -> None:
                   f"{r.get('speedup_vs_bf16_compile', float('nan')):9.2f} {r['saved_bytes'] / 2**20:10.1f} "
                   f"{r['saved_vs_bf16_eager']:10.3f} {r.get('saved_vs_bf16_compile', float('nan')):13.3f} "
                   f"{r['peak_mem_bytes'] / 2**20:9.0f} {r['out_rel_err_vs_bf16']:6.3f}")
-    result["kernels"] = kernel_entries(2 * cfg.seq_length, cfg.hidden_size, cfg.ffn_hidden_size)
-    print("\nfused kernels at micro-batch 2 (GB/s over the minimum bytes; D2D copy ceiling ~3000)")
-    for k in result["kernels"]:
-        print(f"{k['kernel']:>28} {k['ms'] * 1e3:8.1f} us {k['GB_per_s']:8.0f} GB/s")
-    with open(args.out, "w") as f:
+    result["kernels"] = kernel_section(2 * cfg.seq_length, cfg.hidden_size, cfg.ffn_hidden_size, args.baseline_rev)
+    print_kernels(result["kernels"])
+    with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":
