@@ -6,6 +6,10 @@ least (each input read once, each output written once), achieved GB/s, and that 
 copy measured in the same run; optimizer-state bytes per parameter and torch.cuda.max_memory_allocated.
 
     python benchmarks/bench_optimizer.py [--params 1e9] [--chunks 8] [--out benchmarks/results/bench_optimizer.json]
+
+Every CUDA kernel variant of kernels/coat_adamw.cu is timed in the same run (--cuda-variants). Without a GPU,
+`--sass --out benchmarks/results/bench_optimizer_sass.json` compiles the kernel for sm_90a and prints, per variant,
+what can be judged statically: registers, spills, instructions per element, the loads and stores by width.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megacoat.ops.coat_adamw_cuda import CUDA_VARIANTS, VARIANT_ENV  # noqa: E402
 from megacoat.optim.coat_adamw import CoatAdamW  # noqa: E402
 
 
@@ -91,6 +96,69 @@ def bench_one(name: str, make_opt, n_params: int, chunks: int, args, bytes_per_p
     return row
 
 
+_STATIC_FLAGS = ["-std=c++17", "-O3", "-arch=sm_90a", "-DCOAT_ADAMW_COMPILE_CHECK", "-D__CUDA_NO_HALF_OPERATORS__",
+                 "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
+# kernel name and last template argument (v3: STEP, v4: blocks per SM) -> variant
+_KERNELS = {("coat_adamw_kernel", "1"): "v3", ("coat_adamw_kernel", "2"): "v3-interleaved",
+            ("coat_adamw_kernel_v4", "3"): "v4", ("coat_adamw_kernel_v4", "2"): "v4-2blocks"}
+
+
+def sass_of_variants(hot_path_only: bool) -> dict:
+    """{(variant, param dtype): figures} for the G = 128 kernels. hot_path_only builds without the masked tail path
+    (COAT_ADAMW_VECTOR_PATH_ONLY), so the counts are those of whole aligned chunks. Every variant handles 16
+    elements a thread per chunk; static counts include both sides of every branch (e.g. the k == 1 shortcuts)."""
+    import collections
+    import re
+    import tempfile
+
+    from benchmarks.kernel_sass import _CLASSES, _INSTR, _tool
+    from megacoat.ops.op_builder import kernels_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        cmd = ["nvcc", "-cubin", *_STATIC_FLAGS, "-Xptxas", "-v", str(kernels_dir() / "coat_adamw.cu"), "-o", cubin]
+        if hot_path_only:
+            cmd.append("-DCOAT_ADAMW_VECTOR_PATH_ONLY")
+        ptxas = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    spills = {}
+    for name, body in re.findall(r"Compiling entry function '(\w+)'.*?\n(.*?Used \d+ registers)", ptxas, re.S):
+        st, ld = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", body).groups()
+        spills[name] = (int(re.search(r"Used (\d+) registers", body).group(1)), int(st), int(ld))
+    out = {}
+    for name, text in re.findall(r"Function : (\w+)\n(.*?)(?=Function :|\Z)", sass, re.S):
+        kernel, types, last = re.search(r"(coat_adamw_kernel(?:_v4)?)ILi128E(\w+?)Li(\d)EE", name).groups()
+        ops = [m.group(1) for m in map(_INSTR.search, text.splitlines()) if m and m.group(1) != "NOP"]
+        mix = collections.Counter(_CLASSES.get(op.split(".")[0], "other") for op in ops)
+        mem = collections.Counter(op for op in ops if re.match(r"(LD|ST|RED)", op) and not op.startswith(("LDC", "LDS")))
+        regs, spill_st, spill_ld = spills[name]
+        per_thread = 16  # elements a thread handles per chunk, every variant
+        out[(_KERNELS[(kernel, last)], "bf16" if "bfloat16" in types else "fp32")] = dict(
+            registers=regs, spill_store_bytes=spill_st, spill_load_bytes=spill_ld, instructions=len(ops),
+            instructions_per_element=round(len(ops) / per_thread, 1),
+            mix_per_element={k: round(v / per_thread, 2) for k, v in mix.most_common()}, memory_ops=dict(sorted(mem.items())))
+    return out
+
+
+def static_sass(args):
+    result = dict(benchmark="bench_optimizer --sass", command=" ".join([sys.executable] + sys.argv), arch="sm_90a",
+                  nvcc=subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1],
+                  date_utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                  git_commit=subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+                  group_size=128, variants={})
+    for hot in (False, True):
+        for (variant, dtype), row in sorted(sass_of_variants(hot).items()):
+            result["variants"].setdefault(f"{variant} {dtype}", {})["hot_path" if hot else "full"] = row
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{'variant':22s} {'build':9s} {'regs':>4s} {'spill B':>8s} {'instr/elem':>10s}  memory instructions (whole kernel)")
+    for key, builds in result["variants"].items():
+        for build, r in builds.items():
+            print(f"{key:22s} {build:9s} {r['registers']:4d} {r['spill_store_bytes']:4d}/{r['spill_load_bytes']:<3d} "
+                  f"{r['instructions_per_element']:10.1f}  {r['memory_ops']}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=1e9)
@@ -99,9 +167,14 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--backends", default="cuda,triton")
+    ap.add_argument("--cuda-variants", default=",".join(CUDA_VARIANTS), help="CUDA kernel variants to time")
+    ap.add_argument("--sass", action="store_true",
+                    help="no GPU needed: static SASS (sm_90a) of every CUDA kernel variant, saved to --out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/bench_optimizer.json")
     args = ap.parse_args(argv)
+    if args.sass:
+        return static_sass(args)
     if not torch.cuda.is_available():
         raise SystemExit("bench_optimizer.py needs a CUDA GPU")
     n_params, G = int(args.params), args.group_size
@@ -114,19 +187,18 @@ def main(argv=None):
     # CoatAdamW: read p, g (fp32), m, v (FP8) and per group 2 x (fp32 scale + bf16 k); write p, m, v, scales, k
     coat_bytes = 4 + 4 + 1 + 1 + 4 + 1 + 1 + 2 * 2 * 6 / G
     for backend in args.backends.split(","):
-        # the CUDA kernel is built in two variants (kernels/coat_adamw.cu, STEP): both slices of a chunk loaded
-        # before computing (interleave=1, default) or one at a time (interleave=0)
-        for variant in (("1", "0") if backend == "cuda" else (None,)):
+        # Every CUDA kernel variant (kernels/coat_adamw.h) in this one run, so old and new compare on one device.
+        for variant in (args.cuda_variants.split(",") if backend == "cuda" else (None,)):
             if variant is not None:
-                os.environ["MEGACOAT_COAT_ADAMW_INTERLEAVE"] = variant
+                os.environ[VARIANT_ENV] = variant
             for expand in (True, False):
-                tag = f", interleave={variant}" if variant is not None else ""
+                tag = f", {variant}" if variant is not None else ""
                 name = f"CoatAdamW({backend}, expand={expand}{tag})"
                 rows.append(bench_one(name, lambda ps: CoatAdamW(ps, group_size=G, expand=expand, backend=backend,
                                                                  **hp),
                                       n_params, args.chunks, args, coat_bytes, copy_gbps))
                 print(rows[-1], flush=True)
-        os.environ.pop("MEGACOAT_COAT_ADAMW_INTERLEAVE", None)
+        os.environ.pop(VARIANT_ENV, None)
     base = rows[0]["step_ms"]
     for r in rows:
         r["speedup_vs_fused_adamw"] = round(base / r["step_ms"], 3)

@@ -1,12 +1,15 @@
 // CoatAdamW fused step (CUDA): AdamW with FP8 moments under per-group dynamic range expansion.
 //
-// One launch covers every tensor of a list (pointer table + chunk table, see coat_adamw.h). A block of 256 threads
-// takes one chunk at a time (grid-stride); each thread holds VEC = 8 consecutive elements (2 x 16-byte fp32 loads)
-// for UNROLL slices, so a group of G elements lives in L = G / 8 neighbouring lanes and its amax / amin are shuffle
-// reductions inside the warp. Per element the step reads p, g, m_q, v_q and writes p, m_q, v_q once; scales and
-// exponents are read and written once per group. Formulas and their float32 order follow
-// megacoat/ops/coat_adamw_ref.py; exp2 / log2 use the hardware approximations (ex2.approx, lg2.approx: ~2 ulp),
-// the dequantization inverts the same stored bf16 k and fp32 scale the quantization wrote.
+// One launch covers every tensor of a list (pointer table + chunk table, see coat_adamw.h). Two kernels, built in
+// four variants (coat_adamw.h, kVariant*) that one benchmark run times side by side:
+// - v3 (coat_adamw_kernel, the default): a block of 256 threads takes one chunk at a time (grid-stride); each thread
+//   holds VEC = 8 consecutive elements (2 x 16-byte fp32 loads) for UNROLL slices, so a group of G elements lives in
+//   L = G / 8 neighbouring lanes and its amax / amin are shuffle reductions inside the warp.
+// - v4 (coat_adamw_kernel_v4): 16 elements a thread, table lookups off the critical path (see there).
+// Per element the step reads p, g, m_q, v_q and writes p, m_q, v_q once; scales and exponents are read and written
+// once per group. Formulas and their float32 order follow megacoat/ops/coat_adamw_ref.py; exp2 / log2 use the
+// hardware approximations (ex2.approx, lg2.approx: ~2 ulp), the dequantization inverts the same stored bf16 k and
+// fp32 scale the quantization wrote.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -48,6 +51,12 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 template <typename T> __device__ __forceinline__ T zero_of() { return T(0); }
 template <> __device__ __forceinline__ __nv_bfloat16 zero_of<__nv_bfloat16>() { return __ushort_as_bfloat16(0); }
 
+#ifdef COAT_ADAMW_VECTOR_PATH_ONLY  // static SASS counts only (bench_optimizer.py --sass): the hot path, no tails
+constexpr bool kTailPath = false;
+#else
+constexpr bool kTailPath = true;
+#endif
+
 // An unsigned type of exactly N bytes, for one vector load / store.
 template <int N> struct Word;
 template <> struct Word<1> { using type = uint8_t; };
@@ -60,7 +69,7 @@ template <> struct Word<16> { using type = uint4; };
 template <typename T, int VEC>
 __device__ __forceinline__ void load_vec(const T* ptr, int64_t i, int64_t n, bool vector_ok, T (&out)[VEC]) {
   constexpr int kBytes = VEC * sizeof(T);
-  if (vector_ok && i + VEC <= n) {
+  if (!kTailPath || (vector_ok && i + VEC <= n)) {
     constexpr int kWord = kBytes > 16 ? 16 : kBytes;
     using W = typename Word<kWord>::type;
     const W* src = reinterpret_cast<const W*>(ptr + i);
@@ -76,13 +85,45 @@ __device__ __forceinline__ void load_vec(const T* ptr, int64_t i, int64_t n, boo
 template <typename T, int VEC>
 __device__ __forceinline__ void store_vec(T* ptr, int64_t i, int64_t n, bool vector_ok, const T (&in)[VEC]) {
   constexpr int kBytes = VEC * sizeof(T);
-  if (vector_ok && i + VEC <= n) {
+  if (!kTailPath || (vector_ok && i + VEC <= n)) {
     constexpr int kWord = kBytes > 16 ? 16 : kBytes;
     using W = typename Word<kWord>::type;
     W* dst = reinterpret_cast<W*>(ptr + i);
     const W* src = reinterpret_cast<const W*>(in);
 #pragma unroll
     for (int w = 0; w < kBytes / kWord; ++w) dst[w] = src[w];
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+      if (i + j < n) ptr[i + j] = in[j];
+  }
+}
+
+// v4's vector accesses: 16-byte words through explicit global-space streaming instructions (ld/st.global.cs:
+// evict-first, every byte is touched once), where plain dereferences of addresses read from a table compile to
+// generic LD/ST. Tails (and unaligned views) take the masked element path.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_stream(const T* ptr, int64_t i, int64_t n, bool vector_ok, T (&out)[VEC]) {
+  static_assert((VEC * sizeof(T)) % 16 == 0, "whole 16-byte words");
+  if (!kTailPath || (vector_ok && i + VEC <= n)) {
+    const uint4* src = reinterpret_cast<const uint4*>(ptr + i);
+    uint4* dst = reinterpret_cast<uint4*>(out);
+#pragma unroll
+    for (int w = 0; w < (int)(VEC * sizeof(T) / 16); ++w) dst[w] = __ldcs(src + w);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] = (i + j < n) ? ptr[i + j] : zero_of<T>();
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_stream(T* ptr, int64_t i, int64_t n, bool vector_ok, const T (&in)[VEC]) {
+  static_assert((VEC * sizeof(T)) % 16 == 0, "whole 16-byte words");
+  if (!kTailPath || (vector_ok && i + VEC <= n)) {
+    uint4* dst = reinterpret_cast<uint4*>(ptr + i);
+    const uint4* src = reinterpret_cast<const uint4*>(in);
+#pragma unroll
+    for (int w = 0; w < (int)(VEC * sizeof(T) / 16); ++w) __stcs(dst + w, src[w]);
   } else {
 #pragma unroll
     for (int j = 0; j < VEC; ++j)
@@ -130,6 +171,32 @@ __device__ __forceinline__ void dequantize(const uint8_t (&q)[VEC], float scale,
       x[j + h] = qv < 0.0f ? -v : v;
     }
   }
+}
+
+// v4's dequantization, split so that a thread converts its codes a few at a time (fewer registers live): the
+// group's constants once, then pairs of codes. The same float32 operations as dequantize() above.
+struct GroupDequant {
+  float mult, inv_k;
+  bool plain;  // k == 1: no exp2/log2
+};
+
+__device__ __forceinline__ GroupDequant group_dequant(float scale, float k, const Moment& mo) {
+  return GroupDequant{scale * mo.fmax, 1.0f / k, k == 1.0f};
+}
+
+__device__ __forceinline__ float2 dequantize_pair(uint8_t q0, uint8_t q1, const GroupDequant& d, const Moment& mo) {
+  const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>(q0 | (q1 << 8));
+  const float2 qf = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, mo.e5m2 ? __NV_E5M2 : __NV_E4M3)));
+  float out[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float qv = h == 0 ? qf.x : qf.y;
+    const float rq = fabsf(qv) * mo.inv_fmax;
+    const float e = d.plain ? rq : fast_exp2(fast_log2(rq) * d.inv_k);
+    const float v = e * d.mult;
+    out[h] = qv < 0.0f ? -v : v;
+  }
+  return make_float2(out[0], out[1]);
 }
 
 // Quantize VEC values of one group (its other values sit in the neighbouring lanes); returns false for a
@@ -256,16 +323,142 @@ __global__ void __launch_bounds__(kThreads, STEP == 2 ? 2 : 4) coat_adamw_kernel
   }
 }
 
+// v4 (variant 2): one slice of VEC = 16 elements per thread, so a chunk is still 256 x 16 = 4096 elements (the same
+// tables) and a group of 128 spans 8 lanes. Against v3 it keeps twice the bytes in flight per thread (p, g: 4 x 16 B,
+// m, v: one 16 B load each, all issued before any is used), shares each group's scalar work (accurate log2f, IEEE
+// divisions, shuffles) among 16 elements instead of 8, and takes the launch tables off the data's critical path: a
+// block walks a contiguous run of chunks, loads the next chunk's table entry one chunk ahead, and reloads the pointer
+// row only when the run crosses into the next tensor. Same formulas, same results as v3 up to FMA contraction.
+// BLOCKS (blocks per SM the registers must allow): 3 caps a thread at 80 registers (a few bytes of spills to L1,
+// 3 x 256 x 160 B = 120 KB of loads in flight per SM); 2 lets it have 128 (no spills, 80 KB in flight). Both are
+// built (kVariantV4, kVariantV4TwoBlocks); the benchmark decides.
+constexpr int kV4Vec = 16;
+
+struct Row {
+  const void* p;
+  const void* g;
+  uint8_t* mq;
+  float* ms;
+  __nv_bfloat16* mk;
+  uint8_t* vq;
+  float* vs;
+  __nv_bfloat16* vk;
+  int64_t n;
+  bool vector_ok;
+};
+
+__device__ __forceinline__ Row load_row(const int64_t* table, int t) {
+  const int64_t* r = table + 9 * (int64_t)t;
+  Row row{reinterpret_cast<const void*>(r[0]), reinterpret_cast<const void*>(r[1]), reinterpret_cast<uint8_t*>(r[2]),
+          reinterpret_cast<float*>(r[3]), reinterpret_cast<__nv_bfloat16*>(r[4]), reinterpret_cast<uint8_t*>(r[5]),
+          reinterpret_cast<float*>(r[6]), reinterpret_cast<__nv_bfloat16*>(r[7]), r[8], false};
+  row.vector_ok = ((r[0] | r[1] | r[2] | r[5]) % 16) == 0;  // every vector access of v4 is 16 bytes
+  return row;
+}
+
+template <int G, typename PT, typename GT, int BLOCKS>
+__global__ void __launch_bounds__(kThreads, BLOCKS) coat_adamw_kernel_v4(const CoatAdamWArgs a) {
+  constexpr int VEC = kV4Vec;
+  constexpr int L = G / VEC;
+  constexpr int kChunk = kThreads * VEC;
+  static_assert(kChunk == kThreads * 8 * kUnroll, "v4 keeps v3's chunk size, so both share the launch tables");
+  static_assert(L >= 1 && L <= 32 && 32 % L == 0, "a group must sit inside one warp");
+
+  // Chunk indices fit in 32 bits (the chunk table is int32): fewer registers than int64 counters.
+  const int n_chunks = static_cast<int>(a.n_chunks);
+  const int per_block = (n_chunks + gridDim.x - 1) / gridDim.x;
+  int c = blockIdx.x * per_block;
+  const int end = c + per_block < n_chunks ? c + per_block : n_chunks;
+  if (c >= end) return;
+  const int2* entries = reinterpret_cast<const int2*>(a.chunk_table);  // [chunks] of (tensor, chunk in tensor)
+  int2 e = entries[c];
+  Row row = load_row(a.ptr_table, e.x);
+  for (; c < end; ++c) {
+    // Issued now, used after this chunk: its latency hides behind the chunk's own loads.
+    const int2 next = c + 1 < end ? entries[c + 1] : e;
+    const int64_t base = (int64_t)e.y * kChunk + (int64_t)threadIdx.x * VEC;
+    const int64_t n = row.n;
+    const bool vok = row.vector_ok;
+    const Moment mm{row.mq, row.ms, row.mk, a.m_max, a.inv_m_max, a.log2_range_m, a.m_e5m2};
+    const Moment vm{row.vq, row.vs, row.vk, a.v_max, a.inv_v_max, a.log2_range_v, a.v_e5m2};
+    PT* p_ptr = reinterpret_cast<PT*>(const_cast<void*>(row.p));
+    const GT* g_ptr = reinterpret_cast<const GT*>(row.g);
+
+    PT p[VEC];
+    GT g[VEC];
+    uint8_t mq[VEC], vq[VEC];
+    load_stream<PT, VEC>(p_ptr, base, n, vok, p);
+    load_stream<GT, VEC>(g_ptr, base, n, vok, g);
+    load_stream<uint8_t, VEC>(mm.q, base, n, vok, mq);
+    load_stream<uint8_t, VEC>(vm.q, base, n, vok, vq);
+    const int64_t group = base / G;  // all VEC elements of a thread lie in one group (VEC divides G)
+    const bool valid = base < n;
+    // Read before the group's leader rewrites them (after the shuffles below), never after: the read-only path is safe.
+    const float ms = valid ? __ldg(mm.scale + group) : 0.0f;
+    const float vs = valid ? __ldg(vm.scale + group) : 0.0f;
+    const float mk = valid ? __bfloat162float(__ldg(mm.k + group)) : 1.0f;
+    const float vk = valid ? __bfloat162float(__ldg(vm.k + group)) : 1.0f;
+
+    // Dequantize, update and store the parameter a quarter (16 bytes of p) at a time: p and g die as m and v are
+    // born, so fewer registers are live at once.
+    const GroupDequant dm = group_dequant(ms, mk, mm), dv = group_dequant(vs, vk, vm);
+    float m[VEC], v[VEC];
+    constexpr int Q = 16 / sizeof(PT);  // elements per 16-byte store of p
+#pragma unroll
+    for (int j0 = 0; j0 < VEC; j0 += Q) {
+      PT pq[Q];
+#pragma unroll
+      for (int j = j0; j < j0 + Q; j += 2) {
+        const float2 m2 = dequantize_pair(mq[j], mq[j + 1], dm, mm), v2 = dequantize_pair(vq[j], vq[j + 1], dv, vm);
+        m[j] = m2.x, m[j + 1] = m2.y, v[j] = v2.x, v[j + 1] = v2.y;
+      }
+#pragma unroll
+      for (int j = j0; j < j0 + Q; ++j) {
+        const float gj = to_float<GT>(g[j]);
+        m[j] = a.beta1 * m[j] + a.one_minus_beta1 * gj;
+        v[j] = a.beta2 * v[j] + a.one_minus_beta2 * (gj * gj);
+        const float denom = fast_sqrt(v[j]) * a.inv_bc2_sqrt + a.eps;
+        const float pj = to_float<PT>(p[j]);
+        pq[j - j0] = from_float<PT>(pj * (1.0f - a.lr_wd) - a.step_size * __fdividef(m[j], denom));
+      }
+      store_stream<PT, Q>(p_ptr, base + j0, n, vok, pq);
+    }
+    const bool leader = (threadIdx.x % L) == 0;
+    const bool m_ok = quantize<VEC, L>(m, mm, a, group, leader, valid, mq);
+    const bool v_ok = quantize<VEC, L>(v, vm, a, group, leader, valid, vq);
+    store_stream<uint8_t, VEC>(mm.q, base, n, vok, mq);
+    store_stream<uint8_t, VEC>(vm.q, base, n, vok, vq);
+    if (a.nonfinite != nullptr && leader && valid && !(m_ok && v_ok))
+      atomicAdd(a.nonfinite, (m_ok ? 0 : 1) + (v_ok ? 0 : 1));
+
+    if (next.x != e.x) row = load_row(a.ptr_table, next.x);  // rare: once per tensor boundary in the run
+    e = next;
+  }
+}
+
 template <int G, typename PT, typename GT>
 cudaError_t launch_typed(const CoatAdamWArgs& a, int num_sms, cudaStream_t stream) {
   if (a.n_chunks == 0) return cudaSuccess;
-  // Blocks beyond the resident ones only queue; the rest of the chunks grid-stride.
-  const int64_t max_blocks = (int64_t)num_sms * (a.interleave ? 2 : 4);
+  // Blocks beyond the resident ones only queue; the rest of the chunks grid-stride (v3) or make longer runs (v4).
+  const int per_sm = a.variant == kVariantV3 ? 4 : a.variant == kVariantV4 ? 3 : 2;
+  const int64_t max_blocks = (int64_t)num_sms * per_sm;
   const int blocks = (int)(a.n_chunks < max_blocks ? a.n_chunks : max_blocks);
-  if (a.interleave)
-    coat_adamw_kernel<G, PT, GT, 2><<<blocks, kThreads, 0, stream>>>(a);
-  else
-    coat_adamw_kernel<G, PT, GT, 1><<<blocks, kThreads, 0, stream>>>(a);
+  switch (a.variant) {
+    case kVariantV3:
+      coat_adamw_kernel<G, PT, GT, 1><<<blocks, kThreads, 0, stream>>>(a);
+      break;
+    case kVariantV3Interleaved:
+      coat_adamw_kernel<G, PT, GT, 2><<<blocks, kThreads, 0, stream>>>(a);
+      break;
+    case kVariantV4:
+      coat_adamw_kernel_v4<G, PT, GT, 3><<<blocks, kThreads, 0, stream>>>(a);
+      break;
+    case kVariantV4TwoBlocks:
+      coat_adamw_kernel_v4<G, PT, GT, 2><<<blocks, kThreads, 0, stream>>>(a);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
   return cudaGetLastError();
 }
 

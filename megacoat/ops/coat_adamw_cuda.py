@@ -16,10 +16,21 @@ from megacoat.ops.coat_adamw_tables import build_tables, check_lists, chunk_elem
 _module = None
 
 
-def interleave() -> bool:
-    """Kernel variant (kernels/coat_adamw.cu, STEP), MEGACOAT_COAT_ADAMW_INTERLEAVE=0/1. Default 0: one slice at a
-    time, 4 blocks per SM, measured 15% faster than interleaved on the H200 (benchmarks/results/bench_optimizer.json)."""
-    return os.environ.get("MEGACOAT_COAT_ADAMW_INTERLEAVE", "0") == "1"
+# Kernel variants built into the extension, by their index in kernels/coat_adamw.h (kVariant*). All are built so
+# that one benchmark run times them side by side (benchmarks/bench_optimizer.py); the default is the fastest measured
+# on the device: v3, 5.91 ms for 1 B parameters on an H200 (benchmarks/results/bench_optimizer_notes.md). v4 is
+# unmeasured until a GPU session confirms it correct (tests/ops/test_coat_adamw.py, gpu) and faster.
+CUDA_VARIANTS = ("v3", "v3-interleaved", "v4", "v4-2blocks")
+DEFAULT_CUDA_VARIANT = "v3"
+VARIANT_ENV = "MEGACOAT_COAT_ADAMW_CUDA_VARIANT"
+
+
+def cuda_variant(name: str | None = None) -> int:
+    """Index of a kernel variant: `name`, else $MEGACOAT_COAT_ADAMW_CUDA_VARIANT, else the default."""
+    name = name or os.environ.get(VARIANT_ENV) or DEFAULT_CUDA_VARIANT
+    if name not in CUDA_VARIANTS:
+        raise ValueError(f"CoatAdamW CUDA kernel variant must be one of {CUDA_VARIANTS}, got {name!r}")
+    return CUDA_VARIANTS.index(name)
 
 
 def load_extension(verbose: bool = False):
@@ -31,12 +42,17 @@ def load_extension(verbose: bool = False):
         _module = CoatAdamWBuilder().load(verbose=verbose)
         if any(_module.chunk_elems(g) != chunk_elems(g) for g in (16, 128, 256)):
             raise RuntimeError("kernels/coat_adamw.h and megacoat/ops/coat_adamw_tables.py disagree on chunk size")
+        if _module.num_variants != len(CUDA_VARIANTS):
+            raise RuntimeError(f"kernels/coat_adamw.h builds {_module.num_variants} variants, CUDA_VARIANTS names "
+                               f"{len(CUDA_VARIANTS)}")
     return _module
 
 
 def coat_adamw_step_cuda(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, lr: float, beta1: float,
                          beta2: float, eps: float, weight_decay: float, step: int, group_size: int, expand: bool,
-                         nonfinite: torch.Tensor | None = None) -> None:
+                         nonfinite: torch.Tensor | None = None, variant: str | None = None) -> None:
+    """`variant`: one of CUDA_VARIANTS (default: `cuda_variant()`); every variant computes the same step."""
+    kernel = cuda_variant(variant)
     if not params:
         return
     if not params[0].is_cuda:
@@ -49,4 +65,4 @@ def coat_adamw_step_cuda(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *,
     ext.coat_adamw_step(ptr_table, chunk_table, nonfinite, lr * weight_decay, step_size, beta1, beta2, bc2_sqrt,
                         eps, fm.max, fv.max, math.log2(fm.dynamic_range), math.log2(fv.dynamic_range), K_MIN,
                         K_MAX, fm == E5M2, fv == E5M2, bool(expand), params[0].dtype == torch.bfloat16,
-                        grads[0].dtype == torch.bfloat16, group_size, interleave())
+                        grads[0].dtype == torch.bfloat16, group_size, kernel)

@@ -21,6 +21,7 @@ if not torch.cuda.is_available():  # before the kernel is defined: lets the Trit
 from megacoat.fp8 import QuantizedTensor, expand_dequantize, expand_quantize
 from megacoat.fp8.formats import get_format
 from megacoat.ops.coat_adamw import coat_adamw_step
+from megacoat.ops.coat_adamw_cuda import CUDA_VARIANTS, DEFAULT_CUDA_VARIANT, VARIANT_ENV, cuda_variant
 from megacoat.ops.coat_adamw_ref import (K_MAX, K_MIN, adam_scalars, coat_adamw_step_ref, dequantize_moment_ref,
                                          quantize_moment_ref)
 from megacoat.ops.coat_adamw_tables import num_groups
@@ -89,8 +90,14 @@ def assert_state_close(state_a, state_b, exact_fraction):
 
 
 def run_backend(backend, params, grads, state, **kw):
+    """backend: "torch", "triton", "cuda" or "cuda:<variant>" (one kernel variant of kernels/coat_adamw.cu)."""
     nf = torch.zeros(1, dtype=torch.int32, device=params[0].device)
-    coat_adamw_step(params, grads, *state, nonfinite=nf, backend=backend, **{**HP, **kw})
+    if backend.startswith("cuda:"):
+        from megacoat.ops.coat_adamw_cuda import coat_adamw_step_cuda
+
+        coat_adamw_step_cuda(params, grads, *state, nonfinite=nf, variant=backend[5:], **{**HP, **kw})
+    else:
+        coat_adamw_step(params, grads, *state, nonfinite=nf, backend=backend, **{**HP, **kw})
     return nf
 
 
@@ -236,7 +243,22 @@ def test_triton_interpreter_nonfinite():
     assert torch.isnan(state[1][0][1]) and torch.isfinite(state[1][0][[0, 2, 3]]).all()
 
 
+def test_cuda_variant_names(monkeypatch):
+    monkeypatch.delenv(VARIANT_ENV, raising=False)
+    assert CUDA_VARIANTS[cuda_variant()] == DEFAULT_CUDA_VARIANT
+    assert cuda_variant("v4") == CUDA_VARIANTS.index("v4")
+    monkeypatch.setenv(VARIANT_ENV, "v4-2blocks")
+    assert cuda_variant() == CUDA_VARIANTS.index("v4-2blocks")
+    assert cuda_variant("v3") == 0  # an explicit name wins over the environment
+    monkeypatch.setenv(VARIANT_ENV, "v5")
+    with pytest.raises(ValueError, match="variant must be one of"):
+        cuda_variant()
+
+
 # ---------------------------------------------------------------- GPU: Triton and CUDA against the reference
+
+# Every CUDA kernel variant is checked, not only the default: the next one becomes the default only once it passes.
+GPU_BACKENDS = [f"cuda:{v}" for v in CUDA_VARIANTS] + ["triton"]
 
 def update_error_bounds(params, grads, state, G, step, p_dtype):
     """Per-element bound on |p_kernel - p_ref|. The kernels' ex2/lg2 approximations (relative error <= 2^-22,
@@ -268,7 +290,7 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"G{c['G']}-{c['m']}-{c['v']}-x{int(c['expand'])}-"
                                                          f"{str(c['p'])[6:]}-{str(c['g'])[6:]}")
 def test_gpu_kernel_matches_reference(backend, case):
@@ -290,14 +312,14 @@ def test_gpu_kernel_matches_reference(backend, case):
             bound = bound + 2 ** -7 * a.float().abs()  # one bf16 rounding flip
         assert (err <= bound).all(), float((err - bound).max())
     assert_state_close(s2, state, exact_fraction=0.99)
-    if not case["expand"] and backend == "cuda":
+    if not case["expand"] and backend.startswith("cuda"):
         # k = 1 takes no transcendental path: the codes equal the reference's but for FMA-contraction ties
         for a, b in zip(state[0], s2[0]):
             assert (fp8_steps_apart(a, b) == 0).float().mean() > 0.999
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_kernel_first_step_and_nonfinite(backend):
     G = 128
     params, grads, state = make_state([10 * G + 1], G, device="cuda", warm=False)
@@ -313,7 +335,7 @@ def test_gpu_kernel_first_step_and_nonfinite(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_unaligned_views(backend):
     """Views at odd offsets: the CUDA kernel takes its scalar path, the Triton kernel drops its alignment hints."""
     G = 128
@@ -328,4 +350,31 @@ def test_gpu_unaligned_views(backend):
     run_backend("torch", params, grads, state, step=2, group_size=G, expand=True)
     run_backend(backend, p2, grads, s2, step=2, group_size=G, expand=True)
     assert ((p2[0] - params[0]).abs() <= bounds[0]).all()
+    assert_state_close(s2, state, exact_fraction=0.99)
+
+
+def many_sizes(seed=0):
+    """Sizes whose chunks outnumber the resident blocks several times over (v4 blocks then walk runs of chunks that
+    cross from one tensor into the next), with an empty tensor, one-element tensors and ragged tails among them."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [int(x) for x in torch.randint(1, 400_000, (40,), generator=g)]
+    return sizes[:10] + [0, 1] + sizes[10:20] + [4096, 1] + sizes[20:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_chunk_runs_cross_tensors(backend):
+    G = 128
+    torch.manual_seed(2)
+    sizes = many_sizes()
+    n_chunks = sum(-(-n // 4096) for n in sizes)
+    assert n_chunks > 4 * torch.cuda.get_device_properties(0).multi_processor_count  # more than one chunk a block
+    params, grads, state = make_state(sizes, G, device="cuda")
+    p2, s2 = clone_all(params, state)
+    bounds = update_error_bounds(params, grads, state, G, 4, torch.float32)
+    run_backend("torch", params, grads, state, step=4, group_size=G, expand=True)
+    nf = run_backend(backend, p2, grads, s2, step=4, group_size=G, expand=True)
+    assert int(nf) == 0
+    for a, b, bound in zip(params, p2, bounds):
+        assert ((b - a).abs() <= bound).all()
     assert_state_close(s2, state, exact_fraction=0.99)

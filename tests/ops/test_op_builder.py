@@ -4,6 +4,7 @@ The CPU machine has nvcc but no GPU: the compile-only tests build the kernel obj
 torch binding with the host compiler, so CI catches build breaks. The GPU test JIT-builds and loads the extension.
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -49,12 +50,35 @@ def test_sources_are_found():
     assert b.absolute_name() == "megacoat.ops.megacoat_coat_adamw_op"
 
 
+def cuobjdump():
+    """Triton ships cuobjdump; this machine's CUDA may not."""
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return path if os.path.isfile(path) else shutil.which("cuobjdump")
+
+
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
 def test_cuda_kernel_compiles(tmp_path):
+    """Every kernel variant (kernels/coat_adamw.h, kVariant*) is built: the runtime switch instantiates each."""
+    obj = tmp_path / "coat_adamw.o"
     cmd = [NVCC, "-c", "-std=c++17", "-O3", "-arch=sm_90", "-DCOAT_ADAMW_COMPILE_CHECK", *TORCH_NVCC_MACROS,
-           str(kernels_dir() / "coat_adamw.cu"), "-o", str(tmp_path / "coat_adamw.o")]
+           str(kernels_dir() / "coat_adamw.cu"), "-o", str(obj)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    tool = cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump to list the kernels")
+    listing = subprocess.run([tool, "-res-usage", str(obj)], capture_output=True, text=True, check=True).stdout
+    # kernel name, element types, STEP (v3) or blocks per SM (v4) of each G = 128 instantiation
+    found = set(re.findall(r"(coat_adamw_kernel(?:_v4)?)ILi128E(\w+?)Li(\d)EE", listing))
+    from megacoat.ops.coat_adamw_cuda import CUDA_VARIANTS
+
+    variants = {("coat_adamw_kernel", "1"), ("coat_adamw_kernel", "2"), ("coat_adamw_kernel_v4", "3"),
+                ("coat_adamw_kernel_v4", "2")}
+    assert len(variants) == len(CUDA_VARIANTS)
+    for types in ("ff", "13__nv_bfloat16S1_"):
+        assert {(k, n) for k, t, n in found if t == types} == variants, sorted(found)
 
 
 @pytest.mark.slow
