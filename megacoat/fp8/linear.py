@@ -77,6 +77,13 @@ class Fp8InputCache:
         self._ref = self._version = self._value = None
         self.hits = 0  # how many quantizations were saved (tests check the sharing)
 
+    def __getstate__(self):  # copies and pickles start empty: the cached tensors belong to one forward
+        return {"hits": self.hits}
+
+    def __setstate__(self, state) -> None:
+        self.__init__()
+        self.hits = state["hits"]
+
     def _forget(self, ref) -> None:
         if ref is self._ref:
             self._ref = self._value = None

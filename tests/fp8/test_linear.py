@@ -130,6 +130,19 @@ def test_input_cache_misses_on_another_tensor_or_an_in_place_change_and_lets_go(
     assert cache._value is None  # the FP8 copies die with their input
 
 
+def test_modules_with_a_filled_input_cache_copy_and_pickle():
+    import copy
+    import io
+
+    lins = _siblings(shared=True)
+    x = torch.randn(16, 64, device=DEV, dtype=torch.bfloat16)
+    lins[0](x)
+    assert lins[0].input_cache._value is not None
+    clone = copy.deepcopy(torch.nn.ModuleList(lins))
+    assert clone[0].input_cache is clone[1].input_cache and clone[0].input_cache._value is None
+    torch.save(torch.nn.ModuleList(lins), io.BytesIO())
+
+
 @pytest.mark.gpu
 def test_gpu_large_linear():
     x, w = _case(4096, 4096, 11008)
