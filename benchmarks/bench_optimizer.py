@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megacoat.ops.coat_adamw_cuda import CUDA_VARIANTS, VARIANT_ENV  # noqa: E402
+from megacoat.ops.coat_adamw_triton import TRITON_VARIANT_ENV, TRITON_VARIANTS  # noqa: E402
 from megacoat.optim.coat_adamw import CoatAdamW  # noqa: E402
 
 
@@ -140,6 +141,32 @@ def sass_of_variants(hot_path_only: bool) -> dict:
     return out
 
 
+def triton_sass_of_variants() -> dict:
+    """{variant: figures} of the Triton kernel for sm_90 (G = 128, fp32 p and g, E4M3 moments, aligned), compiled
+    by the Triton on the path (the device runs 3.6: put it first on PYTHONPATH for counts that match the device)."""
+    import inspect
+
+    import triton.language as tl
+
+    from benchmarks.kernel_sass import compile_sm90, sass_stats
+    from megacoat.ops import coat_adamw_triton as kt
+
+    fn = kt._coat_adamw_kernel
+    out = {}
+    for variant in TRITON_VARIANTS:
+        warps, hw = kt.triton_variant(variant)
+        const = dict(M_MBITS=3, V_MBITS=3, P_DT=tl.float32, G_DT=tl.float32, M_DT=tl.float8e4nv, V_DT=tl.float8e4nv,
+                     G=128, GPC=32, EXPAND=True, COUNT=True, K_LO=0.0625, K_HI=64.0, ALIGNED=True, HW=hw)
+        sig = {"ptr_table": "*i64", "chunk_table": "*i32", "nonfinite_ptr": "*i32"}
+        sig.update({k: "fp32" for k in inspect.signature(fn.fn).parameters if k not in sig and k not in const})
+        st = sass_stats(compile_sm90(fn, sig, const, warps), elements=4096)
+        st.pop("_sass")
+        out[variant] = dict(registers=st["registers"], spill_bytes=st["stack_local_bytes"], num_warps=warps,
+                            instructions_per_element=round(st["instructions_per_element"], 1),
+                            mix_per_element={k: round(v, 2) for k, v in st["mix_per_element"].items()})
+    return out
+
+
 def static_sass(args):
     result = dict(benchmark="bench_optimizer --sass", command=" ".join([sys.executable] + sys.argv), arch="sm_90a",
                   nvcc=subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1],
@@ -147,11 +174,19 @@ def static_sass(args):
                   git_commit=subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
                   group_size=128, variants={})
     for hot in (False, True):
-        for (variant, dtype), row in sorted(sass_of_variants(hot).items()):
+        for (variant, dtype), row in sorted(sass_of_variants(hot).items(), key=lambda kv: CUDA_VARIANTS.index(kv[0][0])):
             result["variants"].setdefault(f"{variant} {dtype}", {})["hot_path" if hot else "full"] = row
+    import triton
+
+    result["triton"] = triton.__version__
+    result["triton_variants"] = triton_sass_of_variants()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    print(f"Triton {triton.__version__}, sm_90, G = 128, fp32 p/g, E4M3 moments (static counts include masked tails)")
+    for variant, r in result["triton_variants"].items():
+        print(f"  triton {variant:12s} warps {r['num_warps']:2d} regs {r['registers']:3d} spill {r['spill_bytes']:3d} "
+              f"instr/elem {r['instructions_per_element']:6.1f}")
     print(f"{'variant':22s} {'build':9s} {'regs':>4s} {'spill B':>8s} {'instr/elem':>10s}  memory instructions (whole kernel)")
     for key, builds in result["variants"].items():
         for build, r in builds.items():
@@ -168,6 +203,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--backends", default="cuda,triton")
     ap.add_argument("--cuda-variants", default=",".join(CUDA_VARIANTS), help="CUDA kernel variants to time")
+    ap.add_argument("--triton-variants", default=",".join(TRITON_VARIANTS), help="Triton kernel variants to time")
     ap.add_argument("--sass", action="store_true",
                     help="no GPU needed: static SASS (sm_90a) of every CUDA kernel variant, saved to --out")
     ap.add_argument("--seed", type=int, default=0)
@@ -187,18 +223,20 @@ def main(argv=None):
     # CoatAdamW: read p, g (fp32), m, v (FP8) and per group 2 x (fp32 scale + bf16 k); write p, m, v, scales, k
     coat_bytes = 4 + 4 + 1 + 1 + 4 + 1 + 1 + 2 * 2 * 6 / G
     for backend in args.backends.split(","):
-        # Every CUDA kernel variant (kernels/coat_adamw.h) in this one run, so old and new compare on one device.
-        for variant in (args.cuda_variants.split(",") if backend == "cuda" else (None,)):
-            if variant is not None:
-                os.environ[VARIANT_ENV] = variant
+        # Every kernel variant (CUDA: kernels/coat_adamw.h, Triton: TRITON_VARIANTS) in this one run, so old and new
+        # compare on one device.
+        env, variants = {"cuda": (VARIANT_ENV, args.cuda_variants),
+                         "triton": (TRITON_VARIANT_ENV, args.triton_variants)}[backend]
+        for variant in variants.split(","):
+            os.environ[env] = variant
             for expand in (True, False):
-                tag = f", {variant}" if variant is not None else ""
+                tag = f", {variant}"
                 name = f"CoatAdamW({backend}, expand={expand}{tag})"
                 rows.append(bench_one(name, lambda ps: CoatAdamW(ps, group_size=G, expand=expand, backend=backend,
                                                                  **hp),
                                       n_params, args.chunks, args, coat_bytes, copy_gbps))
                 print(rows[-1], flush=True)
-        os.environ.pop(VARIANT_ENV, None)
+        os.environ.pop(env, None)
     base = rows[0]["step_ms"]
     for r in rows:
         r["speedup_vs_fused_adamw"] = round(base / r["step_ms"], 3)

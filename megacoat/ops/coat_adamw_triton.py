@@ -7,6 +7,7 @@ addresses come from the pointer table (see `megacoat.ops.coat_adamw_tables`). Sa
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -45,19 +46,41 @@ def _round_to_fp8_grid(v, MBITS: tl.constexpr, MIN_NORMAL, SUB_MAGIC):
 
 
 @triton.jit
-def _dequantize(q, scale, k, FMAX, INV_FMAX):
+def _fast_log2(x, HW: tl.constexpr):
+    """log2 per element: the hardware's lg2.approx.ftz (one MUFU op, ~2 ulp, as the CUDA kernel) where tl.log2
+    compiles to a ~20-instruction polynomial; tl.log2 under the interpreter, which runs no PTX."""
+    if HW:
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _fast_exp2(x, HW: tl.constexpr):
+    """exp2 per element: ex2.approx.ftz (one MUFU op, no subnormal fix-up around it), tl.exp2 in the interpreter."""
+    if HW:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def _dequantize(q, scale, k, FMAX, INV_FMAX, HW: tl.constexpr):
     """Same float32 operations, same order, as dequantize_moment_ref; scale and k are [groups, 1]."""
     inv_k = tl.div_rn(tl.full(k.shape, 1.0, tl.float32), k)
     rq = tl.abs(q) * INV_FMAX
-    e = tl.where(k == 1.0, rq, tl.exp2(tl.log2(rq) * inv_k))
+    e = tl.where(k == 1.0, rq, _fast_exp2(_fast_log2(rq, HW) * inv_k, HW))
     x = e * (scale * FMAX)
     return tl.where(q < 0, -x, x)
 
 
 @triton.jit
 def _quantize(x, FMAX, LOG2_RANGE, MIN_NORMAL, SUB_MAGIC, MBITS: tl.constexpr, EXPAND: tl.constexpr,
-              K_LO: tl.constexpr, K_HI: tl.constexpr):
-    """x [groups, G] fp32 (padding = 0) -> q (FP8-representable fp32), scale, k (bf16), bad (per group)."""
+              K_LO: tl.constexpr, K_HI: tl.constexpr, HW: tl.constexpr):
+    """x [groups, G] fp32 (padding = 0) -> q (fp32, rounded to the FP8 grid unless HW: the GPU's cast rounds to
+    nearest even itself), scale, k (bf16), bad (per group). k keeps the accurate tl.log2: once per group."""
     a = tl.where(x != x, float("inf"), tl.abs(x))  # NaN counts as non-finite
     amax = tl.max(a, axis=1)
     finite = amax < float("inf")
@@ -73,10 +96,12 @@ def _quantize(x, FMAX, LOG2_RANGE, MIN_NORMAL, SUB_MAGIC, MBITS: tl.constexpr, E
     kf = k_bf16.to(tl.float32)[:, None]
     inv_amax = tl.where(finite & (amax > 0), tl.div_rn(one, amax), 0.0)
     r = a * inv_amax[:, None]
-    f = tl.where(kf == 1.0, r, tl.exp2(kf * tl.log2(r)))
+    f = tl.where(kf == 1.0, r, _fast_exp2(kf * _fast_log2(r, HW), HW))
     mag = tl.minimum(f * FMAX, FMAX)
     q = tl.where(x < 0, -mag, mag)
-    q = _round_to_fp8_grid(tl.where(finite[:, None], q, 0.0), MBITS, MIN_NORMAL, SUB_MAGIC)
+    q = tl.where(finite[:, None], q, 0.0)
+    if not HW:
+        q = _round_to_fp8_grid(q, MBITS, MIN_NORMAL, SUB_MAGIC)
     scale = tl.where(finite, tl.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), float("nan"))
     bad = tl.where(finite, 0, 1)
     return q, scale, k_bf16, bad
@@ -92,11 +117,11 @@ def _st(ptrs, values, mask, MASKED: tl.constexpr):
 
 @triton.jit
 def _chunk_step(p_ptr, g_ptr, mq_ptr, ms_ptr, mk_ptr, vq_ptr, vs_ptr, vk_ptr, n, c, nonfinite_ptr, lr_wd, step_size,
-                beta1, beta2, bc2_sqrt, eps, M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M, LOG2_RANGE_V,
+                beta1, beta2, inv_bc2_sqrt, eps, M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M, LOG2_RANGE_V,
                 M_MIN_NORMAL, V_MIN_NORMAL, M_SUB_MAGIC, V_SUB_MAGIC, M_MBITS: tl.constexpr, V_MBITS: tl.constexpr,
                 P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr, G: tl.constexpr, GPC: tl.constexpr,
                 EXPAND: tl.constexpr, COUNT: tl.constexpr, K_LO: tl.constexpr, K_HI: tl.constexpr,
-                MASKED: tl.constexpr):
+                MASKED: tl.constexpr, HW: tl.constexpr):
     """One chunk of GPC groups. MASKED=False (every chunk but a tensor's last) leaves the loads unmasked so they
     compile to 16-byte vectors."""
     grp = c * GPC + tl.arange(0, GPC)
@@ -122,19 +147,19 @@ def _chunk_step(p_ptr, g_ptr, mq_ptr, ms_ptr, mk_ptr, vq_ptr, vs_ptr, vk_ptr, n,
         mk = tl.load(mk_ptr + grp).to(tl.float32)
         vk = tl.load(vk_ptr + grp).to(tl.float32)
 
-    m = _dequantize(mq, ms[:, None], mk[:, None], M_MAX, INV_M_MAX)
-    v = _dequantize(vq, vs[:, None], vk[:, None], V_MAX, INV_V_MAX)
+    m = _dequantize(mq, ms[:, None], mk[:, None], M_MAX, INV_M_MAX, HW)
+    v = _dequantize(vq, vs[:, None], vk[:, None], V_MAX, INV_V_MAX, HW)
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * (g * g)
-    denom = tl.sqrt(v) / bc2_sqrt + eps
+    denom = tl.sqrt(v) * inv_bc2_sqrt + eps  # a multiply, where "/ bc2_sqrt" is a division per element
     p = p * (1.0 - lr_wd) - step_size * (m / denom)
     _st(p_ptr + offs, p.to(P_DT), mask, MASKED)
 
-    q, s, k, bad_m = _quantize(m, M_MAX, LOG2_RANGE_M, M_MIN_NORMAL, M_SUB_MAGIC, M_MBITS, EXPAND, K_LO, K_HI)
+    q, s, k, bad_m = _quantize(m, M_MAX, LOG2_RANGE_M, M_MIN_NORMAL, M_SUB_MAGIC, M_MBITS, EXPAND, K_LO, K_HI, HW)
     _st(mq_ptr + offs, q.to(M_DT), mask, MASKED)
     _st(ms_ptr + grp, s, gmask, MASKED)
     _st(mk_ptr + grp, k, gmask, MASKED)
-    q, s, k, bad_v = _quantize(v, V_MAX, LOG2_RANGE_V, V_MIN_NORMAL, V_SUB_MAGIC, V_MBITS, EXPAND, K_LO, K_HI)
+    q, s, k, bad_v = _quantize(v, V_MAX, LOG2_RANGE_V, V_MIN_NORMAL, V_SUB_MAGIC, V_MBITS, EXPAND, K_LO, K_HI, HW)
     _st(vq_ptr + offs, q.to(V_DT), mask, MASKED)
     _st(vs_ptr + grp, s, gmask, MASKED)
     _st(vk_ptr + grp, k, gmask, MASKED)
@@ -148,12 +173,12 @@ def _chunk_step(p_ptr, g_ptr, mq_ptr, ms_ptr, mk_ptr, vq_ptr, vs_ptr, vk_ptr, n,
 
 
 @triton.jit
-def _coat_adamw_kernel(ptr_table, chunk_table, nonfinite_ptr, lr_wd, step_size, beta1, beta2, bc2_sqrt, eps,
+def _coat_adamw_kernel(ptr_table, chunk_table, nonfinite_ptr, lr_wd, step_size, beta1, beta2, inv_bc2_sqrt, eps,
                        M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M, LOG2_RANGE_V, M_MIN_NORMAL,
                        V_MIN_NORMAL, M_SUB_MAGIC, V_SUB_MAGIC, M_MBITS: tl.constexpr, V_MBITS: tl.constexpr,
                        P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
                        G: tl.constexpr, GPC: tl.constexpr, EXPAND: tl.constexpr, COUNT: tl.constexpr,
-                       K_LO: tl.constexpr, K_HI: tl.constexpr, ALIGNED: tl.constexpr):
+                       K_LO: tl.constexpr, K_HI: tl.constexpr, ALIGNED: tl.constexpr, HW: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(chunk_table + 2 * pid).to(tl.int64)
     c = tl.load(chunk_table + 2 * pid + 1).to(tl.int64)
@@ -174,20 +199,47 @@ def _coat_adamw_kernel(ptr_table, chunk_table, nonfinite_ptr, lr_wd, step_size, 
         vq_ptr = tl.multiple_of(vq_ptr, 16)
     if (c + 1) * (GPC * G) <= n:
         _chunk_step(p_ptr, g_ptr, mq_ptr, ms_ptr, mk_ptr, vq_ptr, vs_ptr, vk_ptr, n, c, nonfinite_ptr, lr_wd,
-                    step_size, beta1, beta2, bc2_sqrt, eps, M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M,
+                    step_size, beta1, beta2, inv_bc2_sqrt, eps, M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M,
                     LOG2_RANGE_V, M_MIN_NORMAL, V_MIN_NORMAL, M_SUB_MAGIC, V_SUB_MAGIC, M_MBITS, V_MBITS, P_DT, M_DT,
-                    V_DT, G, GPC, EXPAND, COUNT, K_LO, K_HI, False)
+                    V_DT, G, GPC, EXPAND, COUNT, K_LO, K_HI, False, HW)
     else:
         _chunk_step(p_ptr, g_ptr, mq_ptr, ms_ptr, mk_ptr, vq_ptr, vs_ptr, vk_ptr, n, c, nonfinite_ptr, lr_wd,
-                    step_size, beta1, beta2, bc2_sqrt, eps, M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M,
+                    step_size, beta1, beta2, inv_bc2_sqrt, eps, M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M,
                     LOG2_RANGE_V, M_MIN_NORMAL, V_MIN_NORMAL, M_SUB_MAGIC, V_SUB_MAGIC, M_MBITS, V_MBITS, P_DT, M_DT,
-                    V_DT, G, GPC, EXPAND, COUNT, K_LO, K_HI, True)
+                    V_DT, G, GPC, EXPAND, COUNT, K_LO, K_HI, True, HW)
+
+
+# Variants, all compiled on demand, so one benchmark run times them side by side (benchmarks/bench_optimizer.py):
+# "w8" (default): 8 warps a program (16 elements a thread, ~250 registers: one program resident per SM) with the
+#   hardware's lg2/ex2 per element and the GPU's own round-to-nearest FP8 cast;
+# "w16": the same with 16 warps (8 elements a thread, ~100 registers, 16 warps per SM; ~15% more instructions per
+#   element in static SASS);
+# "w8-accurate": session 2's kernel (measured 11.96 ms for 1 B parameters on an H200): tl.log2 (a polynomial) and
+#   tl.exp2 per element, and the FP8 rounding done in fp32 bit arithmetic as under the interpreter.
+TRITON_VARIANTS = ("w8", "w16", "w8-accurate")
+DEFAULT_TRITON_VARIANT = "w8"
+TRITON_VARIANT_ENV = "MEGACOAT_COAT_ADAMW_TRITON_VARIANT"
+
+
+def triton_variant(name: str | None = None) -> tuple[int, bool]:
+    """(num_warps, hardware transcendentals) of `name`, else $MEGACOAT_COAT_ADAMW_TRITON_VARIANT, else the default."""
+    name = name or os.environ.get(TRITON_VARIANT_ENV) or DEFAULT_TRITON_VARIANT
+    if name not in TRITON_VARIANTS:
+        raise ValueError(f"CoatAdamW Triton kernel variant must be one of {TRITON_VARIANTS}, got {name!r}")
+    return (16 if name == "w16" else 8), not name.endswith("-accurate")
+
+
+def _interpreted() -> bool:
+    """TRITON_INTERPRET=1: the kernel runs in numpy (CPU tests), where inline PTX cannot."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def coat_adamw_step_triton(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, lr: float, beta1: float,
                            beta2: float, eps: float, weight_decay: float, step: int, group_size: int, expand: bool,
-                           nonfinite: torch.Tensor | None = None) -> None:
-    """Same contract as `coat_adamw_step_ref`; all tensors must share one dtype per role and one device."""
+                           nonfinite: torch.Tensor | None = None, variant: str | None = None) -> None:
+    """Same contract as `coat_adamw_step_ref`; all tensors must share one dtype per role and one device.
+    `variant`: one of TRITON_VARIANTS (default: `triton_variant()`)."""
+    warps, hw = triton_variant(variant)
     if not params:
         return
     check_lists(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size)
@@ -200,10 +252,10 @@ def coat_adamw_step_triton(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, 
     n_chunks = chunk_table.shape[0]
     aligned = all(t.data_ptr() % 16 == 0 for ts in (params, grads, m_q, v_q) for t in ts)
     _coat_adamw_kernel[(n_chunks,)](
-        ptr_table, chunk_table, nb, lr * weight_decay, step_size, beta1, beta2, bc2_sqrt, eps,
+        ptr_table, chunk_table, nb, lr * weight_decay, step_size, beta1, beta2, 1.0 / bc2_sqrt, eps,
         fm.max, fv.max, 1.0 / fm.max, 1.0 / fv.max, math.log2(fm.dynamic_range), math.log2(fv.dynamic_range),
         fm.smallest_normal, fv.smallest_normal, 1.5 * 2 ** 23 * fm.min_subnormal, 1.5 * 2 ** 23 * fv.min_subnormal,
         M_MBITS=fm.mantissa_bits, V_MBITS=fv.mantissa_bits,
         P_DT=_TL_DTYPES[params[0].dtype], G_DT=_TL_DTYPES[grads[0].dtype], M_DT=_TL_DTYPES[m_q[0].dtype],
         V_DT=_TL_DTYPES[v_q[0].dtype], G=group_size, GPC=groups_per_chunk, EXPAND=bool(expand), COUNT=count,
-        K_LO=K_MIN, K_HI=K_MAX, ALIGNED=aligned, num_warps=8)
+        K_LO=K_MIN, K_HI=K_MAX, ALIGNED=aligned, HW=hw and not _interpreted(), num_warps=warps)

@@ -22,6 +22,7 @@ from megacoat.fp8 import QuantizedTensor, expand_dequantize, expand_quantize
 from megacoat.fp8.formats import get_format
 from megacoat.ops.coat_adamw import coat_adamw_step
 from megacoat.ops.coat_adamw_cuda import CUDA_VARIANTS, DEFAULT_CUDA_VARIANT, VARIANT_ENV, cuda_variant
+from megacoat.ops.coat_adamw_triton import TRITON_VARIANTS, coat_adamw_step_triton, triton_variant
 from megacoat.ops.coat_adamw_ref import (K_MAX, K_MIN, adam_scalars, coat_adamw_step_ref, dequantize_moment_ref,
                                          quantize_moment_ref)
 from megacoat.ops.coat_adamw_tables import num_groups
@@ -90,12 +91,14 @@ def assert_state_close(state_a, state_b, exact_fraction):
 
 
 def run_backend(backend, params, grads, state, **kw):
-    """backend: "torch", "triton", "cuda" or "cuda:<variant>" (one kernel variant of kernels/coat_adamw.cu)."""
+    """backend: "torch", "triton", "cuda", or "cuda:<variant>" / "triton:<variant>" (one kernel variant)."""
     nf = torch.zeros(1, dtype=torch.int32, device=params[0].device)
     if backend.startswith("cuda:"):
         from megacoat.ops.coat_adamw_cuda import coat_adamw_step_cuda
 
         coat_adamw_step_cuda(params, grads, *state, nonfinite=nf, variant=backend[5:], **{**HP, **kw})
+    elif backend.startswith("triton:"):
+        coat_adamw_step_triton(params, grads, *state, nonfinite=nf, variant=backend[7:], **{**HP, **kw})
     else:
         coat_adamw_step(params, grads, *state, nonfinite=nf, backend=backend, **{**HP, **kw})
     return nf
@@ -253,12 +256,15 @@ def test_cuda_variant_names(monkeypatch):
     monkeypatch.setenv(VARIANT_ENV, "v5")
     with pytest.raises(ValueError, match="variant must be one of"):
         cuda_variant()
+    assert triton_variant("w16") == (16, True) and triton_variant("w8-accurate") == (8, False)
+    with pytest.raises(ValueError, match="Triton kernel variant must be one of"):
+        triton_variant("w32")
 
 
 # ---------------------------------------------------------------- GPU: Triton and CUDA against the reference
 
 # Every CUDA kernel variant is checked, not only the default: the next one becomes the default only once it passes.
-GPU_BACKENDS = [f"cuda:{v}" for v in CUDA_VARIANTS] + ["triton"]
+GPU_BACKENDS = [f"cuda:{v}" for v in CUDA_VARIANTS] + [f"triton:{v}" for v in TRITON_VARIANTS]
 
 def update_error_bounds(params, grads, state, G, step, p_dtype):
     """Per-element bound on |p_kernel - p_ref|. The kernels' ex2/lg2 approximations (relative error <= 2^-22,
