@@ -133,6 +133,8 @@ class GPT(nn.Module):
         # are a function of the config, so nothing is saved. `_rope` moves them to the activations' device.
         self._rope_cpu = rope_tables(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # A plain attribute so that a wrapper can be swapped in from outside (torch.compile in apply_compile).
+        self.loss_fn = cross_entropy_loss
         self.reset_parameters()
 
     def _rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +170,7 @@ class GPT(nn.Module):
         logits = self.output(self.norm(h))
         if labels is None:
             return logits
-        return cross_entropy_loss(logits, labels)
+        return self.loss_fn(logits, labels)
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

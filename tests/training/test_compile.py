@@ -1,4 +1,4 @@
-"""--compile (torch.compile per transformer block, as build_model applies it) in every FP8 activation mode:
+"""--compile (apply_compile: torch.compile per transformer block and of the loss) in every FP8 activation mode:
 the compiled model computes what the eager one does. The FP8 flow's fused functions are excluded from the
 graphs (torch.compiler.disable: inductor must not re-trace their Triton kernels); the glue between them and
 the bf16 blocks are compiled."""
@@ -10,7 +10,8 @@ import torch
 from megacoat.fp8.config import FP8Config
 from megacoat.fp8.convert import convert_to_fp8
 from megacoat.model.config import ModelConfig
-from megacoat.model.gpt import GPT
+from megacoat.model.gpt import GPT, cross_entropy_loss
+from megacoat.training.model_builder import apply_compile
 
 CFG = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
            seq_length=32, vocab_size=256)
@@ -23,8 +24,8 @@ def test_compiled_blocks_match_eager(mode):
     torch.manual_seed(0)
     eager = convert_to_fp8(GPT(ModelConfig(**CFG)), FP8Config(mode=mode, group_size=32))
     compiled = copy.deepcopy(eager)
-    for block in compiled.layers:
-        block.compile()
+    apply_compile(compiled)
+    assert compiled.loss_fn is not cross_entropy_loss and eager.loss_fn is cross_entropy_loss
     tokens = torch.randint(0, CFG["vocab_size"], (2, CFG["seq_length"] + 1))
     losses, grads = [], []
     for model in (eager, compiled):
@@ -37,3 +38,31 @@ def test_compiled_blocks_match_eager(mode):
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+
+
+def _saved_bytes(fn, *args) -> int:
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(sizes)
+
+
+@pytest.mark.slow
+def test_compiled_loss_keeps_only_the_bf16_logits():
+    """Eager F.cross_entropy on .float() logits saves two fp32 copies (8 bytes per logit) for backward; the
+    compiled loss saves the bf16 logits (2 bytes) and a per-token statistic: why apply_compile compiles it."""
+    torch._dynamo.reset()
+    logits = torch.randn(2, 64, 512, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 512, (2, 64))
+    labels[0, :5] = -100
+    compiled = torch.compile(cross_entropy_loss)
+    eager_bytes, compiled_bytes = _saved_bytes(cross_entropy_loss, logits, labels), _saved_bytes(compiled, logits, labels)
+    assert eager_bytes >= 8 * logits.numel() and compiled_bytes <= 2 * logits.numel() + 64 * labels.numel()
+    (g_eager,) = torch.autograd.grad(cross_entropy_loss(logits, labels), logits)
+    (g_compiled,) = torch.autograd.grad(compiled(logits, labels), logits)
+    torch.testing.assert_close(g_compiled, g_eager)  # bf16 gradients: equal to bf16 rounding
