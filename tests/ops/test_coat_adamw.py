@@ -256,7 +256,7 @@ def test_cuda_variant_names(monkeypatch):
     monkeypatch.setenv(VARIANT_ENV, "v5")
     with pytest.raises(ValueError, match="variant must be one of"):
         cuda_variant()
-    assert triton_variant("w16") == (16, True) and triton_variant("w8-accurate") == (8, False)
+    assert triton_variant("hw-w16") == (16, True) and triton_variant("libm") == (8, False)
     with pytest.raises(ValueError, match="Triton kernel variant must be one of"):
         triton_variant("w32")
 
