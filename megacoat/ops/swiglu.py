@@ -15,15 +15,13 @@ da13 [M, 2F] for the dgrad GEMM and da13^T [2F, M] for the wgrad GEMM from one r
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from megacoat.ops.group_cast_ref import TINY, group_dequantize, group_quantize
 from megacoat.ops.tensor_scale import fold_amax_to_scale, scale_workspace
+from megacoat.ops.triton_math import FAST, saturate, sigmoid
 
 E4M3 = torch.float8_e4m3fn
 
@@ -75,33 +73,8 @@ def swiglu_fp8_bwd_ref(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=torch
 
 
 # --------------------------------------------------------------------------------------------------- triton
-_FAST = os.environ.get("TRITON_INTERPRET", "0") != "1"  # the interpreter has no libdevice fast math
-
-
-@triton.jit
-def _sigmoid(x, FAST: tl.constexpr):
-    """1 / (1 + 2^(-x log2 e)) with ex2.approx.ftz and the approximate divide: 6 SASS instructions against
-    tl.sigmoid's 12 (its ex2 and divide carry subnormal and huge-divisor fix-ups that cannot matter here:
-    1 + e >= 1, and past 2^126 the result is 0 either way). Both are within 2 ulp of fp32, far below E4M3/E5M2
-    rounding. FAST=False (the CPU interpreter, which lacks libdevice) takes tl.sigmoid."""
-    if FAST:
-        return libdevice.fast_dividef(1.0, 1.0 + tl.math.exp2(-1.4426950408889634 * x))
-    else:
-        return tl.sigmoid(x)
-
-
 # Tiles are [BM, G]: one group per row of a tile, so group amaxes are row reductions (no 3-D reshapes, which
 # Triton 3.6 mis-compiles on Hopper around FP8 values). A program's column tile is group column gi.
-@triton.jit
-def _saturate(x, fmax, FAST: tl.constexpr):
-    """Clamp to the format's range before the cast. On the GPU the cast itself saturates (PTX has only
-    cvt.rn.satfinite to e4m3/e5m2), so the two min/max per element are dropped; the interpreter clamps."""
-    if FAST:
-        return x
-    else:
-        return tl.clamp(x, -fmax, fmax)
-
-
 @triton.jit
 def _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG):
     """Dequantized a1, a3 tiles [BM, G] from their E4M3 data and 1xG scales."""
@@ -135,7 +108,7 @@ def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, count_ptr, scal
     tl.store(s3_ptr + rm * NG + gi, g3, mask=row_ok)
     a1 = q1.to(tl.float32) * g1[:, None]
     a3 = q3.to(tl.float32) * g3[:, None]
-    s = a1 * _sigmoid(a1, FAST) * a3
+    s = a1 * sigmoid(a1, FAST) * a3
     fold_amax_to_scale(tl.max(tl.max(tl.abs(s), axis=1), axis=0), amax_ptr, count_ptr, scale_ptr, fmax_out, tiny)
 
 
@@ -147,7 +120,7 @@ def _out_kernel(a1_ptr, s1_ptr, a3_ptr, s3_ptr, scale_ptr, y_ptr, M, F, NG, fmax
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < F)
     a1, a3 = _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG)
-    q = tl.clamp(a1 * _sigmoid(a1, FAST) * a3 / tl.load(scale_ptr), -fmax_out, fmax_out)
+    q = tl.clamp(a1 * sigmoid(a1, FAST) * a3 / tl.load(scale_ptr), -fmax_out, fmax_out)
     if TRANSPOSE:
         tl.store(y_ptr + rn[:, None] * M + rm[None, :], tl.trans(q).to(y_ptr.dtype.element_ty), mask=tl.trans(mask))
     else:
@@ -159,7 +132,7 @@ def _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG,
     """da1 = ds a3 sig (1 + a1 (1 - sig)) and da3 = ds silu(a1) on a [BM, G] tile, in fp32."""
     a1, a3 = _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG)
     ds = tl.load(ds_ptr + rm[:, None] * F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-    sig = _sigmoid(a1, FAST)
+    sig = sigmoid(a1, FAST)
     return ds * a3 * sig * (1 + a1 * (1 - sig)), ds * a1 * sig
 
 
@@ -190,9 +163,15 @@ def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr
         tl.store(scale_ptr, scale)
     da1, da3 = _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG, FAST)
     ty = out_ptr.dtype.element_ty
-    inv = 1.0 / scale  # one reciprocal: x * (1/s) is within 1.5 ulp of x / s, as Triton's approximate divide
-    q1 = _saturate(da1 * inv, fmax_g, FAST).to(ty)
-    q3 = _saturate(da3 * inv, fmax_g, FAST).to(ty)
+    # One reciprocal, not a divide per element (x * (1/s) is within 1.5 ulp of x / s, like Triton's approximate
+    # divide), unless 1/s overflows: an all-zero gradient has s = tiny / fmax, and 0 * inf would be NaN.
+    inv = 1.0 / scale
+    if inv < 3.0e38:  # uniform: one branch per program
+        q1, q3 = da1 * inv, da3 * inv
+    else:
+        q1, q3 = da1 / scale, da3 / scale
+    q1 = saturate(q1, fmax_g, FAST).to(ty)
+    q3 = saturate(q3, fmax_g, FAST).to(ty)
     row = out_ptr + rm[:, None] * (2 * F) + rn[None, :]
     tl.store(row, q1, mask=mask)
     tl.store(row + F, q3, mask=mask)
@@ -217,7 +196,7 @@ def swiglu_fp8_fwd_triton(a13, group_size: int, out_dtype=E4M3):
     s_scale = torch.empty((1,), dtype=torch.float32, device=dev)
     amax, count = scale_workspace(dev)
     _fwd_kernel[grid](a13, a1_8, s1, a3_8, s3, amax, count, s_scale, m, f, ng, torch.finfo(E4M3).max,
-                      torch.finfo(out_dtype).max, TINY, G=group_size, BM=_BM, FAST=_FAST, num_warps=4)
+                      torch.finfo(out_dtype).max, TINY, G=group_size, BM=_BM, FAST=FAST, num_warps=4)
     return a1_8, s1, a3_8, s3, s_scale
 
 
@@ -226,7 +205,7 @@ def swiglu_fp8_out_triton(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpos
     y = torch.empty((f, m) if transpose else (m, f), dtype=out_dtype, device=a1_8.device)
     _out_kernel[(triton.cdiv(m, _BM), s1.shape[1])](
         a1_8, s1, a3_8, s3, s_scale, y, m, f, s1.shape[1], torch.finfo(out_dtype).max,
-        TRANSPOSE=transpose, G=group_size, BM=_BM, FAST=_FAST, num_warps=4)
+        TRANSPOSE=transpose, G=group_size, BM=_BM, FAST=FAST, num_warps=4)
     return y
 
 
@@ -240,9 +219,9 @@ def swiglu_fp8_bwd_triton(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=to
     da = torch.empty((m, 2 * f), dtype=grad_dtype, device=dev)
     dat = torch.empty((2 * f, m), dtype=grad_dtype, device=dev)
     args = (ds, a1_8, s1, a3_8, s3, amax)
-    _bwd_amax_kernel[(triton.cdiv(m, _BM), ng)](*args, m, f, ng, G=group_size, BM=_BM, FAST=_FAST, num_warps=4)
+    _bwd_amax_kernel[(triton.cdiv(m, _BM), ng)](*args, m, f, ng, G=group_size, BM=_BM, FAST=FAST, num_warps=4)
     _bwd_cast_kernel[(triton.cdiv(m, _BM_T), ng)](*args, scale, da, dat, m, f, ng, torch.finfo(grad_dtype).max,
-                                                  TINY, G=group_size, BM=_BM_T, FAST=_FAST,
+                                                  TINY, G=group_size, BM=_BM_T, FAST=FAST,
                                                   num_warps=_WARPS_T)
     return da, dat, scale
 

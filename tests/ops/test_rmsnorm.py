@@ -39,6 +39,19 @@ def test_triton_matches_reference(m, h, g):
     assert_close_f32(tdw, rdw, rtol=1e-4, atol=1e-3)
 
 
+def test_zero_row_and_group():
+    """A zero row (padding) and a zero group: scales floored at tiny / fmax, FP8 zeros, rstd = 1/sqrt(eps)."""
+    if DEV == "cpu" and not interpreted(R._fwd_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+    x, w = _inputs(6, 256)
+    x[2] = 0
+    x[4, 64:128] = 0
+    ta, ra = R.rmsnorm_fp8_fwd_triton(x, w, 1e-5, 64), R.rmsnorm_fp8_fwd_ref(x, w, 1e-5, 64)
+    assert not ta[0].float().isnan().any() and (ta[0][2].float() == 0).all() and (ta[0][4, 64:128].float() == 0).all()
+    assert_close_f32(ta[1], ra[1], rtol=0, atol=0)
+    assert_close_f32(ta[2][2], ra[2][2], rtol=1e-6, atol=0)
+
+
 def test_reference_against_fp32_rmsnorm():
     x, w = _inputs(64, 256)
     x8, xs, rstd, ys = R.rmsnorm_fp8_fwd_ref(x, w, 1e-5, 64)
