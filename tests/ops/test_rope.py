@@ -38,3 +38,14 @@ def test_bad_shapes_are_named():
     cos, sin = rope_tables(32, 8, 10000.0)
     with pytest.raises(ValueError, match="do not cover"):
         R.rope(torch.randn(1, 16, 2, 32), cos, sin)
+
+
+@pytest.mark.gpu
+def test_gpu_block_shape_matches_reference():
+    """q of Llama-2-7B at 2048 tokens as a slice of [q|k|v]: 32 heads x 128 in one program per token."""
+    qkv = torch.randn(1, 2048, 3 * 4096, device=DEV, dtype=torch.bfloat16)
+    q = qkv[..., :4096].view(1, 2048, 32, 128)
+    cos, sin = (t.to(DEV) for t in rope_tables(128, 2048, 10000.0))
+    for inverse in (False, True):
+        torch.testing.assert_close(R.rope_triton(q, cos, sin, inverse), R.rope_ref(q, cos, sin, inverse),
+                                   rtol=1e-2, atol=1e-2)  # both round fp32 to bf16; fp32 FMA contraction may differ
