@@ -15,7 +15,8 @@ code (what made fp8-linear at micro-batch 1 slower than bf16, see results/bench_
 operand, no input sharing between wq/wk/wv and w1/w3), measured in the same run, plus the quantization
 kernels alone (old composite vs quantize_transpose) at the layer's operand shapes.
 
-    PYTHONPATH=. python benchmarks/bench_layer.py [--micro-batches 1 2 4] [--ab] [--out benchmarks/results/bench_layer.json]
+    PYTHONPATH=. python benchmarks/bench_layer.py [--micro-batches 1 2 4] [--ab] [--compile-fp8] [--trace-dir DIR]
+        [--out benchmarks/results/bench_layer.json]
 
 Without a GPU, `--count-launches` runs one small layer per mode on CPU with the FP8 flow routed through its
 Triton kernels (interpreter) and counts, per forward and backward, the aten ops that launch a kernel on CUDA
@@ -313,6 +314,9 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--ab", action="store_true", help="also run fp8-linear-legacy (the FP8 linear before this change)")
+    ap.add_argument("--compile-fp8", action="store_true",
+                    help="also run torch.compile of the fp8-linear and coat layers (the training --compile path: "
+                         "the model's code between the FP8 functions is compiled, the FP8 functions graph-break)")
     ap.add_argument("--count-launches", action="store_true", help="CPU: launches per layer per mode, no timing")
     ap.add_argument("--trace-dir", default=None, help="write a chrome trace of one step per mode and micro-batch")
     ap.add_argument("--out", default=None)
@@ -326,6 +330,8 @@ def main() -> None:
                        "torch": torch.__version__, "triton": triton.__version__, "modes": counts}, f, indent=1)
         print(f"wrote {out}")
         return
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
     cfg = ModelConfig(num_layers=1, vocab_size=128, **LLAMA2_7B)
     layer = GPT(cfg).layers[0].cuda().bfloat16()  # built by the model, so initialised as in training
     cos, sin = (t.cuda() for t in rope_tables(cfg.head_dim, cfg.seq_length, cfg.rope_theta))
@@ -337,6 +343,9 @@ def main() -> None:
         holder.layers = torch.nn.ModuleList([copy.deepcopy(layer)])
         convert_to_fp8(holder, FP8Config(mode=mode.replace("-legacy", "")))
         modules[mode] = holder.layers[0]
+    if args.compile_fp8:
+        modules["fp8-linear-compile"] = torch.compile(modules["fp8-linear"])
+        modules["coat-compile"] = torch.compile(modules["coat"])
     peak = fp8_gemm_peak_tflops()
     result = {"benchmark": "bench_layer", "shape": LLAMA2_7B, "env": environment(),
               "fp8_scaled_mm_peak_tflops_8192": peak, "runs": []}
@@ -364,8 +373,8 @@ def main() -> None:
         for r in rows:
             r["gemm_tflops_achieved"] = flops / (r["ms"] * 1e-3) / 1e12
             r["gemm_tflops_vs_scaled_mm_peak"] = r["gemm_tflops_achieved"] / peak
-            if r["mode"] != "bf16" and "compile" not in r["mode"]:
-                own = gemms["fused" if r["mode"] == "coat" else "per_linear"]["ms"]
+            if r["mode"].startswith(("fp8", "coat")):
+                own = gemms["fused" if r["mode"].startswith("coat") else "per_linear"]["ms"]
                 r["own_fp8_gemms_ms"], r["non_gemm_ms"] = own, r["ms"] - own
         result["runs"].append({"micro_batch": mb, "fp8_gemms_only_ms": gemms["fused"]["ms"],
                                "fp8_gemms_only_tflops": gemms["fused"]["tflops"],
@@ -374,10 +383,10 @@ def main() -> None:
         print(f"\nmicro-batch {mb} ({tokens} tokens); the layer's FP8 GEMMs alone: fused {gemms['fused']['ms']:.3f} ms "
               f"({gemms['fused']['tflops']:.0f} TFLOP/s), one per linear {gemms['per_linear']['ms']:.3f} ms "
               f"({gemms['per_linear']['tflops']:.0f} TFLOP/s)")
-        print(f"{'mode':>17} {'ms':>8} {'host ms':>8} {'kernels':>7} {'tok/s':>9} {'x eager':>8} {'x compile':>9} "
+        print(f"{'mode':>18} {'ms':>8} {'host ms':>8} {'kernels':>7} {'tok/s':>9} {'x eager':>8} {'x compile':>9} "
               f"{'saved MiB':>10} {'saved/bf16':>10} {'peak MiB':>9} {'GEMM TF/s':>9} {'non-GEMM':>8} {'err':>6}")
         for r in rows:
-            print(f"{r['mode']:>17} {r['ms']:8.3f} {r['host_ms']:8.3f} {r['kernels_per_step']:7d} "
+            print(f"{r['mode']:>18} {r['ms']:8.3f} {r['host_ms']:8.3f} {r['kernels_per_step']:7d} "
                   f"{r['tokens_per_s']:9.0f} {r['speedup_vs_bf16_eager']:8.2f} "
                   f"{r.get('speedup_vs_bf16_compile', float('nan')):9.2f} {r['saved_bytes'] / 2**20:10.1f} "
                   f"{r['saved_vs_bf16_eager']:10.3f} {r['peak_mem_bytes'] / 2**20:9.0f} {r['gemm_tflops_achieved']:9.0f} "
