@@ -57,11 +57,16 @@ def environment() -> dict:
     return env
 
 
-def run_pretrain(argv: list[str], timeout: int) -> dict:
-    """One pretrain_gpt.py process; returns its JSON-log records, or the reason it failed ('oom' or text)."""
+def run_pretrain(argv: list[str], timeout: int, profile_steps: tuple[int, int] | None = None) -> dict:
+    """One pretrain_gpt.py process; returns its JSON-log records, or the reason it failed ('oom' or text).
+    profile_steps (start, end): torch.profiler over iterations (start, end]; the logged intervals that overlap
+    them are left out of tokens/s, and the top operators by device time are returned under "profile"."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
         cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv, "--log-json", log]
+        if profile_steps:
+            cmd += ["--profile-dir", os.path.join(tmp, "profile"), "--profile-step-start", str(profile_steps[0]),
+                    "--profile-step-end", str(profile_steps[1])]
         print("$", " ".join(cmd[1:]), flush=True)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
@@ -72,10 +77,13 @@ def run_pretrain(argv: list[str], timeout: int) -> dict:
             oom = "out of memory" in text.lower() or "OutOfMemoryError" in text
             return {"ok": False, "error": "oom" if oom else text[-1500:], "argv": argv}
         records = [json.loads(line) for line in open(log)]
+        profile = top_operators(os.path.join(tmp, "profile", "top_ops_rank0.json")) if profile_steps else None
     train = [r for r in records if "loss" in r]
     steady = train[1:] or train
+    if profile_steps:  # an interval that ends after the window's start holds profiled steps
+        steady = [r for r in steady if r["iteration"] <= profile_steps[0]] or steady
     return {
-        "ok": True, "argv": argv,
+        "ok": True, "argv": argv, "profile": profile,
         "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in steady),
         "tflops_per_gpu": statistics.mean(r["tflops_per_gpu"] for r in steady),
         "mfu": None if steady[0]["mfu"] is None else statistics.mean(r["mfu"] for r in steady),
@@ -83,6 +91,32 @@ def run_pretrain(argv: list[str], timeout: int) -> dict:
         "losses": [(r["iteration"], r["loss"]) for r in train],
         "val_losses": [(r["iteration"], r["val_loss"]) for r in records if "val_loss" in r],
     }
+
+
+def top_operators(path: str, top: int = 15) -> dict | None:
+    """Where a step's time goes: the profiled window's operators and kernels by self device time, per step."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        prof = json.load(f)
+    steps = prof["steps"][1] - prof["steps"][0] + 1
+    return {"steps": prof["steps"], "time": prof["time"], "ms_per_step": prof["total_self_us"] / 1e3 / steps,
+            "top": [{"name": r["name"][:120], "calls_per_step": r["calls"] / steps,
+                     "ms_per_step": r["self_us"] / 1e3 / steps, "share": round(r["share"], 4)}
+                    for r in prof["top"][:top]]}
+
+
+def memory_model(argv: list[str]) -> dict:
+    """megacoat.training.memory's estimate for one run's flags (eager activations; GiB): where memory goes."""
+    sys.path.insert(0, ROOT)
+    from megacoat.arguments import parse_config
+    from megacoat.training.memory import estimate_memory
+
+    cfg = parse_config(argv)
+    est = estimate_memory(cfg.model, cfg.fp8.mode, micro_batch_size=cfg.training.micro_batch_size,
+                          zero_stage=cfg.parallel.zero_stage, fp8_optimizer=cfg.optim.fp8_optimizer,
+                          fp8_group_size=cfg.optim.fp8_group_size, bf16=cfg.training.precision != "fp32")
+    return {k: v / 2**30 for k, v in est.as_dict().items()}
 
 
 def compiled_modes(args) -> list[str]:
@@ -102,10 +136,12 @@ def speed(args) -> dict:
     out = {"environment": environment(), "model": " ".join(model),
            "zero_stage": args.zero_stage, "compiled_modes": compiled_modes(args), "equal_micro_batch": {}, "largest_micro_batch": {}}
     mbs = args.micro_batch_size
+    profile = (args.iters - 2, args.iters) if args.profile else None
     for mode in args.modes:
-        res = run_pretrain(common + mode_flags(mode, args) + ["--micro-batch-size", str(mbs),
-                                                   "--global-batch-size", str(mbs * args.grad_accum)], args.timeout)
-        out["equal_micro_batch"][mode] = dict(res, micro_batch_size=mbs)
+        argv = common + mode_flags(mode, args) + ["--micro-batch-size", str(mbs),
+                                                  "--global-batch-size", str(mbs * args.grad_accum)]
+        res = run_pretrain(argv, args.timeout, profile)
+        out["equal_micro_batch"][mode] = dict(res, micro_batch_size=mbs, memory_model_gib=memory_model(argv))
         print(mode, {k: res.get(k) for k in ("tokens_per_s", "mfu", "max_memory_gib", "error")}, flush=True)
     base = out["equal_micro_batch"].get("bf16", {})
     if base.get("ok"):
@@ -191,6 +227,9 @@ def main() -> None:
     s.add_argument("--log-interval", type=int, default=3)
     s.add_argument("--zero-stage", type=int, default=1)
     s.add_argument("--tiny", action="store_true", help="a tiny fp32 model: checks this script on a CPU")
+    s.add_argument("--profile", action="store_true",
+                   help="profile the last 2 iterations of each equal-micro-batch run (left out of tokens/s) and keep "
+                        "the top operators by device time in the JSON: where the time goes")
     c = sub.add_parser("convergence")
     c.add_argument("--data-path", nargs="+", required=True)
     c.add_argument("--tokenizer-model", required=True)

@@ -51,7 +51,7 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__, t
     >> "$LOGS/gpu.txt" 2>&1
 cat "$LOGS/gpu.txt"
 
-E2E="python3 benchmarks/bench_e2e.py speed --iters 8 --log-interval 2 --timeout 240"
+E2E="python3 benchmarks/bench_e2e.py speed --iters 10 --log-interval 2 --timeout 240"
 case $GROUP in
 kernels)
     step gpu_tests 300 python3 -m pytest -m gpu -q --no-header -p no:cacheprovider tests
@@ -64,10 +64,10 @@ layers)
     step bench_mlp_block 180 python3 benchmarks/bench_mlp_block.py --out "$OUT/bench_mlp_block.json"
     ;;
 e2e-equal)
-    step e2e_equal 560 $E2E --micro-batch-size 4 --compile --out "$OUT/bench_e2e_speed_compiled.json"
+    step e2e_equal 560 $E2E --micro-batch-size 4 --compile --profile --out "$OUT/bench_e2e_speed_compiled.json"
     ;;
 e2e-eager)
-    step e2e_eager 560 $E2E --micro-batch-size 4 --compile bf16 --out "$OUT/bench_e2e_speed_eager_fp8.json"
+    step e2e_eager 560 $E2E --micro-batch-size 4 --compile bf16 --profile --out "$OUT/bench_e2e_speed_eager_fp8.json"
     ;;
 e2e-search)
     MODES=${*:2}

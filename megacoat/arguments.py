@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints under --save")
     g.add_argument("--exit-interval", type=int, default=None, help="save and exit when iteration %% N == 0")
+    g.add_argument("--profile-dir", default=None,
+                   help="torch.profiler over iterations (--profile-step-start, --profile-step-end]: a Chrome trace "
+                        "and the top operators by device time per rank, written here")
+    g.add_argument("--profile-step-start", type=int, default=t.profile_step_start)
+    g.add_argument("--profile-step-end", type=int, default=t.profile_step_end)
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="save and exit after this wall time")
     g.add_argument("--max-skipped-steps", type=int, default=t.max_skipped_steps,
                    help="stop after this many steps in a row skipped for a non-finite loss or gradient")
@@ -153,7 +158,8 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         keep_last=args.keep_last, exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
         max_skipped_steps=args.max_skipped_steps, tensorboard_dir=args.tensorboard_dir,
         wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
-        compile=args.compile)
+        compile=args.compile, profile_dir=args.profile_dir, profile_step_start=args.profile_step_start,
+        profile_step_end=args.profile_step_end)
     if data.mock_data and data.data_path:
         raise ValueError("--mock-data and --data-path are exclusive")
     return MegacoatConfig(model=model, optim=optim, data=data, fp8=fp8, parallel=parallel, training=training)

@@ -31,6 +31,9 @@ class TrainingConfig:
     wandb_project: str | None = None
     wandb_run_name: str | None = None
     compile: bool = False  # torch.compile each transformer block (fuses norms, RoPE, SwiGLU element-wise work)
+    profile_dir: str | None = None  # torch.profiler trace + top operators of iterations (start, end]
+    profile_step_start: int = 10
+    profile_step_end: int = 12
 
     def __post_init__(self):
         for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval", "eval_interval"):
@@ -52,6 +55,9 @@ class TrainingConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
             raise ValueError(f"--exit-duration-in-mins must be positive, got {self.exit_duration_in_mins}")
+        if self.profile_dir is not None and not 0 <= self.profile_step_start < self.profile_step_end <= self.train_iters:
+            raise ValueError(f"need 0 <= --profile-step-start ({self.profile_step_start}) < --profile-step-end "
+                             f"({self.profile_step_end}) <= --train-iters ({self.train_iters})")
         if self.keep_last is not None and self.save is None:
             raise ValueError("--keep-last needs --save DIR")
 

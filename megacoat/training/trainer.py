@@ -24,6 +24,7 @@ from megacoat.training.distributed import all_reduce_mean, init_distributed, is_
 from megacoat.training.flops import flops_per_token, peak_flops
 from megacoat.training.logger import TrainingLogger
 from megacoat.training.model_builder import build_engine, build_model
+from megacoat.training.profiling import StepProfiler
 from megacoat.training.signals import ExitConditions
 from megacoat.training.stability import StabilityGuard, clear_skip_flag, nan_injection_iterations, skip_fp32_step
 
@@ -122,6 +123,7 @@ class Trainer:
         # Plain fp32 data parallelism is the one engine that would apply a non-finite step (stability.py).
         self.plain_fp32 = not cfg.parallel.zero_stage and not self.ds_config["bf16"]["enabled"]
         self.guard = StabilityGuard(t.max_skipped_steps)
+        self.profiler = StepProfiler(t.profile_dir, t.profile_step_start, t.profile_step_end, dist.get_rank())
         self.nan_iterations = nan_injection_iterations(dist.get_rank())
         self.state = TrainState()
         if t.load:
@@ -256,6 +258,9 @@ class Trainer:
                     "skipped_steps": self.guard.pop_since_log()}, t.train_iters)
                 history["loss"].append((it, loss_value))
                 last_time, last_iter = time.perf_counter(), it
+            self.profiler.step(it)
+            if t.profile_dir and it == t.profile_step_end:
+                last_time = time.perf_counter()  # writing the trace is not training time
             self.guard.check()  # after --max-skipped-steps skips in a row: stop, before any save
             if t.eval_iters and (it % t.eval_interval == 0 or it == t.train_iters):
                 val = self.evaluate()
