@@ -130,6 +130,13 @@ def test_input_cache_misses_on_another_tensor_or_an_in_place_change_and_lets_go(
     assert cache._value is None  # the FP8 copies die with their input
 
 
+def test_input_cache_under_inference_mode():
+    lins = _siblings(shared=True)
+    with torch.inference_mode():
+        x = torch.randn(16, 64, device=DEV, dtype=torch.bfloat16)
+        assert all(lin(x).shape == (16, lin.out_features) for lin in lins)
+
+
 def test_modules_with_a_filled_input_cache_copy_and_pickle():
     import copy
     import io
