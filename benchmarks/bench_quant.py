@@ -3,9 +3,12 @@
 For each kernel: median time (triton.testing.do_bench), bytes moved (each input read once, each output written
 once, scales and exponents included) and GB/s as a fraction of the copy's GB/s (bytes read + written). Also:
 a (block, warps) sweep of the group kernels, the cost of fusing group scaling's stage 1 into an elementwise op
-(+ stage 2), and a bit-exactness census of every kernel against its torch reference on the same GPU.
+(+ stage 2; per 1xG group and per tile), and a bit-exactness census of every kernel against its torch reference
+on the same GPU. The session-2 versions of the expansion kernels (`*_session2`: expand_quantize lean=False,
+expand_dequantize vec=0) run beside the current ones, so one run measures old and new.
 
     python benchmarks/bench_quant.py [--sizes 64 256] [--out benchmarks/results/bench_quant.json]
+    python benchmarks/bench_quant.py --sass   # no GPU needed: static SASS per element (sm_90), old vs new
 """
 from __future__ import annotations
 
@@ -31,9 +34,11 @@ from megacoat.ops import quantize_per_group as qpg_ops
 from megacoat.ops import quantize_per_tensor as qpt_ops
 
 G = 128
-SWEEP = [(1024, 4), (2048, 4), (4096, 4), (8192, 8)]
+SWEEP = [(1024, 4), (2048, 2), (2048, 4), (4096, 4), (4096, 8), (8192, 8)]
+SILU_SWEEP = [(2048, 4), (4096, 4), (8192, 8), (16384, 8)]
 SWEPT = ("quantize_per_group", "dequantize_per_group", "expand_quantize", "expand_dequantize",
-         "expand_quantize_approx_math", "expand_dequantize_approx_math")
+         "expand_quantize_session2", "expand_dequantize_session2", "expand_quantize_approx_math",
+         "expand_dequantize_approx_math")
 
 
 def bench(fn) -> float:
@@ -61,6 +66,11 @@ def kernels(n: int, in_dtype: torch.dtype, fp8=torch.float8_e4m3fn, **cfg):
                                                             **cfg), n * e + n + 6 * ng),
         "expand_dequantize": (lambda: exdeq_ops.expand_dequantize(qe, se, ke, G, in_dtype, **cfg),
                               n + 6 * ng + n * e),
+        # The session-2 kernels (same results): old vs new in one run.
+        "expand_quantize_session2": (lambda: exq_ops.expand_quantize(
+            x, fp8, G, log2_range(get_format(fp8)), K_MIN, K_MAX, lean=False, **cfg), n * e + n + 6 * ng),
+        "expand_dequantize_session2": (lambda: exdeq_ops.expand_dequantize(qe, se, ke, G, in_dtype, vec=0, **cfg),
+                                       n + 6 * ng + n * e),
         # Variants that show where expansion's time goes (not the library's defaults).
         "expand_quantize_approx_math": (lambda: exq_ops.expand_quantize(
             x, fp8, G, log2_range(get_format(fp8)), K_MIN, K_MAX, approx_math=True, **cfg), n * e + n + 6 * ng),
@@ -103,6 +113,14 @@ def bit_exact_census(n: int) -> dict:
                 out[f"expand_quantize/{key}"] = diff(t.data, r.data) + diff(t.scale, r.scale) + diff(t.k, r.k)
                 out[f"expand_dequantize/{key}"] = diff(r.dequantize(torch.float32, backend="triton"),
                                                        r.dequantize(torch.float32, backend="torch"))
+                f8 = get_format(fmt)
+                q2, s2, k2 = exq_ops.expand_quantize(xi, f8.dtype, G, log2_range(f8), K_MIN, K_MAX, lean=False)
+                out[f"expand_quantize_session2/{key}"] = diff(q2, r.data) + diff(s2, r.scale) + diff(k2, r.k)
+                for dt_out in (torch.float32, torch.bfloat16):
+                    ref_out = r.dequantize(dt_out, backend="torch")
+                    for name_v, vec in (("expand_dequantize", None), ("expand_dequantize_session2", 0)):
+                        got = exdeq_ops.expand_dequantize(r.data, r.scale, r.k, G, dt_out, vec=vec)
+                        out[f"{name_v}_{str(dt_out).removeprefix('torch.')}_out/{key}"] = diff(got, ref_out)
                 if name != "rows_tail":  # approx_math: how far from the reference (a tolerance, not bit-exact)
                     f8 = get_format(fmt)
                     qa, sa, ka = exq_ops.expand_quantize(xi.reshape(-1), f8.dtype, G, log2_range(f8), K_MIN, K_MAX,
@@ -125,12 +143,72 @@ def bit_exact_census(n: int) -> dict:
     return out, approx
 
 
+def static_sass() -> dict:
+    """Static SASS instructions per element of the kernels compiled for sm_90 (no GPU needed; see
+    benchmarks/kernel_sass.py: a proxy for comparing two versions of one kernel, not a speed)."""
+    from benchmarks.kernel_sass import compile_sm90, sass_stats
+
+    ints = {a: "i32:16" for a in ("cols", "n_groups", "blocks_per_row")}  # as specialized at 64M-256M elements
+
+    def count(kernel, ptrs, consts, block, warps):
+        sig = {**{a: f"*{t}:16" for a, t in ptrs.items()}, **ints}
+        if kernel is exq_ops._expand_quantize_kernel:
+            sig.update(log2_range="fp32", k_min="fp32", k_max="fp32")
+        st = sass_stats(compile_sm90(kernel, sig, {**consts, "G": G, "BLOCK_G": block // G}, warps), block)
+        return {"per_element": round(st["instructions_per_element"], 2), "registers": st["registers"],
+                "spill_bytes": st["stack_local_bytes"], "shared_bytes": st["shared_bytes"]}
+
+    res = {}
+    fp8 = "fp8e4nv"
+    for block, warps in SWEEP:
+        tile = f"block{block}_warps{warps}"
+        for t in ("fp32", "bf16"):
+            ptrs = dict(x_ptr=t, q_ptr=fp8, scale_ptr="fp32", k_ptr="bf16")
+            for name, lean, approx in (("expand_quantize", True, False), ("expand_quantize_session2", False, False),
+                                       ("expand_quantize_approx_math", True, True)):
+                res[f"{name}/{t}/{tile}"] = count(exq_ops._expand_quantize_kernel, ptrs,
+                                                  dict(FP8_MAX=448.0, APPROX=approx, LEAN=lean), block, warps)
+            ptrs = dict(q_ptr=fp8, scale_ptr="fp32", k_ptr="bf16", lut_ptr="fp32", out_ptr=t)
+            for name, vec in (("expand_dequantize", 16 // (4 if t == "fp32" else 2)), ("expand_dequantize_session2", 0)):
+                res[f"{name}/{t}_out/{tile}"] = count(
+                    exdeq_ops._expand_dequantize_kernel, ptrs,
+                    dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, LUT=True, APPROX=False, VEC=vec,
+                         LANES=exdeq_ops.LANES if vec else 1), block, warps)
+            res[f"quantize_per_group/{t}/{tile}"] = count(qpg_ops._quantize_per_group_kernel,
+                                                          dict(x_ptr=t, q_ptr=fp8, scale_ptr="fp32"),
+                                                          dict(FP8_MAX=448.0), block, warps)
+            res[f"dequantize_per_group/{t}_out/{tile}"] = count(deq_ops._dequantize_per_group_kernel,
+                                                                dict(q_ptr=fp8, scale_ptr="fp32", out_ptr=t), {},
+                                                                block, warps)
+    for block, warps in SILU_SWEEP:
+        ptrs = dict(x_ptr="bf16", y_ptr="bf16", amax_ptr="fp32")
+        for name, amax, per_tile in (("silu_bf16_alone", False, False), ("silu_bf16_group_amax", True, False),
+                                     ("silu_bf16_tile_amax", True, True)):
+            res[f"{name}/block{block}_warps{warps}"] = count(
+                gamax_ops._elementwise_group_amax_kernel, ptrs,
+                dict(OP=gamax_ops.OPS["silu"], WITH_AMAX=amax, PER_TILE=per_tile, WRITE_Y=True), block, warps)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256], help="millions of elements (2^20)")
     ap.add_argument("--out", default="benchmarks/results/bench_quant.json")
     ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--sass", action="store_true", help="static SASS per element only (no GPU), to "
+                    "benchmarks/results/bench_quant_sass.json unless --out is given")
     args = ap.parse_args()
+    if args.sass:
+        out = args.out if args.out != ap.get_default("out") else "benchmarks/results/bench_quant_sass.json"
+        res = {"triton": triton.__version__, "target": "sm_90", "command": " ".join(sys.argv),
+               "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "note": "static instruction count / elements per program; loops count once, slow paths excluded",
+               "kernels": static_sass()}
+        for k, v in res["kernels"].items():
+            print(f"  {k:62s} {v['per_element']:6.1f}/elem  regs {v['registers']:3d}  smem {v['shared_bytes']}")
+        save(res, out)
+        print(f"wrote {out}")
+        return
     torch.manual_seed(0)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "cuda": torch.version.cuda, "python": platform.python_version(), "command": " ".join(sys.argv),
@@ -170,9 +248,14 @@ def main() -> None:
         fused = bench(lambda: gamax_ops.elementwise_group_amax(x, "silu", G, torch.bfloat16))
         both = bench(lambda: gamax_ops.reduce_group_amax(
             gamax_ops.elementwise_group_amax(x, "silu", G, torch.bfloat16)[1]))
+        fused_t = bench(lambda: gamax_ops.elementwise_group_amax(x, "silu", G, torch.bfloat16, per_tile=True))
+        both_t = bench(lambda: gamax_ops.reduce_group_amax(
+            gamax_ops.elementwise_group_amax(x, "silu", G, torch.bfloat16, per_tile=True)[1]))
         entry["group_scaling_silu_bf16"] = {
             "op_alone_ms": plain, "op_plus_stage1_ms": fused, "op_plus_stage1_stage2_ms": both,
             "overhead_stage1": fused / plain - 1, "overhead_two_stage": both / plain - 1,
+            "per_tile_op_plus_stage1_ms": fused_t, "per_tile_op_plus_stage1_stage2_ms": both_t,
+            "per_tile_overhead_stage1": fused_t / plain - 1, "per_tile_overhead_two_stage": both_t / plain - 1,
             "op_alone_frac_of_copy": gbps(4 * n, plain) / copy_gbps}
         del x
 
@@ -188,14 +271,16 @@ def main() -> None:
                     del ks
                     torch.cuda.empty_cache()
             x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-            for block, warps in SWEEP:
+            for block, warps in SILU_SWEEP:
                 cfg = dict(block=block, num_warps=warps)
                 plain = bench(lambda: gamax_ops.elementwise_group_amax(x, "silu", G, torch.bfloat16, with_amax=False,
                                                                       **cfg))
-                both = bench(lambda: gamax_ops.reduce_group_amax(
-                    gamax_ops.elementwise_group_amax(x, "silu", G, torch.bfloat16, **cfg)[1]))
                 sweep[f"silu_bf16_alone/block{block}_warps{warps}"] = gbps(4 * n, plain) / copy_gbps
-                sweep[f"silu_bf16_two_stage_overhead/block{block}_warps{warps}"] = both / plain - 1
+                for per_tile in (False, True):
+                    both = bench(lambda: gamax_ops.reduce_group_amax(
+                        gamax_ops.elementwise_group_amax(x, "silu", G, torch.bfloat16, per_tile=per_tile, **cfg)[1]))
+                    kind = "per_tile" if per_tile else "per_group"
+                    sweep[f"silu_bf16_two_stage_overhead_{kind}/block{block}_warps{warps}"] = both / plain - 1
             del x
             entry["sweep_frac_of_copy"] = sweep
         res["sizes"][f"{m}M"] = entry
@@ -208,7 +293,8 @@ def main() -> None:
             print(f"  {k:44s} {v['ms']:8.3f} {v['GBps']:8.0f} {v['frac_of_copy']:8.1%}")
         gs = entry["group_scaling_silu_bf16"]
         print(f"  group scaling on silu bf16: stage 1 +{gs['overhead_stage1']:.1%}, "
-              f"stage 1+2 +{gs['overhead_two_stage']:.1%} (op alone {gs['op_alone_frac_of_copy']:.0%} of copy)")
+              f"stage 1+2 +{gs['overhead_two_stage']:.1%}; per tile: stage 1 +{gs['per_tile_overhead_stage1']:.1%}, "
+              f"stage 1+2 +{gs['per_tile_overhead_two_stage']:.1%} (op alone {gs['op_alone_frac_of_copy']:.0%} of copy)")
         if "sweep_frac_of_copy" in entry:
             best = {}
             for k, v in entry["sweep_frac_of_copy"].items():

@@ -5,13 +5,15 @@ float32 operation order. k == 1 skips the pow. A NaN scale gives NaN.
 
 |q| takes at most 128 values, so log2(|q| * fp32(1/F.max)) comes from a float32 table built with torch on the
 tensor's device: bit-identical to what the torch reference computes there, and one libdevice log2 per element
-cheaper. The table is indexed by the magnitude bits (q & 0x7F), so a warp's gathers touch at most 4 of its 128-byte
-lines instead of 8 (each distinct line is one more L1 wavefront per gather).
-The tile is [G / VEC, BLOCK_G, VEC] with VEC = 16 bytes of the output (quantize_per_group.group_tile_vec): the
-FP8 load and the output store then share one register layout. With the plain [BLOCK_G, G] tile (`vec=0`, the
-session-2 kernel, kept for the benchmark) Triton loads 16 FP8 per thread, stores 4 float32 / 8 bf16 per thread,
-and passes the whole tile through shared memory between the two (8-16 KB per program, STS/LDS + barriers per
-element), on top of the gathers -- the likely reason bf16 output ran at 62% of copy.
+cheaper. The table is indexed by the magnitude bits (q & 0x7F), so a warp's gather touches at most 4 of its
+128-byte lines instead of 8 (L1 serves a gather in about one pass per distinct line).
+The tile is cut in chunks of VEC = 16 bytes of output, 4 lanes per group (quantize_per_group.group_tile_vec):
+the FP8 load and the output store share one register layout, and each thread's 16-32 elements lie in one group.
+With the plain [BLOCK_G, G] tile (`vec=0`: the session-2 kernel, kept for the benchmark) Triton loads 16 FP8 per
+thread but stores 4 float32 / 8 bf16 per thread, and exchanges the whole tile through shared memory between the
+two (8-16 KB per program, STS/LDS and barriers), on top of the gathers: a likely part of why bf16 output ran at
+62% of copy. Static SASS (Triton 3.6, 4096 x 4 warps): bf16 out 19.8 instructions per element without shared
+memory vs 20.0 with 8 KB; float32 out 22.1 vs 19.9 with 16 KB (more, smaller FP8 loads): the device decides.
 `lut=False` computes log2 in the kernel and `approx_math=True` uses the hardware lg2/ex2.approx (not bit-exact,
 see expand_math): benchmark comparisons.
 """
@@ -28,6 +30,7 @@ from megacoat.ops.quantize_per_group import group_tile, group_tile_vec
 _LUTS: dict = {}
 
 TILE = (4096, 4)  # (elements, warps) per program: the best of benchmarks/bench_quant.py's sweep on an H200
+LANES = 4  # lanes per group: 64 contiguous bytes of output per group and store instruction
 
 
 def log2_table(fp8_dtype: torch.dtype, device) -> torch.Tensor:
@@ -43,16 +46,19 @@ def log2_table(fp8_dtype: torch.dtype, device) -> torch.Tensor:
 def _per_group(v, VEC: tl.constexpr):
     """A [BLOCK_G] per-group vector broadcast against the tile."""
     if VEC:
-        return v[None, :, None]
-    return v[:, None]
+        out = v[None, :, None, None]
+    else:
+        out = v[:, None]
+    return out
 
 
 @triton.jit
 def _expand_dequantize_kernel(q_ptr, scale_ptr, k_ptr, lut_ptr, out_ptr, cols, n_groups, blocks_per_row,
                               FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, LUT: tl.constexpr,
-                              APPROX: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, VEC: tl.constexpr):
+                              APPROX: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, VEC: tl.constexpr,
+                              LANES: tl.constexpr):
     if VEC:
-        row, g, base, offs, mask = group_tile_vec(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G, VEC)
+        row, g, base, offs, mask = group_tile_vec(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G, VEC, LANES)
     else:
         row, g, base, offs, mask = group_tile(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G)
     gmask = g < n_groups
@@ -67,8 +73,10 @@ def _expand_dequantize_kernel(q_ptr, scale_ptr, k_ptr, lut_ptr, out_ptr, cols, n
         e = expand_math.approx_exp2(expand_math.approx_log2(rq) * _per_group(inv_k, VEC))
     else:
         if LUT:
-            bits = q8.to(tl.uint8, bitcast=True)
-            lg = tl.load(lut_ptr + ((bits & 0x7F) if VEC else bits).to(tl.int32))
+            idx = q8.to(tl.uint8, bitcast=True)
+            if VEC:
+                idx = idx & 0x7F
+            lg = tl.load(lut_ptr + idx.to(tl.int32))
         else:
             lg = expand_math.log2(rq)
         e = expand_math.exp2(lg * _per_group(inv_k, VEC))
@@ -86,6 +94,7 @@ def expand_dequantize(q: torch.Tensor, scale: torch.Tensor, k: torch.Tensor, gro
     q, scale, k = q.contiguous(), scale.contiguous(), k.contiguous()
     if vec is None:
         vec = min(16 // torch.empty((), dtype=out_dtype).element_size(), group_size)
+    lanes = max(1, min(LANES, group_size // vec)) if vec else 1
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     lay = group_layout(q.shape, group_size, block, num_warps, TILE)
     if q.numel():
@@ -93,5 +102,5 @@ def expand_dequantize(q: torch.Tensor, scale: torch.Tensor, k: torch.Tensor, gro
         _expand_dequantize_kernel[lay.grid](q, scale, k, log2_table(q.dtype, q.device), out, lay.cols, lay.n_groups,
                                             lay.blocks_per_row, FP8_MAX=fmax, INV_FP8_MAX=1.0 / fmax, LUT=lut,
                                             APPROX=approx_math, G=group_size, BLOCK_G=lay.block_g, VEC=vec,
-                                            num_warps=lay.num_warps)
+                                            LANES=lanes, num_warps=lay.num_warps)
     return out

@@ -28,17 +28,21 @@ def group_tile(pid, blocks_per_row, cols, G: tl.constexpr, BLOCK_G: tl.constexpr
 
 
 @triton.jit
-def group_tile_vec(pid, blocks_per_row, cols, G: tl.constexpr, BLOCK_G: tl.constexpr, VEC: tl.constexpr):
-    """group_tile with the tile shaped [G / VEC, BLOCK_G, VEC] (chunk of a group, group, element in chunk):
-    memory ops then hold at most VEC contiguous elements per thread, so an FP8 load and a store of 16-byte
-    vectors of bf16 (VEC 8) or float32 (VEC 4) share one register layout instead of exchanging the tile through
-    shared memory. Chunks first: Triton orders equally-contiguous dims as given, so a warp's lanes walk the
-    chunks of a group (coalesced). Per-group values broadcast as v[None, :, None]."""
+def group_tile_vec(pid, blocks_per_row, cols, G: tl.constexpr, BLOCK_G: tl.constexpr, VEC: tl.constexpr,
+                   LANES: tl.constexpr):
+    """group_tile with the tile shaped [LANES, BLOCK_G, G / (VEC * LANES), VEC]: a group is split in chunks of
+    VEC contiguous elements, LANES consecutive chunks side by side across lanes and the rest repeated in each
+    thread. Memory ops then move VEC elements per thread at a time, so an FP8 load and a store of 16-byte
+    vectors (VEC 8 for bf16, 4 for float32) share one register layout instead of exchanging the tile through
+    shared memory, and each thread's elements lie in one group (its per-group scalars are computed once for
+    G / LANES elements). Lanes come first because Triton orders equally-contiguous dims as given. Per-group
+    values broadcast as v[None, :, None, None]."""
     row = (pid // blocks_per_row).to(tl.int64)
     start = (pid % blocks_per_row).to(tl.int64) * (BLOCK_G * G)
     g = start // G + tl.arange(0, BLOCK_G)
-    local = (tl.arange(0, G // VEC)[:, None, None] * VEC + tl.arange(0, BLOCK_G)[None, :, None] * G
-             + tl.arange(0, VEC)[None, None, :])
+    REPS: tl.constexpr = G // (VEC * LANES)
+    local = (tl.arange(0, LANES)[:, None, None, None] * VEC + tl.arange(0, BLOCK_G)[None, :, None, None] * G
+             + tl.arange(0, REPS)[None, None, :, None] * (LANES * VEC) + tl.arange(0, VEC)[None, None, None, :])
     remaining = tl.minimum(cols - start, BLOCK_G * G).to(tl.int32)
     return row, g, row * cols + start, local, local < remaining
 
