@@ -141,9 +141,9 @@ class Fp8LinearFunction(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         g8, g8t, g_scale = quantize_grad(grad_out, ctx.grad_dtype, rowwise=need_dx, transpose=need_dw)
         dx = dw = None
-        if ctx.needs_input_grad[0]:
+        if need_dx:
             dx = scaled_mm(g8, ctx.w8t.t(), g_scale, ctx.w_scale, grad_out.dtype)
-        if ctx.needs_input_grad[1]:
+        if need_dw:
             dw = scaled_mm(g8t, x8t.t(), g_scale, x_scale, ctx.w_dtype)
         return dx, dw, None, None, None
 
