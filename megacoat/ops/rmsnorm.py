@@ -21,7 +21,7 @@ import triton.language as tl
 
 from megacoat.ops.group_cast_ref import TINY, group_dequantize, group_quantize
 from megacoat.ops.tensor_scale import fold_amax_to_scale, scale_workspace
-from megacoat.ops.triton_math import FAST, saturate
+from megacoat.ops.triton_math import FAST, div_saturate, saturate
 
 E4M3 = torch.float8_e4m3fn
 
@@ -105,7 +105,7 @@ def _load_xd(x8_ptr, xs_ptr, rm, rn, gi, row_ok, mask, H, NG):
 
 @triton.jit
 def _out_kernel(x8_ptr, xs_ptr, rstd_ptr, w_ptr, scale_ptr, y_ptr, M, H, NG, fmax_out,
-                TRANSPOSE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr):
+                TRANSPOSE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr):
     gi = tl.program_id(1)
     rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
@@ -114,7 +114,7 @@ def _out_kernel(x8_ptr, xs_ptr, rstd_ptr, w_ptr, scale_ptr, y_ptr, M, H, NG, fma
     xd = _load_xd(x8_ptr, xs_ptr, rm, rn, gi, row_ok, mask, H, NG)
     rstd = tl.load(rstd_ptr + rm, mask=row_ok, other=0.0)
     w = tl.load(w_ptr + rn, mask=rn < H, other=0.0).to(tl.float32)
-    yq = tl.clamp(xd * rstd[:, None] * w[None, :] / tl.load(scale_ptr), -fmax_out, fmax_out)
+    yq = div_saturate(xd * rstd[:, None] * w[None, :], tl.load(scale_ptr), fmax_out, FAST)
     if TRANSPOSE:
         tl.store(y_ptr + rn[:, None] * M + rm[None, :], tl.trans(yq).to(y_ptr.dtype.element_ty), mask=tl.trans(mask))
     else:
@@ -187,7 +187,7 @@ def rmsnorm_fp8_out_triton(x8, x_scales, rstd, weight, y_scale, group_size: int,
     bm = 64
     _out_kernel[(triton.cdiv(m, bm), x_scales.shape[1])](
         x8, x_scales, rstd, weight, y_scale, y, m, h, x_scales.shape[1], torch.finfo(out_dtype).max,
-        TRANSPOSE=transpose, G=group_size, BM=bm, num_warps=4)
+        TRANSPOSE=transpose, G=group_size, BM=bm, FAST=FAST, num_warps=4)
     return y
 
 

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from megacoat.ops.group_cast_ref import TINY, group_dequantize, group_quantize
 from megacoat.ops.tensor_scale import fold_amax_to_scale, scale_workspace
-from megacoat.ops.triton_math import FAST, saturate, sigmoid
+from megacoat.ops.triton_math import FAST, div_saturate, saturate, sigmoid
 
 E4M3 = torch.float8_e4m3fn
 
@@ -57,6 +57,13 @@ def swiglu_fp8_out_ref(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpose: 
     s = _silu_mul(group_dequantize(a1_8, s1, group_size), group_dequantize(a3_8, s3, group_size))
     q = (s / s_scale).clamp(-fmax, fmax).to(out_dtype)
     return q.t().contiguous() if transpose else q
+
+
+def swiglu_fp8_bwd_out_t_ref(ds, a1_8, s1, a3_8, s3, s_scale, group_size: int, grad_dtype=torch.float8_e5m2,
+                             out_dtype=E4M3):
+    """→ (da13, da13^T, scale, s^T): swiglu_fp8_bwd and swiglu_fp8_out(transpose=True) in one call."""
+    return (*swiglu_fp8_bwd_ref(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype),
+            swiglu_fp8_out_ref(a1_8, s1, a3_8, s3, s_scale, group_size, True, out_dtype))
 
 
 def swiglu_fp8_bwd_ref(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=torch.float8_e5m2):
@@ -100,8 +107,8 @@ def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, count_ptr, scal
     x3 = tl.load(a_ptr + rm[:, None] * (2 * F) + F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     g1 = tl.maximum(tl.max(tl.abs(x1), axis=1), tiny) / fmax_in
     g3 = tl.maximum(tl.max(tl.abs(x3), axis=1), tiny) / fmax_in
-    q1 = tl.clamp(x1 / g1[:, None], -fmax_in, fmax_in).to(a1_ptr.dtype.element_ty)
-    q3 = tl.clamp(x3 / g3[:, None], -fmax_in, fmax_in).to(a3_ptr.dtype.element_ty)
+    q1 = saturate(x1 / g1[:, None], fmax_in, FAST).to(a1_ptr.dtype.element_ty)
+    q3 = saturate(x3 / g3[:, None], fmax_in, FAST).to(a3_ptr.dtype.element_ty)
     tl.store(a1_ptr + offs, q1, mask=mask)
     tl.store(a3_ptr + offs, q3, mask=mask)
     tl.store(s1_ptr + rm * NG + gi, g1, mask=row_ok)
@@ -120,7 +127,7 @@ def _out_kernel(a1_ptr, s1_ptr, a3_ptr, s3_ptr, scale_ptr, y_ptr, M, F, NG, fmax
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < F)
     a1, a3 = _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG)
-    q = tl.clamp(a1 * sigmoid(a1, FAST) * a3 / tl.load(scale_ptr), -fmax_out, fmax_out)
+    q = div_saturate(a1 * sigmoid(a1, FAST) * a3, tl.load(scale_ptr), fmax_out, FAST)
     if TRANSPOSE:
         tl.store(y_ptr + rn[:, None] * M + rm[None, :], tl.trans(q).to(y_ptr.dtype.element_ty), mask=tl.trans(mask))
     else:
@@ -129,24 +136,31 @@ def _out_kernel(a1_ptr, s1_ptr, a3_ptr, s3_ptr, scale_ptr, y_ptr, M, F, NG, fmax
 
 @triton.jit
 def _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG, FAST: tl.constexpr):
-    """da1 = ds a3 sig (1 + a1 (1 - sig)) and da3 = ds silu(a1) on a [BM, G] tile, in fp32."""
+    """da1 = ds a3 sig (1 + a1 (1 - sig)), da3 = ds silu(a1) and the forward's s = silu(a1) a3 (computed as
+    _out_kernel does, so both write the same bytes; dropped by the compiler where unused) on a [BM, G] tile."""
     a1, a3 = _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG)
     ds = tl.load(ds_ptr + rm[:, None] * F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     sig = sigmoid(a1, FAST)
-    return ds * a3 * sig * (1 + a1 * (1 - sig)), ds * a1 * sig
+    return ds * a3 * sig * (1 + a1 * (1 - sig)), ds * a1 * sig, a1 * sig * a3
 
 
 @triton.jit
-def _bwd_amax_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, M, F, NG, G: tl.constexpr, BM: tl.constexpr,
-                     FAST: tl.constexpr):
+def _bwd_amax_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, s_scale_ptr, st_ptr, M, F, NG, fmax_s,
+                     G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr, WRITE_ST: tl.constexpr):
     """Pass 1: max |da1|, |da3| into one float (they share one scale, as one [M, 2F] GEMM operand). The
-    atomic max replaces a partial-amax array and the torch reductions over it (three launches)."""
+    atomic max replaces a partial-amax array and the torch reductions over it (three launches).
+    WRITE_ST: also write s^T [F, M] (the down projection's wgrad operand) from the pair this pass reads
+    anyway, instead of a swiglu_fp8_out(transpose=True) launch that reads it once more."""
     gi = tl.program_id(1)
     rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < F)
-    da1, da3 = _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG, FAST)
+    da1, da3, s = _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG, FAST)
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.maximum(tl.abs(da1), tl.abs(da3)), axis=1), axis=0))
+    if WRITE_ST:
+        q = div_saturate(s, tl.load(s_scale_ptr), fmax_s, FAST)
+        tl.store(st_ptr + rn[:, None] * M + rm[None, :], tl.trans(q).to(st_ptr.dtype.element_ty),
+                 mask=tl.trans(mask))
 
 
 @triton.jit
@@ -161,12 +175,10 @@ def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr
     scale = tl.math.div_rn(tl.maximum(tl.load(amax_ptr), tiny), fmax_g)  # IEEE, as the reference's torch division
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(scale_ptr, scale)
-    da1, da3 = _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG, FAST)
+    da1, da3, _ = _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG, FAST)
     ty = out_ptr.dtype.element_ty
-    # One reciprocal, not a divide per element (x * (1/s) is within 1.5 ulp of x / s, like Triton's approximate
-    # divide), unless 1/s overflows: an all-zero gradient has s = tiny / fmax, and 0 * inf would be NaN.
-    inv = 1.0 / scale
-    if inv < 3.0e38:  # uniform: one branch per program
+    inv = 1.0 / scale  # as in div_saturate, with one branch for both halves
+    if inv < 3.0e38:
         q1, q3 = da1 * inv, da3 * inv
     else:
         q1, q3 = da1 / scale, da3 / scale
@@ -210,6 +222,15 @@ def swiglu_fp8_out_triton(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpos
 
 
 def swiglu_fp8_bwd_triton(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=torch.float8_e5m2):
+    return _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, None, None)
+
+
+def swiglu_fp8_bwd_out_t_triton(ds, a1_8, s1, a3_8, s3, s_scale, group_size: int, grad_dtype=torch.float8_e5m2,
+                                out_dtype=E4M3):
+    return _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dtype)
+
+
+def _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dtype):
     ds = ds.contiguous()
     m, f = a1_8.shape
     ng = s1.shape[1]
@@ -218,12 +239,17 @@ def swiglu_fp8_bwd_triton(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=to
     scale = torch.empty((1,), dtype=torch.float32, device=dev)
     da = torch.empty((m, 2 * f), dtype=grad_dtype, device=dev)
     dat = torch.empty((2 * f, m), dtype=grad_dtype, device=dev)
+    write_st = s_scale is not None
+    st = torch.empty((f, m), dtype=out_dtype, device=dev) if write_st else None
     args = (ds, a1_8, s1, a3_8, s3, amax)
-    _bwd_amax_kernel[(triton.cdiv(m, _BM), ng)](*args, m, f, ng, G=group_size, BM=_BM, FAST=FAST, num_warps=4)
+    _bwd_amax_kernel[(triton.cdiv(m, _BM), ng)](
+        *args, s_scale if write_st else amax, st if write_st else amax, m, f, ng,
+        torch.finfo(out_dtype).max if write_st else 0.0, G=group_size, BM=_BM, FAST=FAST, WRITE_ST=write_st,
+        num_warps=4)
     _bwd_cast_kernel[(triton.cdiv(m, _BM_T), ng)](*args, scale, da, dat, m, f, ng, torch.finfo(grad_dtype).max,
                                                   TINY, G=group_size, BM=_BM_T, FAST=FAST,
                                                   num_warps=_WARPS_T)
-    return da, dat, scale
+    return (da, dat, scale, st) if write_st else (da, dat, scale)
 
 
 # ---------------------------------------------------------------------------------------------- dispatchers
@@ -239,3 +265,12 @@ def swiglu_fp8_out(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpose: bool
 def swiglu_fp8_bwd(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=torch.float8_e5m2):
     fn = swiglu_fp8_bwd_triton if ds.is_cuda else swiglu_fp8_bwd_ref
     return fn(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype)
+
+
+def swiglu_fp8_bwd_out_t(ds, a1_8, s1, a3_8, s3, s_scale, group_size: int, grad_dtype=torch.float8_e5m2,
+                         out_dtype=E4M3):
+    """swiglu_fp8_bwd plus the forward's output transposed (s^T [F, M], the down projection's wgrad operand),
+    written by the backward's amax pass from the pair it reads anyway: one launch and one read of the pair
+    (2 bytes per element) fewer than swiglu_fp8_out(transpose=True) beside swiglu_fp8_bwd."""
+    fn = swiglu_fp8_bwd_out_t_triton if ds.is_cuda else swiglu_fp8_bwd_out_t_ref
+    return fn(ds, a1_8, s1, a3_8, s3, s_scale, group_size, grad_dtype, out_dtype)

@@ -35,6 +35,22 @@ def test_triton_matches_reference(m, f, g):
     assert_fp8_close(tb[1], rb[1])
 
 
+@pytest.mark.parametrize("m,f,g", SHAPES)
+def test_backward_with_out_t_is_both_calls(m, f, g):
+    """swiglu_fp8_bwd_out_t writes s^T in the amax pass: the same bytes as swiglu_fp8_out(transpose=True)."""
+    if DEV == "cpu" and not interpreted(S._fwd_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+    ra = S.swiglu_fp8_fwd_ref(_a13(m, f), g)
+    ds = torch.randn(m, f, device=DEV).to(torch.bfloat16)
+    da, dat, scale, st = S.swiglu_fp8_bwd_out_t_triton(ds, *ra, g)
+    assert torch.equal(st.view(torch.uint8), S.swiglu_fp8_out_triton(*ra, g, True).view(torch.uint8))
+    for got, want in zip((da, dat, scale), S.swiglu_fp8_bwd_triton(ds, *ra[:4], g)):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    want = S.swiglu_fp8_bwd_out_t_ref(ds, *ra, g)
+    assert_fp8_close(st, want[3])
+    assert_fp8_close(da, want[0])
+
+
 def test_zero_gradient_is_zero_not_nan():
     """An all-zero ds floors the scale at tiny / fmax, whose reciprocal overflows: the cast must divide then."""
     if DEV == "cpu" and not interpreted(S._fwd_kernel):
