@@ -33,6 +33,20 @@ def test_against_fp32_linear(grad_dtype, u_grad):
     assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
 
 
+def test_frozen_weight_or_input_without_grad_get_the_other_gradient_only():
+    x, w = _case()
+    xf, wf = x.detach().float(), w.detach().float()
+    dy = torch.randn(x.shape[0], w.shape[0], device=DEV, dtype=x.dtype)
+    w.requires_grad_(False)  # no wgrad: no x^T saved, no g^T written
+    total, by_dtype = saved_activation_bytes(lambda: fp8_linear(x, w), [w])
+    assert "float8_e4m3fn" not in by_dtype
+    fp8_linear(x, w).backward(dy)
+    assert w.grad is None and rel_err(x.grad, dy.float() @ wf) <= U4 + U5
+    w.requires_grad_(True)
+    fp8_linear(x.detach(), w).backward(dy)  # no dgrad: no g written
+    assert rel_err(w.grad, dy.float().t() @ xf) <= U4 + U5
+
+
 def test_saves_only_fp8_activations():
     x, w = _case()
     total, by_dtype = saved_activation_bytes(lambda: fp8_linear(x, w), [w])
