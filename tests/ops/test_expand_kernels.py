@@ -159,6 +159,7 @@ def test_gpu_bit_exact_large(fmt, variant):
 @pytest.mark.gpu
 def test_gpu_small_cases_bit_exact():
     """The CPU cases above, on the GPU under `pytest -m gpu` (there they must be bit-exact)."""
+    test_log2_normal_is_libdevice_log2f_on_normals()
     test_expand_nonnegative_and_narrow()
     test_expand_edge_groups()
     test_session2_kernels_match_reference()
@@ -209,3 +210,40 @@ def test_approx_math_interpreted_or_gpu():
 def test_gpu_approx_math_tolerance(fmt):
     _check_approx(wide((1 << 22,), seed=5), fmt)
     _check_approx(wide((1 << 22,), seed=6).square(), fmt)
+
+
+@pytest.mark.slow
+def test_every_variant_compiles_for_sm90():
+    """The interpreter runs kernels as Python, so code that Triton cannot compile (an early return in a constexpr
+    branch, say) passes the CPU tests; compile every variant for Hopper without a GPU, in a fresh process (this
+    one runs the interpreter). Static SASS of each: python benchmarks/bench_quant.py --sass."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from benchmarks.kernel_sass import compile_sm90
+from megacoat.ops import expand_dequantize as dq, expand_quantize as eq, group_amax as ga
+ints = dict(cols="i32:16", n_groups="i32:16", blocks_per_row="i32:16")
+for t in ("fp32", "bf16"):
+    for lean, approx in ((True, False), (False, False), (True, True), (False, True)):
+        compile_sm90(eq._expand_quantize_kernel, dict(x_ptr=f"*{t}:16", q_ptr="*fp8e5:16", scale_ptr="*fp32:16",
+                     k_ptr="*bf16:16", log2_range="fp32", k_min="fp32", k_max="fp32", **ints),
+                     dict(FP8_MAX=57344.0, APPROX=approx, LEAN=lean, G=64, BLOCK_G=32), 4)
+    for vec, lanes, lut, approx in ((8 // (2 if t == "fp32" else 1), 4, True, False), (0, 1, True, False),
+                                    (4, 2, False, False), (4, 4, False, True)):
+        compile_sm90(dq._expand_dequantize_kernel, dict(q_ptr="*fp8e4nv:16", scale_ptr="*fp32:16",
+                     k_ptr="*bf16:16", lut_ptr="*fp32:16", out_ptr=f"*{t}:16", **ints),
+                     dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, LUT=lut, APPROX=approx, VEC=vec, LANES=lanes, G=128,
+                          BLOCK_G=16), 4)
+for amax, per_tile, write_y in ((True, False, True), (True, True, True), (False, False, True), (True, False, False)):
+    compile_sm90(ga._elementwise_group_amax_kernel, dict(x_ptr="*bf16:16", y_ptr="*bf16:16", amax_ptr="*fp32:16",
+                 **ints), dict(OP=2, WITH_AMAX=amax, PER_TILE=per_tile, WRITE_Y=write_y, G=128, BLOCK_G=16), 4)
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
