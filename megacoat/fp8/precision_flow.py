@@ -8,9 +8,9 @@ with a per-tensor scale from group scaling, which the next GEMM consumes directl
 
 Saved for backward, per token: the norm's input (H bytes + H/G scales) and SwiGLU's input pair (2F bytes +
 scales): FP8 only. The GEMM inputs that wgrad needs (normed x, silu(a1)*a3) are cheap functions of those and
-are made again in backward, transposed, by the kernels that made them in forward. Gradients between the
-layers are FP8 too (E5M2 by default): SwiGLU's backward writes da1|da3 straight into the layouts of the two
-GEMMs that consume it.
+are made again in backward, transposed (normed x by the norm's output kernel, silu(a1)*a3 by SwiGLU's
+backward pass, which reads the pair anyway). Gradients between the layers are FP8 too (E5M2 by default):
+SwiGLU's backward writes da1|da3 straight into the layouts of the two GEMMs that consume it.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 
 from megacoat.fp8.linear import Fp8WeightCache, check_gemm_dims, quantize_grad, scaled_mm
 from megacoat.ops.rmsnorm import rmsnorm_fp8_bwd, rmsnorm_fp8_fwd, rmsnorm_fp8_out
-from megacoat.ops.swiglu import swiglu_fp8_bwd, swiglu_fp8_fwd, swiglu_fp8_out
+from megacoat.ops.swiglu import swiglu_fp8_bwd_out_t, swiglu_fp8_fwd, swiglu_fp8_out
 
 
 def _split_rows(t: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
@@ -75,11 +75,11 @@ class CoatMLPFunction(torch.autograd.Function):
         g = ctx.group_size
         g8, g8t, g_scale = quantize_grad(grad_out, ctx.grad_dtype)
         ds = scaled_mm(g8, ctx.w2_8t.t(), g_scale, ctx.w2_scale, grad_out.dtype)  # [M, F]
-        s8t = swiglu_fp8_out(a1_8, s1, a3_8, s3, s_scale, g, transpose=True)
+        # SwiGLU's backward also remakes s^T (w2's wgrad operand) from the pair it reads anyway
+        da8, da8t, da_scale, s8t = swiglu_fp8_bwd_out_t(ds, a1_8, s1, a3_8, s3, s_scale, g, ctx.grad_dtype)
+        del ds
         dw2 = scaled_mm(g8t, s8t.t(), g_scale, s_scale, ctx.w_dtype)
         del g8, g8t, s8t
-        da8, da8t, da_scale = swiglu_fp8_bwd(ds, a1_8, s1, a3_8, s3, g, ctx.grad_dtype)
-        del ds
         dy = scaled_mm(da8, ctx.w13_8t.t(), da_scale, ctx.w13_scale, grad_out.dtype)  # [M, H]
         y8t = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, g, transpose=True)
         dw13 = scaled_mm(da8t, y8t.t(), da_scale, y_scale, ctx.w_dtype)

@@ -14,7 +14,8 @@ from megacoat.ops import cast_transpose, rmsnorm, swiglu
 
 _SWAPS = [(linear, "quantize_transpose", cast_transpose.quantize_transpose_triton)]
 _SWAPS += [(flow, n, getattr(rmsnorm, n + "_triton")) for n in ("rmsnorm_fp8_fwd", "rmsnorm_fp8_out", "rmsnorm_fp8_bwd")]
-_SWAPS += [(flow, n, getattr(swiglu, n + "_triton")) for n in ("swiglu_fp8_fwd", "swiglu_fp8_out", "swiglu_fp8_bwd")]
+_SWAPS += [(flow, n, getattr(swiglu, n + "_triton"))
+           for n in ("swiglu_fp8_fwd", "swiglu_fp8_out", "swiglu_fp8_bwd_out_t")]
 _SWAPS += [(rope, "_rope", lambda x, cos, sin, inverse=False: rope.rope_triton(x, cos, sin, inverse))]
 
 
