@@ -67,12 +67,26 @@ def flow_with_ops(ops: SimpleNamespace):
     spec = importlib.util.spec_from_file_location("precision_flow_baseline", pf.__file__)
     flow = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(flow)
-    for mod, names in ((ops.rmsnorm, ("rmsnorm_fp8_fwd", "rmsnorm_fp8_out", "rmsnorm_fp8_bwd")),
-                       (ops.swiglu, ("swiglu_fp8_fwd", "swiglu_fp8_out", "swiglu_fp8_bwd"))):
-        for name in names:
-            if hasattr(flow, name):
-                setattr(flow, name, getattr(mod, name))
+    for name in ("rmsnorm_fp8_fwd", "rmsnorm_fp8_out", "rmsnorm_fp8_bwd"):
+        setattr(flow, name, getattr(ops.rmsnorm, name))
+    for name in ("swiglu_fp8_fwd", "swiglu_fp8_out", "swiglu_fp8_bwd"):
+        if hasattr(flow, name):
+            setattr(flow, name, getattr(ops.swiglu, name))
+    if hasattr(flow, "swiglu_fp8_bwd_out_t"):
+        flow.swiglu_fp8_bwd_out_t = bwd_out_t(ops.swiglu)
     return flow
+
+
+def bwd_out_t(swiglu):
+    """swiglu_fp8_bwd_out_t of a kernel module, or for a version without it the two calls it replaces."""
+    if hasattr(swiglu, "swiglu_fp8_bwd_out_t"):
+        return swiglu.swiglu_fp8_bwd_out_t
+
+    def two_calls(ds, a1_8, s1, a3_8, s3, s_scale, group_size, grad_dtype=torch.float8_e5m2,
+                  out_dtype=torch.float8_e4m3fn):
+        st = swiglu.swiglu_fp8_out(a1_8, s1, a3_8, s3, s_scale, group_size, True, out_dtype)
+        return (*swiglu.swiglu_fp8_bwd(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype), st)
+    return two_calls
 
 
 def ops_at(rev: str) -> SimpleNamespace:
@@ -121,6 +135,8 @@ def kernel_entries(tokens: int, h: int, f: int, g: int = 128, ops: SimpleNamespa
         ("swiglu_fp8_out_T", lambda: S.swiglu_fp8_out(a1, s1, a3, s3, ss, g, True), m * f * 3),
         # the name is the first version's (three launches); "launches" says what this version does
         ("swiglu_fp8_bwd (3 launches)", lambda: S.swiglu_fp8_bwd(ds, a1, s1, a3, s3, g, e5), m * f * (2 + 2 + 4)),
+        # what the COAT MLP's backward calls: the above plus s^T (swiglu_fp8_out_T) in one read of the pair
+        ("swiglu_fp8_bwd_out_t", lambda: bwd_out_t(S)(ds, a1, s1, a3, s3, ss, g, e5), m * f * (2 + 2 + 4 + 1)),
         ("amax+cast_transpose e5m2", lambda: cast_transpose(dy, amax_scale(dy, e5), e5), m * h * (2 + 2)),
         ("cast_transpose e5m2", lambda: cast_transpose(dy, sc, e5), m * h * (2 + 2)),
         ("rope (q, 32 heads x 128)", lambda: ops.rope.rope_triton(q, cos, sin), m * h * (2 + 2)),
