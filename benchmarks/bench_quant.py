@@ -169,7 +169,8 @@ def static_sass() -> dict:
                 res[f"{name}/{t}/{tile}"] = count(exq_ops._expand_quantize_kernel, ptrs,
                                                   dict(FP8_MAX=448.0, APPROX=approx, LEAN=lean), block, warps)
             ptrs = dict(q_ptr=fp8, scale_ptr="fp32", k_ptr="bf16", lut_ptr="fp32", out_ptr=t)
-            for name, vec in (("expand_dequantize", 16 // (4 if t == "fp32" else 2)), ("expand_dequantize_session2", 0)):
+            vec = 16 // (4 if t == "fp32" else 2)
+            for name, vec in (("expand_dequantize", vec), ("expand_dequantize_session2", 0)):
                 res[f"{name}/{t}_out/{tile}"] = count(
                     exdeq_ops._expand_dequantize_kernel, ptrs,
                     dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, LUT=True, APPROX=False, VEC=vec,
@@ -294,7 +295,8 @@ def main() -> None:
         gs = entry["group_scaling_silu_bf16"]
         print(f"  group scaling on silu bf16: stage 1 +{gs['overhead_stage1']:.1%}, "
               f"stage 1+2 +{gs['overhead_two_stage']:.1%}; per tile: stage 1 +{gs['per_tile_overhead_stage1']:.1%}, "
-              f"stage 1+2 +{gs['per_tile_overhead_two_stage']:.1%} (op alone {gs['op_alone_frac_of_copy']:.0%} of copy)")
+              f"stage 1+2 +{gs['per_tile_overhead_two_stage']:.1%} "
+              f"(op alone {gs['op_alone_frac_of_copy']:.0%} of copy)")
         if "sweep_frac_of_copy" in entry:
             best = {}
             for k, v in entry["sweep_frac_of_copy"].items():
