@@ -104,10 +104,17 @@ _KERNELS = {("coat_adamw_kernel", "1"): "v3", ("coat_adamw_kernel", "2"): "v3-in
             ("coat_adamw_kernel_v4", "3"): "v4", ("coat_adamw_kernel_v4", "2"): "v4-2blocks"}
 
 
-def sass_of_variants(hot_path_only: bool) -> dict:
-    """{(variant, param dtype): figures} for the G = 128 kernels. hot_path_only builds without the masked tail path
-    (COAT_ADAMW_VECTOR_PATH_ONLY), so the counts are those of whole aligned chunks. Every variant handles 16
-    elements a thread per chunk; static counts include both sides of every branch (e.g. the k == 1 shortcuts)."""
+_BUILDS = {"full": [], "hot_path": ["-DCOAT_ADAMW_VECTOR_PATH_ONLY"],
+           "expand_path": ["-DCOAT_ADAMW_VECTOR_PATH_ONLY", "-DCOAT_ADAMW_EXPAND_PATH_ONLY"]}
+
+
+def sass_of_variants(build: str) -> dict:
+    """{(variant, param dtype): figures} for the G = 128 kernels. Builds: "full" (the extension's code); "hot_path"
+    without the masked tail path (COAT_ADAMW_VECTOR_PATH_ONLY): whole aligned chunks; "expand_path" also without the
+    k == 1 shortcuts, which the compiler builds as a second copy of the code: what is left is one straight path
+    through a chunk with expansion on, so its static count is close to the dynamic one (loop and per-group
+    branches aside). Every variant handles 16 elements a thread per chunk. Code after the last EXIT (slow paths of
+    IEEE division, taken only for extreme operands) is not counted."""
     import collections
     import re
     import tempfile
@@ -118,8 +125,7 @@ def sass_of_variants(hot_path_only: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         cmd = ["nvcc", "-cubin", *_STATIC_FLAGS, "-Xptxas", "-v", str(kernels_dir() / "coat_adamw.cu"), "-o", cubin]
-        if hot_path_only:
-            cmd.append("-DCOAT_ADAMW_VECTOR_PATH_ONLY")
+        cmd += _BUILDS[build]
         ptxas = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
         sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
     spills = {}
@@ -129,7 +135,10 @@ def sass_of_variants(hot_path_only: bool) -> dict:
     out = {}
     for name, text in re.findall(r"Function : (\w+)\n(.*?)(?=Function :|\Z)", sass, re.S):
         kernel, types, last = re.search(r"(coat_adamw_kernel(?:_v4)?)ILi128E(\w+?)Li(\d)EE", name).groups()
-        ops = [m.group(1) for m in map(_INSTR.search, text.splitlines()) if m and m.group(1) != "NOP"]
+        lines = text.splitlines()
+        exits = [i for i, line in enumerate(lines) if re.search(r"\bEXIT\b", line)]
+        lines = lines[: exits[-1] + 1] if exits else lines
+        ops = [m.group(1) for m in map(_INSTR.search, lines) if m and m.group(1) != "NOP"]
         mix = collections.Counter(_CLASSES.get(op.split(".")[0], "other") for op in ops)
         mem = collections.Counter(op for op in ops if re.match(r"(LD|ST|RED)", op) and not op.startswith(("LDC", "LDS")))
         regs, spill_st, spill_ld = spills[name]
@@ -173,9 +182,10 @@ def static_sass(args):
                   date_utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                   git_commit=subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
                   group_size=128, variants={})
-    for hot in (False, True):
-        for (variant, dtype), row in sorted(sass_of_variants(hot).items(), key=lambda kv: CUDA_VARIANTS.index(kv[0][0])):
-            result["variants"].setdefault(f"{variant} {dtype}", {})["hot_path" if hot else "full"] = row
+    for build in _BUILDS:
+        rows = sass_of_variants(build)
+        for (variant, dtype), row in sorted(rows.items(), key=lambda kv: CUDA_VARIANTS.index(kv[0][0])):
+            result["variants"].setdefault(f"{variant} {dtype}", {})[build] = row
     import triton
 
     result["triton"] = triton.__version__
@@ -187,10 +197,10 @@ def static_sass(args):
     for variant, r in result["triton_variants"].items():
         print(f"  triton {variant:12s} warps {r['num_warps']:2d} regs {r['registers']:3d} spill {r['spill_bytes']:3d} "
               f"instr/elem {r['instructions_per_element']:6.1f}")
-    print(f"{'variant':22s} {'build':9s} {'regs':>4s} {'spill B':>8s} {'instr/elem':>10s}  memory instructions (whole kernel)")
+    print(f"{'variant':22s} {'build':11s} {'regs':>4s} {'spill B':>8s} {'instr/elem':>10s}  memory instructions (whole kernel)")
     for key, builds in result["variants"].items():
         for build, r in builds.items():
-            print(f"{key:22s} {build:9s} {r['registers']:4d} {r['spill_store_bytes']:4d}/{r['spill_load_bytes']:<3d} "
+            print(f"{key:22s} {build:11s} {r['registers']:4d} {r['spill_store_bytes']:4d}/{r['spill_load_bytes']:<3d} "
                   f"{r['instructions_per_element']:10.1f}  {r['memory_ops']}")
 
 

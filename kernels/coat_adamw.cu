@@ -41,6 +41,13 @@ __device__ __forceinline__ float fast_log2(float x) {
   return y;
 }
 
+// a / b as div.approx.ftz (MUFU.RCP + FMUL): __fdividef's non-ftz form adds a subnormal fix-up (3 instructions).
+__device__ __forceinline__ float fast_div(float a, float b) {
+  float y;
+  asm("div.approx.ftz.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
 template <typename T> __device__ __forceinline__ float to_float(T x);
 template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -55,6 +62,11 @@ template <> __device__ __forceinline__ __nv_bfloat16 zero_of<__nv_bfloat16>() { 
 constexpr bool kTailPath = false;
 #else
 constexpr bool kTailPath = true;
+#endif
+#ifdef COAT_ADAMW_EXPAND_PATH_ONLY  // static SASS counts only: without the k == 1 shortcuts (which the compiler
+constexpr bool kPlainShortcut = false;  // builds as a second copy of the code), static = dynamic count of a chunk
+#else
+constexpr bool kPlainShortcut = true;
 #endif
 
 // An unsigned type of exactly N bytes, for one vector load / store.
@@ -151,6 +163,14 @@ struct Moment {
   bool e5m2;
 };
 
+__device__ __forceinline__ __nv_fp8_interpretation_t fp8_kind(const Moment& mo) {
+#ifdef COAT_ADAMW_EXPAND_PATH_ONLY  // static counts only: one format, so the compiler keeps one copy of the code
+  return __NV_E4M3;
+#else
+  return mo.e5m2 ? __NV_E5M2 : __NV_E4M3;
+#endif
+}
+
 // Dequantize VEC codes of one group: x = sign(q) * (|q| * fp32(1/F.max))^(1/k) * (scale * F.max).
 template <int VEC>
 __device__ __forceinline__ void dequantize(const uint8_t (&q)[VEC], float scale, float k, const Moment& mo,
@@ -161,12 +181,12 @@ __device__ __forceinline__ void dequantize(const uint8_t (&q)[VEC], float scale,
   for (int j = 0; j < VEC; j += 2) {
     // Two codes per conversion instruction (cvt.rn.f16x2.e4m3x2 / e5m2x2 on sm_89+).
     const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>(q[j] | (q[j + 1] << 8));
-    const float2 qf = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, mo.e5m2 ? __NV_E5M2 : __NV_E4M3)));
+    const float2 qf = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, fp8_kind(mo))));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float qv = h == 0 ? qf.x : qf.y;
       const float rq = fabsf(qv) * mo.inv_fmax;
-      const float e = (k == 1.0f) ? rq : fast_exp2(fast_log2(rq) * inv_k);
+      const float e = (kPlainShortcut && k == 1.0f) ? rq : fast_exp2(fast_log2(rq) * inv_k);
       const float v = e * mult;
       x[j + h] = qv < 0.0f ? -v : v;
     }
@@ -174,29 +194,117 @@ __device__ __forceinline__ void dequantize(const uint8_t (&q)[VEC], float scale,
 }
 
 // v4's dequantization, split so that a thread converts its codes a few at a time (fewer registers live): the
-// group's constants once, then pairs of codes. The same float32 operations as dequantize() above.
+// group's constants once, then pairs of codes. The same value as dequantize() above, with fewer instructions per
+// element: the multiply by scale * F.max moves into the exponent (one FFMA: y = log2(rq) / k + log2(scale * F.max),
+// rounded once, where dequantize() rounds log2(rq) / k and then the product) and the sign is copied, not selected.
+// Relative error against dequantize(): ~|y| * 2^-24 (y = log2 of the moment, |y| < 64 for moments > 1e-19).
 struct GroupDequant {
-  float mult, inv_k;
+  float mult, inv_k, log2_mult;
   bool plain;  // k == 1: no exp2/log2
 };
 
-__device__ __forceinline__ GroupDequant group_dequant(float scale, float k, const Moment& mo) {
-  return GroupDequant{scale * mo.fmax, 1.0f / k, k == 1.0f};
+// beta: Adam's decay of this moment, folded into the multiplier (the update's beta * m costs nothing more).
+__device__ __forceinline__ GroupDequant group_dequant(float scale, float k, float beta, const Moment& mo) {
+  const float mult = scale * mo.fmax * beta;
+  return GroupDequant{mult, 1.0f / k, fast_log2(mult), kPlainShortcut && k == 1.0f};
 }
 
-__device__ __forceinline__ float2 dequantize_pair(uint8_t q0, uint8_t q1, const GroupDequant& d, const Moment& mo) {
-  const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>(q0 | (q1 << 8));
-  const float2 qf = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, mo.e5m2 ? __NV_E5M2 : __NV_E4M3)));
+// Two codes, packed as they lie in memory (low byte first), to beta * their moments.
+__device__ __forceinline__ float2 dequantize_pair(uint32_t pair, const GroupDequant& d, const Moment& mo) {
+  const float2 qf = __half22float2(__half2(
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xffffu), fp8_kind(mo))));
   float out[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float qv = h == 0 ? qf.x : qf.y;
     const float rq = fabsf(qv) * mo.inv_fmax;
-    const float e = d.plain ? rq : fast_exp2(fast_log2(rq) * d.inv_k);
-    const float v = e * d.mult;
-    out[h] = qv < 0.0f ? -v : v;
+    // log2(0) = -inf -> 0; a NaN scale (non-finite group) stays NaN, as in the reference
+    const float v = d.plain ? rq * d.mult : fast_exp2(fmaf(fast_log2(rq), d.inv_k, d.log2_mult));
+    out[h] = copysignf(v, qv);
   }
   return make_float2(out[0], out[1]);
+}
+
+// 16 codes <-> four 32-bit words (16-byte accesses; byte by byte on tails and unaligned views).
+__device__ __forceinline__ void load_codes(const uint8_t* ptr, int64_t i, int64_t n, bool vector_ok,
+                                           uint32_t (&w)[4]) {
+  if (!kTailPath || (vector_ok && i + 16 <= n)) {
+    const uint4 x = __ldcs(reinterpret_cast<const uint4*>(ptr + i));
+    w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      w[j] = 0;
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+        if (i + 4 * j + b < n) w[j] |= static_cast<uint32_t>(ptr[i + 4 * j + b]) << (8 * b);
+    }
+  }
+}
+
+__device__ __forceinline__ void store_codes(uint8_t* ptr, int64_t i, int64_t n, bool vector_ok,
+                                            const uint32_t (&w)[4]) {
+  if (!kTailPath || (vector_ok && i + 16 <= n)) {
+    __stcs(reinterpret_cast<uint4*>(ptr + i), make_uint4(w[0], w[1], w[2], w[3]));
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+        if (i + 4 * j + b < n) ptr[i + 4 * j + b] = static_cast<uint8_t>(w[j] >> (8 * b));
+  }
+}
+
+// v4's quantization: quantize() above with fewer instructions per element. F.max moves into the exponent (one FFMA:
+// log2(q) = k * log2(|x| / amax) + log2(F.max)), the clamp to F.max is left to the saturating conversion, the sign
+// is copied, and a non-finite group (rare) is zeroed by a branch instead of a select per element.
+template <int VEC, int L>
+__device__ __forceinline__ bool quantize_v4(const float (&x)[VEC], const Moment& mo, const CoatAdamWArgs& a,
+                                            int64_t group, bool group_leader, bool group_valid,
+                                            uint32_t (&q)[VEC / 4]) {
+  float amax = 0.0f, amin = INFINITY;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const float ax = isnan(x[j]) ? INFINITY : fabsf(x[j]);  // NaN counts as non-finite
+    amax = fmaxf(amax, ax);
+    if (ax > 0.0f) amin = fminf(amin, ax);
+  }
+  amax = group_max<L>(amax);
+  amin = group_min<L>(amin);
+  const bool finite = amax < INFINITY;
+  float k = 1.0f;
+  if (a.expand && finite && amax > amin) {
+    // Once per group: the accurate log2f, so k agrees with the reference's except on bf16 rounding ties.
+    k = fminf(fmaxf(mo.log2_range / log2f(amax / amin), a.k_min), a.k_max);
+  }
+  const __nv_bfloat16 k_bf16 = __float2bfloat16_rn(k);
+  const float kf = __bfloat162float(k_bf16);
+  const float inv_amax = (finite && amax > 0.0f) ? 1.0f / amax : 0.0f;
+  const float log2_fmax = fast_log2(mo.fmax);
+  const bool plain = kPlainShortcut && kf == 1.0f;
+  float out[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const float r = fabsf(x[j]) * inv_amax;
+    const float mag = plain ? r * mo.fmax : fast_exp2(fmaf(kf, fast_log2(r), log2_fmax));  // r = 0 -> 0
+    out[j] = copysignf(mag, x[j]);
+  }
+  if (!finite) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] = 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < VEC; j += 4) {
+    // Round to nearest even, saturating at F.max: two values per conversion instruction, two pairs per word.
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(out[j], out[j + 1]), __NV_SATFINITE, fp8_kind(mo));
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(out[j + 2], out[j + 3]), __NV_SATFINITE, fp8_kind(mo));
+    q[j / 4] = lo | (hi << 16);
+  }
+  if (group_leader && group_valid) {
+    mo.scale[group] = finite ? amax / mo.fmax : NAN;
+    mo.k[group] = k_bf16;
+  }
+  return finite;
 }
 
 // Quantize VEC values of one group (its other values sit in the neighbouring lanes); returns false for a
@@ -227,7 +335,7 @@ __device__ __forceinline__ bool quantize(const float (&x)[VEC], const Moment& mo
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
     const float r = ax[j] * inv_amax;
-    const float f = (kf == 1.0f) ? r : fast_exp2(kf * fast_log2(r));
+    const float f = (kPlainShortcut && kf == 1.0f) ? r : fast_exp2(kf * fast_log2(r));
     const float mag = fminf(f * mo.fmax, mo.fmax);
     out[j] = finite ? (x[j] < 0.0f ? -mag : mag) : 0.0f;
   }
@@ -235,7 +343,7 @@ __device__ __forceinline__ bool quantize(const float (&x)[VEC], const Moment& mo
   for (int j = 0; j < VEC; j += 2) {
     // Round to nearest even, saturating (|out| <= F.max already): two values per conversion instruction.
     const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(make_float2(out[j], out[j + 1]), __NV_SATFINITE,
-                                                               mo.e5m2 ? __NV_E5M2 : __NV_E4M3);
+                                                               fp8_kind(mo));
     q[j] = static_cast<uint8_t>(pair & 0xff);
     q[j + 1] = static_cast<uint8_t>(pair >> 8);
   }
@@ -323,15 +431,22 @@ __global__ void __launch_bounds__(kThreads, STEP == 2 ? 2 : 4) coat_adamw_kernel
   }
 }
 
-// v4 (variant 2): one slice of VEC = 16 elements per thread, so a chunk is still 256 x 16 = 4096 elements (the same
-// tables) and a group of 128 spans 8 lanes. Against v3 it keeps twice the bytes in flight per thread (p, g: 4 x 16 B,
-// m, v: one 16 B load each, all issued before any is used), shares each group's scalar work (accurate log2f, IEEE
-// divisions, shuffles) among 16 elements instead of 8, and takes the launch tables off the data's critical path: a
-// block walks a contiguous run of chunks, loads the next chunk's table entry one chunk ahead, and reloads the pointer
-// row only when the run crosses into the next tensor. Same formulas, same results as v3 up to FMA contraction.
+// v4 (kVariantV4, kVariantV4TwoBlocks): one slice of VEC = 16 elements per thread, so a chunk is still 256 x 16 =
+// 4096 elements (the same tables) and a group of 128 spans 8 lanes. Against v3:
+// - twice the bytes in flight per thread: p, g as 4 x 16 B, m, v codes as one 16 B word each, all issued before any
+//   is used, through ld/st.global.cs (v3's dereferences of table addresses compile to generic LD/ST);
+// - the launch tables off the data's critical path: a block walks a contiguous run of chunks, loads the next
+//   chunk's table entry one chunk ahead and reloads the pointer row only when the run enters another tensor (v3:
+//   chunk table -> pointer row -> data, two dependent loads before every chunk's first data load);
+// - fewer instructions per element (static SASS, one path through a chunk: ~76 against v3's ~118): each group's
+//   scalar work (accurate log2f, IEEE divisions, shuffles) shared by 16 elements instead of 8; scale * F.max and
+//   Adam's beta moved into the exponent of the dequantization, F.max into that of the quantization (one FFMA each);
+//   signs copied, not selected; the clamp to F.max left to the saturating conversion; codes kept as the words they
+//   are loaded and stored as; div.approx.ftz for m / denom.
+// Same formulas as v3 and the reference up to float32 rounding (bounded in tests/ops/test_coat_adamw.py).
 // BLOCKS (blocks per SM the registers must allow): 3 caps a thread at 80 registers (a few bytes of spills to L1,
 // 3 x 256 x 160 B = 120 KB of loads in flight per SM); 2 lets it have 128 (no spills, 80 KB in flight). Both are
-// built (kVariantV4, kVariantV4TwoBlocks); the benchmark decides.
+// built; the benchmark decides.
 constexpr int kV4Vec = 16;
 
 struct Row {
@@ -386,11 +501,11 @@ __global__ void __launch_bounds__(kThreads, BLOCKS) coat_adamw_kernel_v4(const C
 
     PT p[VEC];
     GT g[VEC];
-    uint8_t mq[VEC], vq[VEC];
+    uint32_t mq[VEC / 4], vq[VEC / 4];  // codes as loaded: four to a word, the first in the low byte
     load_stream<PT, VEC>(p_ptr, base, n, vok, p);
     load_stream<GT, VEC>(g_ptr, base, n, vok, g);
-    load_stream<uint8_t, VEC>(mm.q, base, n, vok, mq);
-    load_stream<uint8_t, VEC>(vm.q, base, n, vok, vq);
+    load_codes(mm.q, base, n, vok, mq);
+    load_codes(vm.q, base, n, vok, vq);
     const int64_t group = base / G;  // all VEC elements of a thread lie in one group (VEC divides G)
     const bool valid = base < n;
     // Read before the group's leader rewrites them (after the shuffles below), never after: the read-only path is safe.
@@ -400,8 +515,8 @@ __global__ void __launch_bounds__(kThreads, BLOCKS) coat_adamw_kernel_v4(const C
     const float vk = valid ? __bfloat162float(__ldg(vm.k + group)) : 1.0f;
 
     // Dequantize, update and store the parameter a quarter (16 bytes of p) at a time: p and g die as m and v are
-    // born, so fewer registers are live at once.
-    const GroupDequant dm = group_dequant(ms, mk, mm), dv = group_dequant(vs, vk, vm);
+    // born, so fewer registers are live at once. The dequantized moments come out already times beta1 / beta2.
+    const GroupDequant dm = group_dequant(ms, mk, a.beta1, mm), dv = group_dequant(vs, vk, a.beta2, vm);
     float m[VEC], v[VEC];
     constexpr int Q = 16 / sizeof(PT);  // elements per 16-byte store of p
 #pragma unroll
@@ -409,25 +524,26 @@ __global__ void __launch_bounds__(kThreads, BLOCKS) coat_adamw_kernel_v4(const C
       PT pq[Q];
 #pragma unroll
       for (int j = j0; j < j0 + Q; j += 2) {
-        const float2 m2 = dequantize_pair(mq[j], mq[j + 1], dm, mm), v2 = dequantize_pair(vq[j], vq[j + 1], dv, vm);
+        const int shift = 8 * (j % 4);  // 0 or 16: the pair's half of its word
+        const float2 m2 = dequantize_pair(mq[j / 4] >> shift, dm, mm), v2 = dequantize_pair(vq[j / 4] >> shift, dv, vm);
         m[j] = m2.x, m[j + 1] = m2.y, v[j] = v2.x, v[j + 1] = v2.y;
       }
 #pragma unroll
       for (int j = j0; j < j0 + Q; ++j) {
         const float gj = to_float<GT>(g[j]);
-        m[j] = a.beta1 * m[j] + a.one_minus_beta1 * gj;
-        v[j] = a.beta2 * v[j] + a.one_minus_beta2 * (gj * gj);
-        const float denom = fast_sqrt(v[j]) * a.inv_bc2_sqrt + a.eps;
+        m[j] = fmaf(a.one_minus_beta1, gj, m[j]);
+        v[j] = fmaf(a.one_minus_beta2, gj * gj, v[j]);
+        const float denom = fast_sqrt(v[j]) * a.inv_bc2_sqrt + a.eps;  // >= eps: never subnormal
         const float pj = to_float<PT>(p[j]);
-        pq[j - j0] = from_float<PT>(pj * (1.0f - a.lr_wd) - a.step_size * __fdividef(m[j], denom));
+        pq[j - j0] = from_float<PT>(pj * (1.0f - a.lr_wd) - a.step_size * fast_div(m[j], denom));
       }
       store_stream<PT, Q>(p_ptr, base + j0, n, vok, pq);
     }
     const bool leader = (threadIdx.x % L) == 0;
-    const bool m_ok = quantize<VEC, L>(m, mm, a, group, leader, valid, mq);
-    const bool v_ok = quantize<VEC, L>(v, vm, a, group, leader, valid, vq);
-    store_stream<uint8_t, VEC>(mm.q, base, n, vok, mq);
-    store_stream<uint8_t, VEC>(vm.q, base, n, vok, vq);
+    const bool m_ok = quantize_v4<VEC, L>(m, mm, a, group, leader, valid, mq);
+    const bool v_ok = quantize_v4<VEC, L>(v, vm, a, group, leader, valid, vq);
+    store_codes(mm.q, base, n, vok, mq);
+    store_codes(vm.q, base, n, vok, vq);
     if (a.nonfinite != nullptr && leader && valid && !(m_ok && v_ok))
       atomicAdd(a.nonfinite, (m_ok ? 0 : 1) + (v_ok ? 0 : 1));
 
