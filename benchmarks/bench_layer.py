@@ -27,7 +27,6 @@ and the Triton launches: the launch budget of each mode, old and new.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import copy
 import json
@@ -238,74 +237,38 @@ def fp8_gemms_ms(shapes) -> float:
     return bench_ms(run)
 
 
-_NO_KERNEL = {"empty", "empty_like", "new_empty", "empty_strided", "_unsafe_view", "detach", "alias", "lift_fresh",
-              "set_", "_reshape_alias"}  # allocations and aliases: no launch on CUDA
-
-
 def count_launches(ab: bool) -> dict:
     """CPU: per mode, the aten ops that launch a CUDA kernel and the Triton launches of one small layer's
     forward and backward (steady state: weight caches built), the FP8 flow on its Triton kernels."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from tests.fp8.flow_paths import triton_paths
-
-    class Counter(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.aten, self.triton, self.inside = collections.Counter(), collections.Counter(), 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if not self.inside and not func.is_view and name not in _NO_KERNEL:
-                self.aten[name] += 1
-            return func(*args, **(kwargs or {}))
-
-    counter = None
-    run = InterpretedFunction.run
-
-    def counted_run(fn, *a, **k):
-        counter.triton[getattr(fn, "__name__", getattr(getattr(fn, "fn", None), "__name__", "?"))] += 1
-        counter.inside += 1
-        try:
-            return run(fn, *a, **k)
-        finally:
-            counter.inside -= 1
+    from tests.fp8.flow_paths import LaunchCounter, triton_paths
 
     cfg = ModelConfig(num_layers=1, vocab_size=128, hidden_size=128, ffn_hidden_size=256, num_attention_heads=2,
                       seq_length=32)
     base = GPT(cfg).bfloat16()
     cos, sin = base._rope(torch.device("cpu"))
     out = {}
-    InterpretedFunction.run = counted_run
-    try:
-        for mode in ("bf16", "fp8-linear") + (("fp8-linear-legacy",) if ab else ()) + ("coat",):
-            model = convert_to_fp8(copy.deepcopy(base), FP8Config(mode=mode.replace("-legacy", ""), group_size=64))
-            layer = model.layers[0]
-            x = torch.randn(1, cfg.seq_length, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-            with triton_paths(), mode_context(mode, layer):
-                counter = Counter()
-                layer(x, cos, sin).sum().backward()  # builds the weight caches
-                for prm in layer.parameters():
-                    prm.grad = None  # as in measure(): no accumulation into existing .grad
-                x.grad = None
-                row = {}
-                for phase in ("forward", "backward"):
-                    counter = Counter()
-                    with counter:
-                        if phase == "forward":
-                            y = layer(x, cos, sin)
-                        else:
-                            y.backward(torch.ones_like(y))
-                    row[phase] = {"aten_kernels": sum(counter.aten.values()), "triton": sum(counter.triton.values()),
-                                  "aten_ops": dict(counter.aten.most_common()), "triton_kernels": dict(counter.triton)}
-                row["launches"] = sum(row[p]["aten_kernels"] + row[p]["triton"] for p in ("forward", "backward"))
-            out[mode] = row
-            print(f"{mode:>18}: {row['launches']:4d} launches per layer fwd+bwd "
-                  f"(forward {row['forward']['aten_kernels']} aten + {row['forward']['triton']} Triton, "
-                  f"backward {row['backward']['aten_kernels']} aten + {row['backward']['triton']} Triton)")
-    finally:
-        InterpretedFunction.run = run
+    for mode in ("bf16", "fp8-linear") + (("fp8-linear-legacy",) if ab else ()) + ("coat",):
+        model = convert_to_fp8(copy.deepcopy(base), FP8Config(mode=mode.replace("-legacy", ""), group_size=64))
+        layer = model.layers[0]
+        x = torch.randn(1, cfg.seq_length, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        with triton_paths(), mode_context(mode, layer):
+            layer(x, cos, sin).sum().backward()  # builds the weight caches
+            for prm in layer.parameters():
+                prm.grad = None  # as in measure(): no accumulation into existing .grad
+            x.grad = None
+            row = {}
+            with LaunchCounter() as fwd:
+                y = layer(x, cos, sin)
+            with LaunchCounter() as bwd:
+                y.backward(torch.ones_like(y))
+            for phase, c in (("forward", fwd), ("backward", bwd)):
+                row[phase] = {"aten_kernels": sum(c.aten.values()), "triton": sum(c.triton.values()),
+                              "aten_ops": dict(c.aten.most_common()), "triton_kernels": dict(c.triton)}
+            row["launches"] = fwd.launches + bwd.launches
+        out[mode] = row
+        print(f"{mode:>18}: {row['launches']:4d} launches per layer fwd+bwd "
+              f"(forward {row['forward']['aten_kernels']} aten + {row['forward']['triton']} Triton, "
+              f"backward {row['backward']['aten_kernels']} aten + {row['backward']['triton']} Triton)")
     return out
 
 

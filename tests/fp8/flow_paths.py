@@ -5,7 +5,10 @@ syncs, launches) swap the names the flow calls for the Triton versions, and put 
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import megacoat.fp8.linear as linear
 import megacoat.fp8.precision_flow as flow
@@ -29,3 +32,49 @@ def triton_paths():
     finally:
         for mod, name, fn in saved:
             setattr(mod, name, fn)
+
+
+# Allocations and aliases: no kernel on CUDA.
+_NO_KERNEL = {"empty", "empty_like", "new_empty", "empty_strided", "_unsafe_view", "detach", "alias", "lift_fresh",
+              "set_", "_reshape_alias"}
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts, while active, the aten ops that launch a CUDA kernel (views and allocations left out) and the
+    Triton launches; the interpreter's own tensor traffic inside a Triton launch is not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.aten, self.triton, self._inside = collections.Counter(), collections.Counter(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self._inside and not func.is_view and name not in _NO_KERNEL:
+            self.aten[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        run = self._run = InterpretedFunction.run
+
+        def counted(fn, *a, **k):
+            self.triton[getattr(fn, "__name__", getattr(getattr(fn, "fn", None), "__name__", "?"))] += 1
+            self._inside += 1
+            try:
+                return run(fn, *a, **k)
+            finally:
+                self._inside -= 1
+
+        InterpretedFunction.run = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        InterpretedFunction.run = self._run
+        return super().__exit__(*exc)
+
+    @property
+    def launches(self) -> int:
+        return sum(self.aten.values()) + sum(self.triton.values())
