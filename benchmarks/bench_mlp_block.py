@@ -91,15 +91,19 @@ def bwd_out_t(swiglu):
 
 def ops_at(rev: str) -> SimpleNamespace:
     """The fused-kernel modules (rmsnorm, swiglu, rope) as they were at git revision `rev`, loaded beside the
-    current ones, so that one run times old and new kernels on the same GPU."""
+    current ones, so that one run times old and new kernels on the same GPU. Read from .baseline/REV/ when
+    there (where the repository travels without .git: `git archive REV megacoat/ops | tar -x -C .baseline/REV`),
+    else from git."""
     tmp = tempfile.mkdtemp(prefix="megacoat_ops_")
     mods = {}
     for name in ("rmsnorm", "swiglu", "rope"):
-        src = subprocess.run(["git", "show", f"{rev}:megacoat/ops/{name}.py"], capture_output=True, text=True,
-                             check=True).stdout
-        path = os.path.join(tmp, f"{name}.py")  # @triton.jit reads its source from a file
-        with open(path, "w") as f:
-            f.write(src)
+        path = os.path.join(".baseline", rev, "megacoat", "ops", f"{name}.py")  # a checkout without .git (device)
+        if not os.path.exists(path):
+            src = subprocess.run(["git", "show", f"{rev}:megacoat/ops/{name}.py"], capture_output=True, text=True,
+                                 check=True).stdout
+            path = os.path.join(tmp, f"{name}.py")  # @triton.jit reads its source from a file
+            with open(path, "w") as f:
+                f.write(src)
         spec = importlib.util.spec_from_file_location(f"megacoat_ops_{rev}_{name}", path)
         mods[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mods[name])
