@@ -61,3 +61,18 @@ def test_layer_forward_backward_has_no_host_sync(mode, path):
     with triton_paths() if path == "triton" else contextlib.nullcontext(), SyncRecorder() as rec:
         layer(x, cos, sin).float().square().sum().backward()  # a first step: it builds the weight copies too
     assert rec.syncs == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp8-linear", "coat"])
+def test_gpu_layer_runs_under_sync_debug_mode_error(mode):
+    """On the device, CUDA's own check: any synchronizing call in the step raises."""
+    layer, (cos, sin) = _layer(mode)
+    x = torch.randn(2, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(x, cos, sin).float().square().sum().backward()  # Triton compiles, weight copies: outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x, cos, sin).float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
