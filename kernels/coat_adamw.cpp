@@ -5,6 +5,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <cmath>
+
 #include "coat_adamw.h"
 
 namespace {
@@ -49,6 +51,8 @@ void coat_adamw_step(const torch::Tensor& ptr_table, const torch::Tensor& chunk_
   a.v_max = static_cast<float>(v_max);
   a.inv_m_max = static_cast<float>(1.0 / m_max);
   a.inv_v_max = static_cast<float>(1.0 / v_max);
+  a.log2_m_max = static_cast<float>(std::log2(m_max));
+  a.log2_v_max = static_cast<float>(std::log2(v_max));
   a.log2_range_m = static_cast<float>(log2_range_m);
   a.log2_range_v = static_cast<float>(log2_range_v);
   a.k_min = static_cast<float>(k_min);

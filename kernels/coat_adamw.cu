@@ -259,9 +259,9 @@ __device__ __forceinline__ void store_codes(uint8_t* ptr, int64_t i, int64_t n, 
 // log2(q) = k * log2(|x| / amax) + log2(F.max)), the clamp to F.max is left to the saturating conversion, the sign
 // is copied, and a non-finite group (rare) is zeroed by a branch instead of a select per element.
 template <int VEC, int L>
-__device__ __forceinline__ bool quantize_v4(const float (&x)[VEC], const Moment& mo, const CoatAdamWArgs& a,
-                                            int64_t group, bool group_leader, bool group_valid,
-                                            uint32_t (&q)[VEC / 4]) {
+__device__ __forceinline__ bool quantize_v4(const float (&x)[VEC], const Moment& mo, float log2_fmax,
+                                            const CoatAdamWArgs& a, int64_t group, bool group_leader,
+                                            bool group_valid, uint32_t (&q)[VEC / 4]) {
   float amax = 0.0f, amin = INFINITY;
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
@@ -280,7 +280,6 @@ __device__ __forceinline__ bool quantize_v4(const float (&x)[VEC], const Moment&
   const __nv_bfloat16 k_bf16 = __float2bfloat16_rn(k);
   const float kf = __bfloat162float(k_bf16);
   const float inv_amax = (finite && amax > 0.0f) ? 1.0f / amax : 0.0f;
-  const float log2_fmax = fast_log2(mo.fmax);
   const bool plain = kPlainShortcut && kf == 1.0f;
   float out[VEC];
 #pragma unroll
@@ -540,8 +539,8 @@ __global__ void __launch_bounds__(kThreads, BLOCKS) coat_adamw_kernel_v4(const C
       store_stream<PT, Q>(p_ptr, base + j0, n, vok, pq);
     }
     const bool leader = (threadIdx.x % L) == 0;
-    const bool m_ok = quantize_v4<VEC, L>(m, mm, a, group, leader, valid, mq);
-    const bool v_ok = quantize_v4<VEC, L>(v, vm, a, group, leader, valid, vq);
+    const bool m_ok = quantize_v4<VEC, L>(m, mm, a.log2_m_max, a, group, leader, valid, mq);
+    const bool v_ok = quantize_v4<VEC, L>(v, vm, a.log2_v_max, a, group, leader, valid, vq);
     store_codes(mm.q, base, n, vok, mq);
     store_codes(vm.q, base, n, vok, vq);
     if (a.nonfinite != nullptr && leader && valid && !(m_ok && v_ok))

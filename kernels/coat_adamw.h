@@ -14,6 +14,7 @@ struct CoatAdamWArgs {
   int32_t* nonfinite;  // optional counter of non-finite moment groups (nullptr: not counted)
   float lr_wd, step_size, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps;
   float m_max, v_max, inv_m_max, inv_v_max, log2_range_m, log2_range_v, k_min, k_max;
+  float log2_m_max, log2_v_max;  // log2(F.max), exact to float32 (v4 quantizes in the log2 domain)
   bool m_e5m2, v_e5m2, expand, param_bf16, grad_bf16;
   int variant;  // which kernel: one of the kVariant* below (coat_adamw.cu)
   int group_size;  // 16, 32, 64, 128 or 256
