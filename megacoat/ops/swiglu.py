@@ -141,7 +141,8 @@ def _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG,
     a1, a3 = _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG)
     ds = tl.load(ds_ptr + rm[:, None] * F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     sig = sigmoid(a1, FAST)
-    return ds * a3 * sig * (1 + a1 * (1 - sig)), ds * a1 * sig, a1 * sig * a3
+    silu = a1 * sig  # shared: d silu / d a1 = sig (1 + a1 (1 - sig)) = sig + silu (1 - sig)
+    return ds * a3 * (sig + silu * (1 - sig)), ds * silu, silu * a3
 
 
 @triton.jit
