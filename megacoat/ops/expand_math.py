@@ -5,6 +5,10 @@ with the torch reference bit for bit (tl.log2 compiles to the same software log2
 same time in benchmarks/bench_quant.py). Approximate: the PTX lg2.approx/ex2.approx (one MUFU op each, ~2 ulp;
 about 12 fewer FFMA per element in the SASS), for callers that accept the error bound tested in
 tests/ops/test_expand_kernels.py in exchange for speed (the CoatAdamW CUDA kernel makes the same choice).
+`log2_normal`: libdevice's log2f for normal inputs only, written out (same constants and FMA order), ~7 fewer
+instructions per element where the caller knows the input is normal or discards the result otherwise; it runs
+in the interpreter too (as plain float ops). tests/ops/test_expand_kernels.py checks its constants against the
+PTX of libdevice.log2 on the installed Triton, and bit-exactness with torch.log2 on the GPU.
 Float32 subnormals: the compiled kernels run libdevice in flush-to-zero mode, so both the kernels and the
 reference flush explicitly (`FLT_MIN`) where a subnormal could arise; that keeps them bit-identical.
 The Triton interpreter has no libdevice and no inline PTX: under TRITON_INTERPRET=1 numpy's log2/exp2 stand

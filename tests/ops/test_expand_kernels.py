@@ -213,7 +213,7 @@ def test_gpu_approx_math_tolerance(fmt):
 
 
 @pytest.mark.slow
-def test_every_variant_compiles_for_sm90():
+def test_every_variant_compiles_for_sm90(tmp_path):
     """The interpreter runs kernels as Python, so code that Triton cannot compile (an early return in a constexpr
     branch, say) passes the CPU tests; compile every variant for Hopper without a GPU, in a fresh process (this
     one runs the interpreter). Static SASS of each: python benchmarks/bench_quant.py --sass."""
@@ -240,10 +240,37 @@ for t in ("fp32", "bf16"):
 for amax, per_tile, write_y in ((True, False, True), (True, True, True), (False, False, True), (True, False, False)):
     compile_sm90(ga._elementwise_group_amax_kernel, dict(x_ptr="*bf16:16", y_ptr="*bf16:16", amax_ptr="*fp32:16",
                  **ints), dict(OP=2, WITH_AMAX=amax, PER_TILE=per_tile, WRITE_Y=write_y, G=128, BLOCK_G=16), 4)
+
+# log2_normal must be libdevice's log2f: every float constant it uses appears in libdevice.log2's PTX
+import re
+import triton
+import triton.language as tl
+from megacoat.ops import expand_math as em
+
+@triton.jit
+def k_lib(x_ptr, y_ptr):
+    o = tl.arange(0, 128)
+    tl.store(y_ptr + o, em.log2(tl.load(x_ptr + o)))
+
+@triton.jit
+def k_mine(x_ptr, y_ptr):
+    o = tl.arange(0, 128)
+    tl.store(y_ptr + o, em.log2_normal(tl.load(x_ptr + o)))
+
+def consts(fn):
+    ptx = compile_sm90(fn, dict(x_ptr="*fp32:16", y_ptr="*fp32:16"), {}, 4).asm["ptx"]
+    return set(re.findall(r"0f[0-9A-F]{8}", ptx[ptx.index("ld.global"):ptx.index("st.global")]))
+
+lib, mine = consts(k_lib), consts(k_mine)
+assert len(mine) >= 12 and mine <= lib, (sorted(mine - lib), sorted(lib))
 print("ok")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the device's Triton 3.6 fuses by default
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    script = tmp_path / "compile_variants.py"  # @triton.jit needs its source in a file
+    script.write_text(code)
+    res = subprocess.run([sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
