@@ -98,7 +98,8 @@ def bench_one(name: str, make_opt, n_params: int, chunks: int, args, bytes_per_p
 
 
 _STATIC_FLAGS = ["-std=c++17", "-O3", "-arch=sm_90a", "-DCOAT_ADAMW_COMPILE_CHECK", "-D__CUDA_NO_HALF_OPERATORS__",
-                 "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
+                 "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+                 "-D__CUDA_NO_HALF2_OPERATORS__"]
 # kernel name and last template argument (v3: STEP, v4: blocks per SM) -> variant
 _KERNELS = {("coat_adamw_kernel", "1"): "v3", ("coat_adamw_kernel", "2"): "v3-interleaved",
             ("coat_adamw_kernel_v4", "3"): "v4", ("coat_adamw_kernel_v4", "2"): "v4-2blocks"}
@@ -140,13 +141,15 @@ def sass_of_variants(build: str) -> dict:
         lines = lines[: exits[-1] + 1] if exits else lines
         ops = [m.group(1) for m in map(_INSTR.search, lines) if m and m.group(1) != "NOP"]
         mix = collections.Counter(_CLASSES.get(op.split(".")[0], "other") for op in ops)
-        mem = collections.Counter(op for op in ops if re.match(r"(LD|ST|RED)", op) and not op.startswith(("LDC", "LDS")))
+        mem = collections.Counter(op for op in ops
+                                  if re.match(r"(LD|ST|RED)", op) and not op.startswith(("LDC", "LDS")))
         regs, spill_st, spill_ld = spills[name]
         per_thread = 16  # elements a thread handles per chunk, every variant
         out[(_KERNELS[(kernel, last)], "bf16" if "bfloat16" in types else "fp32")] = dict(
             registers=regs, spill_store_bytes=spill_st, spill_load_bytes=spill_ld, instructions=len(ops),
             instructions_per_element=round(len(ops) / per_thread, 1),
-            mix_per_element={k: round(v / per_thread, 2) for k, v in mix.most_common()}, memory_ops=dict(sorted(mem.items())))
+            mix_per_element={k: round(v / per_thread, 2) for k, v in mix.most_common()},
+            memory_ops=dict(sorted(mem.items())))
     return out
 
 
@@ -177,11 +180,12 @@ def triton_sass_of_variants() -> dict:
 
 
 def static_sass(args):
+    def run(*cmd):
+        return subprocess.run(cmd, capture_output=True, text=True).stdout.strip()
+
     result = dict(benchmark="bench_optimizer --sass", command=" ".join([sys.executable] + sys.argv), arch="sm_90a",
-                  nvcc=subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1],
-                  date_utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-                  git_commit=subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-                  group_size=128, variants={})
+                  nvcc=run("nvcc", "--version").splitlines()[-1], git_commit=run("git", "rev-parse", "HEAD"),
+                  date_utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), group_size=128, variants={})
     for build in _BUILDS:
         rows = sass_of_variants(build)
         for (variant, dtype), row in sorted(rows.items(), key=lambda kv: CUDA_VARIANTS.index(kv[0][0])):
@@ -197,7 +201,8 @@ def static_sass(args):
     for variant, r in result["triton_variants"].items():
         print(f"  triton {variant:12s} warps {r['num_warps']:2d} regs {r['registers']:3d} spill {r['spill_bytes']:3d} "
               f"instr/elem {r['instructions_per_element']:6.1f}")
-    print(f"{'variant':22s} {'build':11s} {'regs':>4s} {'spill B':>8s} {'instr/elem':>10s}  memory instructions (whole kernel)")
+    print(f"{'variant':22s} {'build':11s} {'regs':>4s} {'spill B':>8s} {'instr/elem':>10s}  "
+          "memory instructions (whole kernel)")
     for key, builds in result["variants"].items():
         for build, r in builds.items():
             print(f"{key:22s} {build:11s} {r['registers']:4d} {r['spill_store_bytes']:4d}/{r['spill_load_bytes']:<3d} "

@@ -67,17 +67,32 @@ def _fast_exp2(x, HW: tl.constexpr):
 
 
 @triton.jit
-def _dequantize(q, scale, k, FMAX, INV_FMAX, HW: tl.constexpr):
-    """Same float32 operations, same order, as dequantize_moment_ref; scale and k are [groups, 1]."""
-    inv_k = tl.div_rn(tl.full(k.shape, 1.0, tl.float32), k)
-    rq = tl.abs(q) * INV_FMAX
-    e = tl.where(k == 1.0, rq, _fast_exp2(_fast_log2(rq, HW) * inv_k, HW))
-    x = e * (scale * FMAX)
-    return tl.where(q < 0, -x, x)
+def _copysign(mag, x):
+    """|mag| with x's sign bit: one bit operation where a compare and a select are two."""
+    bits = mag.to(tl.uint32, bitcast=True) | (x.to(tl.uint32, bitcast=True) & 0x80000000)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _quantize(x, FMAX, LOG2_RANGE, MIN_NORMAL, SUB_MAGIC, MBITS: tl.constexpr, EXPAND: tl.constexpr,
+def _dequantize(q, scale, k, beta, FMAX, INV_FMAX, HW: tl.constexpr):
+    """beta * the moment; scale and k are [groups, 1]. Not HW: the float32 operations of dequantize_moment_ref in its
+    order, then the multiply by beta of the Adam update. HW: as the CUDA kernel v4, scale * F.max * beta moves into
+    the exponent (one FMA per element: log2(rq) / k + log2(scale * F.max * beta), rounded once) and the sign is
+    copied; the result differs by ~|log2 of the moment| * 2^-24 relatively."""
+    inv_k = tl.div_rn(tl.full(k.shape, 1.0, tl.float32), k)
+    rq = tl.abs(q) * INV_FMAX
+    if HW:
+        mult = scale * FMAX * beta
+        x = tl.where(k == 1.0, rq * mult, _fast_exp2(tl.fma(_fast_log2(rq, HW), inv_k, tl.log2(mult)), HW))
+        return _copysign(x, q)
+    else:
+        e = tl.where(k == 1.0, rq, _fast_exp2(_fast_log2(rq, HW) * inv_k, HW))
+        x = e * (scale * FMAX)
+        return beta * tl.where(q < 0, -x, x)
+
+
+@triton.jit
+def _quantize(x, FMAX, LOG2_FMAX, LOG2_RANGE, MIN_NORMAL, SUB_MAGIC, MBITS: tl.constexpr, EXPAND: tl.constexpr,
               K_LO: tl.constexpr, K_HI: tl.constexpr, HW: tl.constexpr):
     """x [groups, G] fp32 (padding = 0) -> q (fp32, rounded to the FP8 grid unless HW: the GPU's cast rounds to
     nearest even itself), scale, k (bf16), bad (per group). k keeps the accurate tl.log2: once per group."""
@@ -96,12 +111,14 @@ def _quantize(x, FMAX, LOG2_RANGE, MIN_NORMAL, SUB_MAGIC, MBITS: tl.constexpr, E
     kf = k_bf16.to(tl.float32)[:, None]
     inv_amax = tl.where(finite & (amax > 0), tl.div_rn(one, amax), 0.0)
     r = a * inv_amax[:, None]
-    f = tl.where(kf == 1.0, r, _fast_exp2(kf * _fast_log2(r, HW), HW))
-    mag = tl.minimum(f * FMAX, FMAX)
-    q = tl.where(x < 0, -mag, mag)
-    q = tl.where(finite[:, None], q, 0.0)
-    if not HW:
-        q = _round_to_fp8_grid(q, MBITS, MIN_NORMAL, SUB_MAGIC)
+    if HW:  # F.max in the exponent (one FMA), the clamp to F.max left to the saturating cast, the sign copied
+        mag = tl.where(kf == 1.0, r * FMAX, _fast_exp2(tl.fma(kf, _fast_log2(r, HW), LOG2_FMAX), HW))
+        q = tl.where(finite[:, None], _copysign(mag, x), 0.0)
+    else:
+        f = tl.where(kf == 1.0, r, _fast_exp2(kf * _fast_log2(r, HW), HW))
+        mag = tl.minimum(f * FMAX, FMAX)
+        q = tl.where(x < 0, -mag, mag)
+        q = _round_to_fp8_grid(tl.where(finite[:, None], q, 0.0), MBITS, MIN_NORMAL, SUB_MAGIC)
     scale = tl.where(finite, tl.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), float("nan"))
     bad = tl.where(finite, 0, 1)
     return q, scale, k_bf16, bad
@@ -117,8 +134,9 @@ def _st(ptrs, values, mask, MASKED: tl.constexpr):
 
 @triton.jit
 def _chunk_step(p_ptr, g_ptr, mq_ptr, ms_ptr, mk_ptr, vq_ptr, vs_ptr, vk_ptr, n, c, nonfinite_ptr, lr_wd, step_size,
-                beta1, beta2, inv_bc2_sqrt, eps, M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M, LOG2_RANGE_V,
-                M_MIN_NORMAL, V_MIN_NORMAL, M_SUB_MAGIC, V_SUB_MAGIC, M_MBITS: tl.constexpr, V_MBITS: tl.constexpr,
+                beta1, beta2, inv_bc2_sqrt, eps, M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_M_MAX, LOG2_V_MAX,
+                LOG2_RANGE_M, LOG2_RANGE_V, M_MIN_NORMAL, V_MIN_NORMAL, M_SUB_MAGIC, V_SUB_MAGIC,
+                M_MBITS: tl.constexpr, V_MBITS: tl.constexpr,
                 P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr, G: tl.constexpr, GPC: tl.constexpr,
                 EXPAND: tl.constexpr, COUNT: tl.constexpr, K_LO: tl.constexpr, K_HI: tl.constexpr,
                 MASKED: tl.constexpr, HW: tl.constexpr):
@@ -147,19 +165,19 @@ def _chunk_step(p_ptr, g_ptr, mq_ptr, ms_ptr, mk_ptr, vq_ptr, vs_ptr, vk_ptr, n,
         mk = tl.load(mk_ptr + grp).to(tl.float32)
         vk = tl.load(vk_ptr + grp).to(tl.float32)
 
-    m = _dequantize(mq, ms[:, None], mk[:, None], M_MAX, INV_M_MAX, HW)
-    v = _dequantize(vq, vs[:, None], vk[:, None], V_MAX, INV_V_MAX, HW)
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * (g * g)
+    m = _dequantize(mq, ms[:, None], mk[:, None], beta1, M_MAX, INV_M_MAX, HW) + (1.0 - beta1) * g
+    v = _dequantize(vq, vs[:, None], vk[:, None], beta2, V_MAX, INV_V_MAX, HW) + (1.0 - beta2) * (g * g)
     denom = tl.sqrt(v) * inv_bc2_sqrt + eps  # a multiply, where "/ bc2_sqrt" is a division per element
     p = p * (1.0 - lr_wd) - step_size * (m / denom)
     _st(p_ptr + offs, p.to(P_DT), mask, MASKED)
 
-    q, s, k, bad_m = _quantize(m, M_MAX, LOG2_RANGE_M, M_MIN_NORMAL, M_SUB_MAGIC, M_MBITS, EXPAND, K_LO, K_HI, HW)
+    q, s, k, bad_m = _quantize(m, M_MAX, LOG2_M_MAX, LOG2_RANGE_M, M_MIN_NORMAL, M_SUB_MAGIC, M_MBITS, EXPAND, K_LO,
+                               K_HI, HW)
     _st(mq_ptr + offs, q.to(M_DT), mask, MASKED)
     _st(ms_ptr + grp, s, gmask, MASKED)
     _st(mk_ptr + grp, k, gmask, MASKED)
-    q, s, k, bad_v = _quantize(v, V_MAX, LOG2_RANGE_V, V_MIN_NORMAL, V_SUB_MAGIC, V_MBITS, EXPAND, K_LO, K_HI, HW)
+    q, s, k, bad_v = _quantize(v, V_MAX, LOG2_V_MAX, LOG2_RANGE_V, V_MIN_NORMAL, V_SUB_MAGIC, V_MBITS, EXPAND, K_LO,
+                               K_HI, HW)
     _st(vq_ptr + offs, q.to(V_DT), mask, MASKED)
     _st(vs_ptr + grp, s, gmask, MASKED)
     _st(vk_ptr + grp, k, gmask, MASKED)
@@ -174,8 +192,9 @@ def _chunk_step(p_ptr, g_ptr, mq_ptr, ms_ptr, mk_ptr, vq_ptr, vs_ptr, vk_ptr, n,
 
 @triton.jit
 def _coat_adamw_kernel(ptr_table, chunk_table, nonfinite_ptr, lr_wd, step_size, beta1, beta2, inv_bc2_sqrt, eps,
-                       M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M, LOG2_RANGE_V, M_MIN_NORMAL,
-                       V_MIN_NORMAL, M_SUB_MAGIC, V_SUB_MAGIC, M_MBITS: tl.constexpr, V_MBITS: tl.constexpr,
+                       M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_M_MAX, LOG2_V_MAX, LOG2_RANGE_M, LOG2_RANGE_V,
+                       M_MIN_NORMAL, V_MIN_NORMAL, M_SUB_MAGIC, V_SUB_MAGIC, M_MBITS: tl.constexpr,
+                       V_MBITS: tl.constexpr,
                        P_DT: tl.constexpr, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
                        G: tl.constexpr, GPC: tl.constexpr, EXPAND: tl.constexpr, COUNT: tl.constexpr,
                        K_LO: tl.constexpr, K_HI: tl.constexpr, ALIGNED: tl.constexpr, HW: tl.constexpr):
@@ -199,21 +218,21 @@ def _coat_adamw_kernel(ptr_table, chunk_table, nonfinite_ptr, lr_wd, step_size, 
         vq_ptr = tl.multiple_of(vq_ptr, 16)
     if (c + 1) * (GPC * G) <= n:
         _chunk_step(p_ptr, g_ptr, mq_ptr, ms_ptr, mk_ptr, vq_ptr, vs_ptr, vk_ptr, n, c, nonfinite_ptr, lr_wd,
-                    step_size, beta1, beta2, inv_bc2_sqrt, eps, M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M,
-                    LOG2_RANGE_V, M_MIN_NORMAL, V_MIN_NORMAL, M_SUB_MAGIC, V_SUB_MAGIC, M_MBITS, V_MBITS, P_DT, M_DT,
-                    V_DT, G, GPC, EXPAND, COUNT, K_LO, K_HI, False, HW)
+                    step_size, beta1, beta2, inv_bc2_sqrt, eps, M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_M_MAX,
+                    LOG2_V_MAX, LOG2_RANGE_M, LOG2_RANGE_V, M_MIN_NORMAL, V_MIN_NORMAL, M_SUB_MAGIC, V_SUB_MAGIC,
+                    M_MBITS, V_MBITS, P_DT, M_DT, V_DT, G, GPC, EXPAND, COUNT, K_LO, K_HI, False, HW)
     else:
         _chunk_step(p_ptr, g_ptr, mq_ptr, ms_ptr, mk_ptr, vq_ptr, vs_ptr, vk_ptr, n, c, nonfinite_ptr, lr_wd,
-                    step_size, beta1, beta2, inv_bc2_sqrt, eps, M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_RANGE_M,
-                    LOG2_RANGE_V, M_MIN_NORMAL, V_MIN_NORMAL, M_SUB_MAGIC, V_SUB_MAGIC, M_MBITS, V_MBITS, P_DT, M_DT,
-                    V_DT, G, GPC, EXPAND, COUNT, K_LO, K_HI, True, HW)
+                    step_size, beta1, beta2, inv_bc2_sqrt, eps, M_MAX, V_MAX, INV_M_MAX, INV_V_MAX, LOG2_M_MAX,
+                    LOG2_V_MAX, LOG2_RANGE_M, LOG2_RANGE_V, M_MIN_NORMAL, V_MIN_NORMAL, M_SUB_MAGIC, V_SUB_MAGIC,
+                    M_MBITS, V_MBITS, P_DT, M_DT, V_DT, G, GPC, EXPAND, COUNT, K_LO, K_HI, True, HW)
 
 
 # Variants, all compiled on demand, so one benchmark run times them side by side (benchmarks/bench_optimizer.py):
 # "libm" (default): session 2's kernel (11.96 ms for 1 B parameters on an H200): tl.log2 (a ~20-instruction
 #   polynomial) and tl.exp2 per element, FP8 rounding in fp32 bit arithmetic as under the interpreter, 8 warps;
 # "hw": the hardware's lg2/ex2 per element (as the CUDA kernel) and the GPU's own round-to-nearest-even FP8 cast:
-#   static SASS 509 -> 243 instructions per element (Triton 3.6), 8 warps (16 elements a thread, ~250 registers,
+#   static SASS 509 -> ~210 instructions per element (Triton 3.6), 8 warps (16 elements a thread, ~250 registers,
 #   one program resident per SM);
 # "hw-w16": "hw" with 16 warps (8 elements a thread, ~100 registers, 16 warps per SM, ~15% more instructions).
 # The "hw" paths cannot run on the CPU (inline PTX): "hw" becomes the default once the GPU tests
@@ -255,7 +274,8 @@ def coat_adamw_step_triton(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, 
     aligned = all(t.data_ptr() % 16 == 0 for ts in (params, grads, m_q, v_q) for t in ts)
     _coat_adamw_kernel[(n_chunks,)](
         ptr_table, chunk_table, nb, lr * weight_decay, step_size, beta1, beta2, 1.0 / bc2_sqrt, eps,
-        fm.max, fv.max, 1.0 / fm.max, 1.0 / fv.max, math.log2(fm.dynamic_range), math.log2(fv.dynamic_range),
+        fm.max, fv.max, 1.0 / fm.max, 1.0 / fv.max, math.log2(fm.max), math.log2(fv.max),
+        math.log2(fm.dynamic_range), math.log2(fv.dynamic_range),
         fm.smallest_normal, fv.smallest_normal, 1.5 * 2 ** 23 * fm.min_subnormal, 1.5 * 2 ** 23 * fv.min_subnormal,
         M_MBITS=fm.mantissa_bits, V_MBITS=fv.mantissa_bits,
         P_DT=_TL_DTYPES[params[0].dtype], G_DT=_TL_DTYPES[grads[0].dtype], M_DT=_TL_DTYPES[m_q[0].dtype],
