@@ -191,11 +191,12 @@ def rmsnorm_fp8_out_triton(x8, x_scales, rstd, weight, y_scale, group_size: int,
     return y
 
 
-def _persistent_programs(m: int, device) -> int:
-    """Two programs per SM: each carries a [H] dw partial that torch then sums, so more programs cost more
-    bytes (2 x 4 H per program) while two rows in flight per program already cover memory latency."""
+def _persistent_programs(m: int, warps: int, device) -> int:
+    """16 warps per SM (two programs of 8 at H = 4096): each program carries a [H] dw partial that torch then
+    sums, so more programs cost more bytes (2 x 4 H each), while two rows in flight per program already cover
+    memory latency. At ~122 registers a thread, 16 warps is what an SM holds."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    return max(1, min(m, 2 * sms))
+    return max(1, min(m, sms * max(1, 16 // warps)))
 
 
 def rmsnorm_fp8_bwd_triton(dy, x8, x_scales, rstd, weight, group_size: int):
@@ -203,11 +204,11 @@ def rmsnorm_fp8_bwd_triton(dy, x8, x_scales, rstd, weight, group_size: int):
     m, h = x8.shape
     ng = x_scales.shape[1]
     ngp = triton.next_power_of_2(ng)
-    grid = _persistent_programs(m, dy.device)
+    warps = _warps(ngp * group_size, 512)
+    grid = _persistent_programs(m, warps, dy.device)
     dx = torch.empty((m, h), dtype=dy.dtype, device=dy.device)
     dwp = torch.empty((grid, h), dtype=torch.float32, device=dy.device)
-    _bwd_kernel[(grid,)](dy, x8, x_scales, rstd, weight, dx, dwp, m, h, ng, G=group_size, NGP=ngp,
-                         num_warps=_warps(ngp * group_size, 512))
+    _bwd_kernel[(grid,)](dy, x8, x_scales, rstd, weight, dx, dwp, m, h, ng, G=group_size, NGP=ngp, num_warps=warps)
     return dx, dwp.sum(0)
 
 
