@@ -114,11 +114,11 @@ CURRENT_OPS = SimpleNamespace(rmsnorm=rmsnorm_ops, swiglu=swiglu_ops, rope=rope_
 
 
 def kernel_entries(tokens: int, h: int, f: int, g: int = 128, ops: SimpleNamespace = CURRENT_OPS,
-                   version: str = "current") -> list[dict]:
+                   version: str = "current", device: str = "cuda") -> list[dict]:
     """Each fused kernel alone at the block's shapes: time, launches (kernels and memsets, from the profiler)
     and bandwidth over the bytes it must move (`min_bytes`: inputs read once + outputs written once; a kernel
     that needs two passes, like swiglu_fp8_bwd's amax then cast, reads more than that)."""
-    bf = dict(device="cuda", dtype=torch.bfloat16)
+    bf = dict(device=device, dtype=torch.bfloat16)
     R, S = ops.rmsnorm, ops.swiglu
     x, w, a13 = torch.randn(tokens, h, **bf), 1 + 0.1 * torch.randn(h, **bf), torch.randn(tokens, 2 * f, **bf)
     ds, dy = torch.randn(tokens, f, **bf), torch.randn(tokens, h, **bf)
@@ -127,7 +127,7 @@ def kernel_entries(tokens: int, h: int, f: int, g: int = 128, ops: SimpleNamespa
     e5 = torch.float8_e5m2
     sc = amax_scale(dy, e5)
     q = torch.randn(tokens, 3 * h, **bf)[:, :h].view(1, tokens, h // 128, 128)  # a slice of [q|k|v], as in the block
-    cos, sin = (t.cuda() for t in rope_tables(128, tokens, 10000.0))
+    cos, sin = (t.to(device) for t in rope_tables(128, tokens, 10000.0))
     m, gb = tokens, 1e9
     cases = [  # name (kept stable across runs: results are compared by it), fn, bytes it must move
         ("rmsnorm_fp8_fwd", lambda: R.rmsnorm_fp8_fwd(x, w, 1e-5, g), m * h * (2 + 1)),
