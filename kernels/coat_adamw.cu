@@ -195,9 +195,11 @@ __device__ __forceinline__ void dequantize(const uint8_t (&q)[VEC], float scale,
 
 // v4's dequantization, split so that a thread converts its codes a few at a time (fewer registers live): the
 // group's constants once, then pairs of codes. The same value as dequantize() above, with fewer instructions per
-// element: the multiply by scale * F.max moves into the exponent (one FFMA: y = log2(rq) / k + log2(scale * F.max),
-// rounded once, where dequantize() rounds log2(rq) / k and then the product) and the sign is copied, not selected.
-// Relative error against dequantize(): ~|y| * 2^-24 (y = log2 of the moment, |y| < 64 for moments > 1e-19).
+// element: the multiply by scale * F.max * beta moves into the exponent (one FFMA: y = log2(rq) / k +
+// log2(scale * F.max * beta), rounded once, where dequantize() rounds log2(rq) / k and then the product) and the sign
+// is copied, not selected. Relative error against dequantize(): ~|y| * 2^-24 (y = log2 of the moment, |y| < 64 for
+// moments > 1e-19). Moments below 2^-126 flush to zero (ex2.approx.ftz), where dequantize() keeps subnormals: for
+// Adam that is far below eps (sqrt(v) < 1e-19), and m that small moves no parameter.
 struct GroupDequant {
   float mult, inv_k, log2_mult;
   bool plain;  // k == 1: no exp2/log2
