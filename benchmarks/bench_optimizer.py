@@ -7,9 +7,10 @@ copy measured in the same run; optimizer-state bytes per parameter and torch.cud
 
     python benchmarks/bench_optimizer.py [--params 1e9] [--chunks 8] [--out benchmarks/results/bench_optimizer.json]
 
-Every CUDA kernel variant of kernels/coat_adamw.cu is timed in the same run (--cuda-variants). Without a GPU,
-`--sass --out benchmarks/results/bench_optimizer_sass.json` compiles the kernel for sm_90a and prints, per variant,
-what can be judged statically: registers, spills, instructions per element, the loads and stores by width.
+Every kernel variant (kernels/coat_adamw.cu, megacoat/ops/coat_adamw_triton.py) is timed in the same run
+(--cuda-variants, --triton-variants). Without a GPU, `--sass` compiles them for sm_90 and writes, per variant, what
+can be judged statically (registers, spills, instructions per element, loads and stores by width) to
+benchmarks/results/bench_optimizer_sass.json; put Triton 3.6 (the device's) first on PYTHONPATH for its counts.
 """
 from __future__ import annotations
 
@@ -220,12 +221,15 @@ def main(argv=None):
     ap.add_argument("--cuda-variants", default=",".join(CUDA_VARIANTS), help="CUDA kernel variants to time")
     ap.add_argument("--triton-variants", default=",".join(TRITON_VARIANTS), help="Triton kernel variants to time")
     ap.add_argument("--sass", action="store_true",
-                    help="no GPU needed: static SASS (sm_90a) of every CUDA kernel variant, saved to --out")
+                    help="no GPU needed: static SASS of every CUDA and Triton kernel variant (sm_90), saved to --out "
+                         "(default benchmarks/results/bench_optimizer_sass.json)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/results/bench_optimizer.json")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/bench_optimizer.json")
     args = ap.parse_args(argv)
     if args.sass:
+        args.out = args.out or "benchmarks/results/bench_optimizer_sass.json"
         return static_sass(args)
+    args.out = args.out or "benchmarks/results/bench_optimizer.json"
     if not torch.cuda.is_available():
         raise SystemExit("bench_optimizer.py needs a CUDA GPU")
     n_params, G = int(args.params), args.group_size
@@ -241,17 +245,19 @@ def main(argv=None):
         # Every kernel variant (CUDA: kernels/coat_adamw.h, Triton: TRITON_VARIANTS) in this one run, so old and new
         # compare on one device.
         env, variants = {"cuda": (VARIANT_ENV, args.cuda_variants),
-                         "triton": (TRITON_VARIANT_ENV, args.triton_variants)}[backend]
-        for variant in variants.split(","):
-            os.environ[env] = variant
+                         "triton": (TRITON_VARIANT_ENV, args.triton_variants)}.get(backend, (None, None))
+        for variant in variants.split(",") if variants else (None,):
+            if env is not None:
+                os.environ[env] = variant
             for expand in (True, False):
-                tag = f", {variant}"
+                tag = f", {variant}" if variant else ""
                 name = f"CoatAdamW({backend}, expand={expand}{tag})"
                 rows.append(bench_one(name, lambda ps: CoatAdamW(ps, group_size=G, expand=expand, backend=backend,
                                                                  **hp),
                                       n_params, args.chunks, args, coat_bytes, copy_gbps))
                 print(rows[-1], flush=True)
-        os.environ.pop(env, None)
+        if env is not None:
+            os.environ.pop(env, None)
     base = rows[0]["step_ms"]
     for r in rows:
         r["speedup_vs_fused_adamw"] = round(base / r["step_ms"], 3)
