@@ -3,15 +3,16 @@
 a13 [M, 2F] is the output of the fused w1|w3 GEMM (gate in the first F columns, up in the last F).
 Forward, two launches:
   1. `swiglu_fp8_fwd`: read a13 once; write a1 and a3 as E4M3 with 1xG group scales (what backward keeps:
-     2 bytes per pair instead of BF16's 4 plus silu's output) and each block's amax of s = silu(a1) * a3,
-     computed from the dequantized values (stage 1 of group scaling), folded into the per-tensor scale in the
-     kernel (megacoat.ops.tensor_scale: no reduction launches after it).
+     2 bytes per pair instead of BF16's 4 plus silu's output) and fold the amax of s = silu(a1) * a3, computed
+     from the dequantized values, into the output's per-tensor scale inside the kernel (megacoat.ops.tensor_scale).
   2. `swiglu_fp8_out`: re-read the FP8 pair and write s with that per-tensor scale, row-major for the down
      projection's GEMM, or transposed for its weight gradient (made again in backward, not saved).
 Backward, two passes over ds and the saved pair (the per-tensor scale needs the whole tensor's amax before any
 byte is written, so ds, a1, a3 are read twice; 12 bytes per (token, ffn) pair in all): `swiglu_fp8_bwd`'s first
 kernel reduces max|da1|, |da3| into one float by atomic max; the second derives the scale from it and writes
-da13 [M, 2F] for the dgrad GEMM and da13^T [2F, M] for the wgrad GEMM from one read.
+da13 [M, 2F] for the dgrad GEMM and da13^T [2F, M] for the wgrad GEMM from one read. `swiglu_fp8_bwd_out_t`
+also writes s^T in the first pass, in place of a `swiglu_fp8_out(transpose=True)` launch.
+On the GPU the kernels use the cheaper math of megacoat.ops.triton_math (fast sigmoid, saturating casts).
 """
 from __future__ import annotations
 
@@ -188,9 +189,9 @@ def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr
     row = out_ptr + rm[:, None] * (2 * F) + rn[None, :]
     tl.store(row, q1, mask=mask)
     tl.store(row + F, q3, mask=mask)
-    col = outt_ptr + rn[:, None] * M + rm[None, :]
-    tl.store(col, tl.trans(q1), mask=tl.trans(mask))
-    tl.store(col + F * M, tl.trans(q3), mask=tl.trans(mask))
+    col = rn[:, None] * M + rm[None, :]
+    tl.store(outt_ptr + col, tl.trans(q1), mask=tl.trans(mask))
+    tl.store(outt_ptr + F.to(tl.int64) * M + col, tl.trans(q3), mask=tl.trans(mask))  # da3^T: rows F..2F
 
 
 _BM = 32
