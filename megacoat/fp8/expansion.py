@@ -3,9 +3,9 @@
 The contract (shared with CoatAdamW, do not diverge):
   amax = max|x|, amin = min|x| over the group's non-zero entries;
   k = log2(R_F) / log2(amax / amin), R_F = F.max / F.min_subnormal, clamped to [K_MIN, K_MAX];
-  k = 1 for an all-zero group or one with a single distinct magnitude; k is rounded to bfloat16 once and the
-  stored value serves both directions, so round trips are self-consistent.
-  scale = amax / F.max (float32), as in plain per-group quantization.
+  k = 1 for an all-zero group, one with a single distinct magnitude or a float32-subnormal amax; k is rounded
+  to bfloat16 once and the stored value serves both directions, so round trips are self-consistent.
+  scale = amax / F.max (float32), as in plain per-group quantization (amax raised to 2^-126 if subnormal).
   quantize:   q = fp8(sign(x) * F.max * exp2(k * log2(|x| / amax)))      (|x| = 0 -> 0)
   dequantize: x = sign(q) * (F.max * scale) * exp2(log2(|q| / F.max) / k)
 This equals COAT's f(x) = sign(x)|x|^k scaled by max|f| / F.max, written so nothing overflows for large k.
@@ -20,7 +20,9 @@ x = f^(1/k), so |dx/x| <= (1+u)^(1/k) - 1 ~ u / k, plus a few float32 ulps from 
 the relative error. An f in FP8's subnormal range has absolute error <= F.min_subnormal / 2 in f-space.
 Non-finite input: as in quantize.py, the group's scale is NaN (it dequantizes to NaN) and its q and k are 0 / 1.
 Float32 subnormals: |x| / amax and (|q| / F.max)^(1/k) below 2^-126 (float32's smallest normal) are flushed to
-0 -- values below amax * 2^-126, far under what the group's FP8 codes resolve. GPU math libraries run in
+0 -- values below amax * 2^-126, far under what the group's FP8 codes resolve. A group whose amax is itself
+subnormal gets k = 1 and is scaled as if its amax were 2^-126 (1 / amax would overflow float32 and turn the
+group into NaN and F.max codes): plain per-group quantization on a reduced part of the FP8 range. GPU math libraries run in
 flush-to-zero mode; flushing explicitly here keeps the torch reference and the kernels bit-identical.
 Implementation notes: the division |x| / amax is computed as |x| * (1 / amax) and |q| / F.max as
 |q| * fp32(1 / F.max), 1 / k once per group, so the kernels do the same float32 operations in the same order.
@@ -53,6 +55,7 @@ def expansion_exponent(amax: torch.Tensor, amin: torch.Tensor, fmt) -> torch.Ten
     k = div(log2_range(fmt), torch.log2(div(amax, amin)))
     k = k.clamp(K_MIN, K_MAX)  # ratio overflowing to inf gives k = 0 -> K_MIN
     spread = torch.isfinite(amax) & (amax > amin)  # false for all-zero (amin = inf), one magnitude, non-finite
+    spread &= amax >= _FLT_MIN  # a subnormal amax: not expanded (see the module docstring)
     return torch.where(spread, k, torch.ones_like(k)).to(torch.bfloat16)
 
 
@@ -77,8 +80,9 @@ def _expand_quantize_ref(x: torch.Tensor, fmt: Fp8Format, group_size: int):
     amin = torch.where(a > 0, a, torch.full_like(a, float("inf"))).amin(-1)
     k = expansion_exponent(amax, amin, fmt)
     finite = torch.isfinite(amax)
-    scale = torch.where(finite, div(amax, fmt.max), torch.full_like(amax, float("nan")))
-    inv_amax = torch.where(finite & (amax > 0), div(1.0, amax), torch.zeros_like(amax))
+    amax_s = torch.where(amax > 0, amax.clamp(min=_FLT_MIN), amax)  # 1 / amax must not overflow (docstring)
+    scale = torch.where(finite, div(amax_s, fmt.max), torch.full_like(amax, float("nan")))
+    inv_amax = torch.where(finite & (amax > 0), div(1.0, amax_s), torch.zeros_like(amax))
 
     kf = k.float()[..., None]
     r = a * inv_amax[..., None]

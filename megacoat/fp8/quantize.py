@@ -5,7 +5,10 @@ scale = amax / F.max (float32); quantization computes q = fp8(clamp(x * (F.max /
 factor F.max / amax once per group, so kernel and reference do the same float32 operations.
 Edge cases: amax == 0 gives scale 0 and q 0; a NaN/Inf anywhere in a group (or the tensor, per tensor) gives
 scale NaN, so the group dequantizes to NaN -- visible, never silently repaired -- and q 0; other groups are
-unaffected. `QuantizedTensor.nonfinite_groups()` counts them.
+unaffected. `QuantizedTensor.nonfinite_groups()` counts them. A positive amax below `amax_floor(fmt)` =
+2^(ceil(log2 F.max) - 128) (E4M3 2^-119, E5M2 2^-112) is raised to it: F.max / amax would overflow float32
+there (every non-zero x would become F.max and zeros NaN); with the floor such a group keeps its values, on a
+smaller part of the FP8 range.
 
 Every function takes backend='auto' (Triton on CUDA tensors, the reference elsewhere), 'torch' or 'triton'.
 """
@@ -21,9 +24,17 @@ from megacoat.fp8.formats import Fp8Format, get_format
 from megacoat.fp8.quantized_tensor import QuantizedTensor, check_group_size, group_scale_shape
 
 
+def amax_floor(fmt) -> float:
+    """Smallest amax used for scaling: a power of two with F.max / floor < 2^128 exactly (see module docstring)."""
+    from megacoat.ops.quantize_layout import amax_floor as floor
+
+    return floor(get_format(fmt).dtype)
+
+
 def _scales(amax: torch.Tensor, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(scale, quantization multiplier, finite mask) from amax (NaN already mapped to inf)."""
     finite = torch.isfinite(amax)
+    amax = torch.where(amax > 0, amax.clamp(min=amax_floor(fmt)), amax)
     scale = torch.where(finite, div(amax, fmt.max), torch.full_like(amax, float("nan")))
     inv = torch.where(finite & (amax > 0), div(fmt.max, amax), torch.zeros_like(amax))
     return scale, inv, finite

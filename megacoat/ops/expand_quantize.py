@@ -66,12 +66,13 @@ def _expand_quantize_kernel(x_ptr, q_ptr, scale_ptr, k_ptr, cols, n_groups, bloc
     lr = expand_math.log2(tl.div_rn(safe_amax, safe_amin))
     k = tl.div_rn(tl.zeros_like(lr) + log2_range, lr)  # lr = 0 -> inf, clamped, then replaced by 1
     k = tl.clamp(k, k_min, k_max)
-    k = round_to_bf16(tl.where(live & (amax > amin), k, 1.0))
+    k = round_to_bf16(tl.where(live & (amax > amin) & (amax >= expand_math.FLT_MIN), k, 1.0))
     kf = k.to(tl.float32)[:, None]
 
     ones = tl.full(amax.shape, 1.0, tl.float32)
-    scale = tl.where(finite, tl.div_rn(amax, ones * FP8_MAX), float("nan"))
-    inv_amax = tl.where(live, tl.div_rn(ones, safe_amax), 0.0)
+    amax_s = tl.maximum(amax, expand_math.FLT_MIN)  # as the reference: 1 / amax must not overflow
+    scale = tl.where(finite, tl.div_rn(tl.where(amax > 0, amax_s, amax), ones * FP8_MAX), float("nan"))
+    inv_amax = tl.where(live, tl.div_rn(ones, tl.where(live, amax_s, 1.0)), 0.0)
     if LEAN:  # r is normal and <= 1 wherever the result is kept, so libdevice's special cases can go
         r = tl.abs(x) * inv_amax[:, None]  # NaN/inf in a non-finite group, whose q is replaced by 0 below
         if APPROX:  # PTX lg2/ex2.approx: faster, not bit-exact with the reference (see expand_math)

@@ -6,6 +6,7 @@ each row ends in a short tail group, masked in the kernel.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,12 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
     if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise ValueError(f"not an FP8 dtype: {fp8_dtype}")
     return float(torch.finfo(fp8_dtype).max)
+
+
+def amax_floor(fp8_dtype: torch.dtype) -> float:
+    """Smallest amax the quantizers scale by: 2^(ceil(log2 F.max) - 128), so that F.max / amax stays finite in
+    float32 (exactly 1.75 * 2^127 for E4M3 and E5M2); a positive amax below it is raised to it."""
+    return 2.0 ** (math.ceil(math.log2(fp8_max(fp8_dtype))) - 128)
 
 
 @dataclass(frozen=True)

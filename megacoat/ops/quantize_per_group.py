@@ -1,6 +1,7 @@
 """Triton: per-group (1xG) FP8 quantization. Reference: megacoat.fp8.quantize.quantize_per_group.
 
-One pass: read a tile of groups, amax per group, scale = amax / F.max, q = fp8(clamp(x * (F.max / amax))).
+One pass: read a tile of groups, amax per group, scale = amax / F.max, q = fp8(clamp(x * (F.max / amax))), a
+positive amax raised to amax_floor first (the reference's contract).
 NaN/Inf in a group: scale NaN, q 0 (the reference's contract). Divisions are tl.div_rn (IEEE), as in torch.
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ import triton
 import triton.language as tl
 
 from megacoat.ops.quantize_cast import cast_fp8
-from megacoat.ops.quantize_layout import fp8_max, group_layout, group_scale_shape
+from megacoat.ops.quantize_layout import amax_floor, fp8_max, group_layout, group_scale_shape
 
 TILE = (4096, 4)  # (elements, warps) per program: the best of benchmarks/bench_quant.py's sweep on an H200
 
@@ -49,11 +50,13 @@ def group_tile_vec(pid, blocks_per_row, cols, G: tl.constexpr, BLOCK_G: tl.const
 
 @triton.jit
 def _quantize_per_group_kernel(x_ptr, q_ptr, scale_ptr, cols, n_groups, blocks_per_row,
-                               FP8_MAX: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr):
+                               FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, G: tl.constexpr,
+                               BLOCK_G: tl.constexpr):
     row, g, base, offs, mask = group_tile(tl.program_id(0), blocks_per_row, cols, G, BLOCK_G)
     x = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.where(x != x, float("inf"), tl.abs(x)), axis=1)
     finite = amax < float("inf")
+    amax = tl.where(amax > 0, tl.maximum(amax, AMAX_FLOOR), amax)  # F.max / amax must not overflow
     fmax = tl.full(amax.shape, FP8_MAX, tl.float32)
     scale = tl.where(finite, tl.div_rn(amax, fmax), float("nan"))
     inv = tl.where(finite & (amax > 0), tl.div_rn(fmax, tl.where(amax > 0, amax, 1.0)), 0.0)
@@ -72,6 +75,7 @@ def quantize_per_group(x: torch.Tensor, fp8_dtype: torch.dtype, group_size: int,
     lay = group_layout(x.shape, group_size, block, num_warps, TILE)
     if x.numel():
         _quantize_per_group_kernel[lay.grid](x, q, scale, lay.cols, lay.n_groups, lay.blocks_per_row,
-                                             FP8_MAX=fp8_max(fp8_dtype), G=group_size, BLOCK_G=lay.block_g,
+                                             FP8_MAX=fp8_max(fp8_dtype), AMAX_FLOOR=amax_floor(fp8_dtype),
+                                             G=group_size, BLOCK_G=lay.block_g,
                                              num_warps=lay.num_warps)
     return q, scale

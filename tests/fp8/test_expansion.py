@@ -112,3 +112,14 @@ def test_bf16_input_and_k_is_what_dequantize_uses():
     qt = expand_quantize(x)
     assert qt.dequantize().dtype == torch.bfloat16
     check_expansion_roundtrip(x.float(), qt, E4M3)
+
+
+def test_subnormal_amax_group_stays_finite():
+    """1 / amax overflows float32 for amax < 2^-128; such a group is scaled as if amax were 2^-126."""
+    x = torch.tensor([3e-40, 1e-40, -2e-40, 0.0] * 32)
+    qt = expand_quantize(x, "e4m3", 128)
+    xh = qt.dequantize()
+    assert torch.isfinite(qt.scale).all() and torch.isfinite(xh).all()
+    assert (xh[3::4] == 0).all() and (torch.sign(xh) == torch.sign(x)).all()
+    # k = 1 and the group spans 3e-40 * 2^126 * 448 ~ 11.7 of the E4M3 range: a few codes of relative precision
+    assert qt.k.float().item() == 1.0 and ((xh - x).abs() <= 0.1 * x.abs()).all()

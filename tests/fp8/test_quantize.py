@@ -109,3 +109,21 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         quantize_per_group(torch.randn(8), backend="triton")
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_tiny_amax_does_not_overflow_the_multiplier(fmt):
+    """amax below F.max / FLT_MAX (~1.3e-36 for E4M3): F.max / amax overflowed to inf, every non-zero x became
+    F.max and every zero NaN. Now amax is raised to amax_floor: values survive with FP8's relative precision
+    (the grid is finer than at the floor's full range, so still within u of the nearest FP8 step near x)."""
+    from megacoat.fp8.quantize import amax_floor
+
+    floor = amax_floor(fmt)
+    assert fmt.max / floor < torch.finfo(torch.float32).max and floor * 2 > fmt.max / torch.finfo(torch.float32).max
+    for tiny in (1e-37, 1e-38, 1e-40):  # normal, normal, subnormal float32
+        x = torch.tensor([3 * tiny, tiny, -tiny, 0.0, 2 * tiny])
+        for qt in (quantize_per_group(x, fmt, 16), quantize_per_tensor(x, fmt)):
+            xh = qt.dequantize()
+            assert torch.isfinite(xh).all() and xh[3] == 0 and (torch.sign(xh) == torch.sign(x)).all()
+            ok = (xh - x).abs() <= 2 * fmt.unit_roundoff * x.abs() + fmt.min_subnormal * qt.scale.max()
+            assert ok.all(), (tiny, xh, x)

@@ -105,6 +105,18 @@ def huge_range_groups(n_groups, device=DEVICE, seed=0):
     return torch.exp2(e).to(device)
 
 
+def test_tiny_amax_groups():
+    """amax a float32 subnormal: 1 / amax would overflow; the reference and the kernels scale by 2^-126."""
+    from tests.ops.test_quantize_kernels import tiny_groups
+
+    x = tiny_groups()
+    for fmt in ("e4m3", "e5m2"):
+        _check(x, fmt, 128)
+        _check(x, fmt, 128, "session2")
+        xh = expand_quantize(x, fmt, 128, backend="torch").dequantize()
+        assert torch.isfinite(xh).all() and (xh[256:384] == 0).sum() >= 127
+
+
 def test_float32_subnormal_flush():
     x = huge_range_groups(64)
     ref = expand_quantize(x, "e4m3", 128, backend="torch")
@@ -165,6 +177,7 @@ def test_gpu_small_cases_bit_exact():
     test_session2_kernels_match_reference()
     test_bf16_input_and_group_sizes()
     test_float32_subnormal_flush()
+    test_tiny_amax_groups()
     for shape, g in SHAPES:
         for fmt in ("e4m3", "e5m2"):
             _check(wide(shape), fmt, g)
