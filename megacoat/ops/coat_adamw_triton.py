@@ -232,9 +232,9 @@ def _coat_adamw_kernel(ptr_table, chunk_table, nonfinite_ptr, lr_wd, step_size, 
 # "libm" (default): session 2's kernel (11.96 ms for 1 B parameters on an H200): tl.log2 (a ~20-instruction
 #   polynomial) and tl.exp2 per element, FP8 rounding in fp32 bit arithmetic as under the interpreter, 8 warps;
 # "hw": the hardware's lg2/ex2 per element (as the CUDA kernel) and the GPU's own round-to-nearest-even FP8 cast:
-#   static SASS 509 -> ~210 instructions per element (Triton 3.6), 8 warps (16 elements a thread, ~250 registers,
+#   static SASS 509 -> 230 instructions per element (Triton 3.6), 8 warps (16 elements a thread, ~250 registers,
 #   one program resident per SM);
-# "hw-w16": "hw" with 16 warps (8 elements a thread, ~100 registers, 16 warps per SM, ~15% more instructions).
+# "hw-w16": "hw" with 16 warps (8 elements a thread, ~113 registers, 16 warps per SM, ~19% more instructions).
 # The "hw" paths cannot run on the CPU (inline PTX): "hw" becomes the default once the GPU tests
 # (tests/ops/test_coat_adamw.py, gpu) pass for it and the benchmark shows it faster.
 TRITON_VARIANTS = ("libm", "hw", "hw-w16")
