@@ -229,8 +229,9 @@ def _coat_adamw_kernel(ptr_table, chunk_table, nonfinite_ptr, lr_wd, step_size, 
 
 
 # Variants, all compiled on demand, so one benchmark run times them side by side (benchmarks/bench_optimizer.py):
-# "libm" (default): session 2's kernel (11.96 ms for 1 B parameters on an H200): tl.log2 (a ~20-instruction
-#   polynomial) and tl.exp2 per element, FP8 rounding in fp32 bit arithmetic as under the interpreter, 8 warps;
+# "libm" (default): session 2's kernel (11.96 ms for 1 B parameters on an H200; now "* 1/sqrt(bc2)" where it
+#   divided): tl.log2 (a ~20-instruction polynomial) and tl.exp2 per element, FP8 rounding in fp32 bit arithmetic
+#   as under the interpreter, 8 warps;
 # "hw": the hardware's lg2/ex2 per element (as the CUDA kernel) and the GPU's own round-to-nearest-even FP8 cast:
 #   static SASS 509 -> 230 instructions per element (Triton 3.6), 8 warps (16 elements a thread, ~250 registers,
 #   one program resident per SM);
