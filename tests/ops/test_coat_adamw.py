@@ -79,6 +79,8 @@ def fp8_steps_apart(a, b):
 def assert_state_close(state_a, state_b, exact_fraction):
     for col in (0, 3):  # codes
         for a, b in zip(state_a[col], state_b[col]):
+            if a.numel() == 0:
+                continue
             steps = fp8_steps_apart(a, b)
             assert int(steps.max()) <= 1, f"FP8 codes differ by {int(steps.max())} steps"
             assert (steps == 0).float().mean() >= exact_fraction
