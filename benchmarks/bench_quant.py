@@ -4,8 +4,8 @@ For each kernel: median time (triton.testing.do_bench), bytes moved (each input 
 once, scales and exponents included) and GB/s as a fraction of the copy's GB/s (bytes read + written). Also:
 a (block, warps) sweep of the group kernels, the cost of fusing group scaling's stage 1 into an elementwise op
 (+ stage 2; per 1xG group and per tile), and a bit-exactness census of every kernel against its torch reference
-on the same GPU. The session-2 versions of the expansion kernels (`*_session2`: expand_quantize lean=False,
-expand_dequantize vec=0) run beside the current ones, so one run measures old and new.
+on the same GPU. The session-2 versions (`*_session2`: expand_quantize lean=False, expand_dequantize and
+dequantize_per_group vec=0) run beside the current ones, so one run measures old and new.
 
     python benchmarks/bench_quant.py [--sizes 64 256] [--out benchmarks/results/bench_quant.json]
     python benchmarks/bench_quant.py --sass   # no GPU needed: static SASS per element (sm_90), old vs new
@@ -36,8 +36,8 @@ from megacoat.ops import quantize_per_tensor as qpt_ops
 G = 128
 SWEEP = [(1024, 4), (2048, 2), (2048, 4), (4096, 4), (4096, 8), (8192, 8)]
 SILU_SWEEP = [(2048, 4), (4096, 4), (8192, 8), (16384, 8)]
-SWEPT = ("quantize_per_group", "dequantize_per_group", "expand_quantize", "expand_dequantize",
-         "expand_quantize_session2", "expand_dequantize_session2", "expand_quantize_approx_math",
+SWEPT = ("quantize_per_group", "dequantize_per_group", "dequantize_per_group_session2", "expand_quantize",
+         "expand_dequantize", "expand_quantize_session2", "expand_dequantize_session2", "expand_quantize_approx_math",
          "expand_dequantize_approx_math")
 
 
@@ -67,6 +67,8 @@ def kernels(n: int, in_dtype: torch.dtype, fp8=torch.float8_e4m3fn, **cfg):
         "expand_dequantize": (lambda: exdeq_ops.expand_dequantize(qe, se, ke, G, in_dtype, **cfg),
                               n + 6 * ng + n * e),
         # The session-2 kernels (same results): old vs new in one run.
+        "dequantize_per_group_session2": (lambda: deq_ops.dequantize(q, s, G, in_dtype, vec=0, **cfg),
+                                          n + 4 * ng + n * e),
         "expand_quantize_session2": (lambda: exq_ops.expand_quantize(
             x, fp8, G, log2_range(get_format(fp8)), K_MIN, K_MAX, lean=False, **cfg), n * e + n + 6 * ng),
         "expand_dequantize_session2": (lambda: exdeq_ops.expand_dequantize(qe, se, ke, G, in_dtype, vec=0, **cfg),
@@ -108,6 +110,8 @@ def bit_exact_census(n: int) -> dict:
                 out[f"quantize_per_group/{key}"] = diff(t.data, r.data) + diff(t.scale, r.scale)
                 out[f"dequantize_per_group/{key}"] = diff(r.dequantize(backend="triton"),
                                                           r.dequantize(backend="torch"))
+                out[f"dequantize_per_group_session2/{key}"] = diff(
+                    deq_ops.dequantize(r.data, r.scale, G, xi.dtype, vec=0), r.dequantize(backend="torch"))
                 r = expand_quantize(xi, fmt, G, backend="torch")
                 t = expand_quantize(xi, fmt, G, backend="triton")
                 out[f"expand_quantize/{key}"] = diff(t.data, r.data) + diff(t.scale, r.scale) + diff(t.k, r.k)
@@ -174,13 +178,15 @@ def static_sass() -> dict:
                 res[f"{name}/{t}_out/{tile}"] = count(
                     exdeq_ops._expand_dequantize_kernel, ptrs,
                     dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, LUT=True, APPROX=False, VEC=vec,
-                         LANES=exdeq_ops.LANES if vec else 1), block, warps)
+                         LANES=4 if vec else 1), block, warps)
             res[f"quantize_per_group/{t}/{tile}"] = count(qpg_ops._quantize_per_group_kernel,
                                                           dict(x_ptr=t, q_ptr=fp8, scale_ptr="fp32"),
                                                           dict(FP8_MAX=448.0), block, warps)
-            res[f"dequantize_per_group/{t}_out/{tile}"] = count(deq_ops._dequantize_per_group_kernel,
-                                                                dict(q_ptr=fp8, scale_ptr="fp32", out_ptr=t), {},
-                                                                block, warps)
+            for name, v in (("dequantize_per_group", 16 // (4 if t == "fp32" else 2)),
+                            ("dequantize_per_group_session2", 0)):
+                res[f"{name}/{t}_out/{tile}"] = count(deq_ops._dequantize_per_group_kernel,
+                                                      dict(q_ptr=fp8, scale_ptr="fp32", out_ptr=t),
+                                                      dict(VEC=v, LANES=4 if v else 1), block, warps)
     for block, warps in SILU_SWEEP:
         ptrs = dict(x_ptr="bf16", y_ptr="bf16", amax_ptr="fp32")
         for name, amax, per_tile in (("silu_bf16_alone", False, False), ("silu_bf16_group_amax", True, False),

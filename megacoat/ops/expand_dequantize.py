@@ -24,13 +24,12 @@ import triton
 import triton.language as tl
 
 from megacoat.ops import expand_math
-from megacoat.ops.quantize_layout import fp8_max, group_layout
+from megacoat.ops.quantize_layout import fp8_max, group_layout, vector_tile
 from megacoat.ops.quantize_per_group import group_tile, group_tile_vec
 
 _LUTS: dict = {}
 
 TILE = (4096, 4)  # (elements, warps) per program: the best of benchmarks/bench_quant.py's sweep on an H200
-LANES = 4  # lanes per group: 64 contiguous bytes of output per group and store instruction
 
 
 def log2_table(fp8_dtype: torch.dtype, device) -> torch.Tensor:
@@ -92,9 +91,7 @@ def expand_dequantize(q: torch.Tensor, scale: torch.Tensor, k: torch.Tensor, gro
                       block: int | None = None, num_warps: int | None = None):
     """vec: elements per thread vector (default 16 bytes of out_dtype, at most G); 0 = the plain tile."""
     q, scale, k = q.contiguous(), scale.contiguous(), k.contiguous()
-    if vec is None:
-        vec = min(16 // torch.empty((), dtype=out_dtype).element_size(), group_size)
-    lanes = max(1, min(LANES, group_size // vec)) if vec else 1
+    vec, lanes = vector_tile(out_dtype, group_size, vec)
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     lay = group_layout(q.shape, group_size, block, num_warps, TILE)
     if q.numel():

@@ -61,6 +61,14 @@ def group_layout(shape: torch.Size, group_size: int, block: int | None = None, n
     return GroupLayout(rows, cols, n_groups, block_g, num_warps or default[1])
 
 
+def vector_tile(out_dtype: torch.dtype, group_size: int, vec: int | None = None, lanes: int = 4) -> tuple:
+    """(VEC, LANES) for quantize_per_group.group_tile_vec: VEC elements = 16 bytes of out_dtype (capped at G) unless
+    given, 0 = the plain [BLOCK_G, G] tile; LANES lanes per group (4: 64 contiguous bytes per group and store)."""
+    if vec is None:
+        vec = min(16 // torch.empty((), dtype=out_dtype).element_size(), group_size)
+    return vec, (max(1, min(lanes, group_size // vec)) if vec else 1)
+
+
 def group_scale_shape(shape: torch.Size, group_size: int) -> torch.Size:
     if len(shape) == 0:
         return torch.Size([1])

@@ -10,6 +10,7 @@ import torch
 # kernel_cases first: it sets TRITON_INTERPRET before megacoat.ops is imported
 from tests.ops.kernel_cases import DEVICE, INTERPRETED, SHAPES, same, same_output, wide, with_edge_groups
 from megacoat.fp8 import dequantize, quantize_group_scaled, quantize_per_group, quantize_per_tensor
+from megacoat.ops.dequantize import dequantize as deq_kernel
 from megacoat.ops.group_amax import group_amax as group_amax_kernel
 
 
@@ -18,7 +19,9 @@ def _check_group(x, fmt, group_size, out_dtypes=(torch.float32, torch.bfloat16))
     tri = quantize_per_group(x, fmt, group_size, backend="triton")
     assert same(tri.data, ref.data) and same(tri.scale, ref.scale)
     for dtype in out_dtypes:
-        assert same_output(dequantize(ref, dtype, backend="triton"), dequantize(ref, dtype, backend="torch"))
+        b = dequantize(ref, dtype, backend="torch")
+        assert same_output(dequantize(ref, dtype, backend="triton"), b)
+        assert same_output(deq_kernel(ref.data, ref.scale, group_size, dtype, vec=0), b)  # the session-2 tile
 
 
 def _check_tensor(x, fmt):
