@@ -123,8 +123,10 @@ def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, count_ptr, scal
 @triton.jit
 def _out_kernel(a1_ptr, s1_ptr, a3_ptr, s3_ptr, scale_ptr, y_ptr, M, F, NG, fmax_out,
                 TRANSPOSE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr):
-    gi = tl.program_id(1)
-    rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    # Reverse order of _fwd_kernel's tiles: the forward calls this right after it, and the pair it wrote last
+    # (the last group columns, up to L2's size of the 2 bytes per pair) is still in L2.
+    gi = tl.num_programs(1) - 1 - tl.program_id(1)
+    rm = ((tl.num_programs(0) - 1 - tl.program_id(0)) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < F)
     a1, a3 = _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG)
