@@ -181,7 +181,7 @@ def static_sass() -> dict:
                          LANES=4 if vec else 1), block, warps)
             res[f"quantize_per_group/{t}/{tile}"] = count(qpg_ops._quantize_per_group_kernel,
                                                           dict(x_ptr=t, q_ptr=fp8, scale_ptr="fp32"),
-                                                          dict(FP8_MAX=448.0), block, warps)
+                                                          dict(FP8_MAX=448.0, AMAX_FLOOR=2.0 ** -119), block, warps)
             for name, v in (("dequantize_per_group", 16 // (4 if t == "fp32" else 2)),
                             ("dequantize_per_group_session2", 0)):
                 res[f"{name}/{t}_out/{tile}"] = count(deq_ops._dequantize_per_group_kernel,

@@ -238,6 +238,7 @@ def test_every_variant_compiles_for_sm90(tmp_path):
 import sys
 from benchmarks.kernel_sass import compile_sm90
 from megacoat.ops import dequantize as pdq, expand_dequantize as dq, expand_quantize as eq, group_amax as ga
+from megacoat.ops import quantize_per_group as pq, quantize_per_tensor as pt
 ints = dict(cols="i32:16", n_groups="i32:16", blocks_per_row="i32:16")
 for t in ("fp32", "bf16"):
     for lean, approx in ((True, False), (False, False), (True, True), (False, True)):
@@ -250,6 +251,10 @@ for t in ("fp32", "bf16"):
                      k_ptr="*bf16:16", lut_ptr="*fp32:16", out_ptr=f"*{t}:16", **ints),
                      dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, LUT=lut, APPROX=approx, VEC=vec, LANES=lanes, G=128,
                           BLOCK_G=16), 4)
+    compile_sm90(pq._quantize_per_group_kernel, dict(x_ptr=f"*{t}:16", q_ptr="*fp8e4nv:16", scale_ptr="*fp32:16",
+                 **ints), dict(FP8_MAX=448.0, AMAX_FLOOR=2.0 ** -119, G=128, BLOCK_G=16), 4)
+    compile_sm90(pt._quantize_per_tensor_kernel, dict(x_ptr=f"*{t}:16", q_ptr="*fp8e5:16", amax_ptr="*fp32:16",
+                 n="i32"), dict(FP8_MAX=57344.0, AMAX_FLOOR=2.0 ** -112, BLOCK=2048), 4)
     for vec, lanes in ((8 // (2 if t == "fp32" else 1), 4), (0, 1), (4, 2)):
         compile_sm90(pdq._dequantize_per_group_kernel, dict(q_ptr="*fp8e4nv:16", scale_ptr="*fp32:16",
                      out_ptr=f"*{t}:16", **ints), dict(VEC=vec, LANES=lanes, G=128, BLOCK_G=16), 4)
