@@ -1,7 +1,8 @@
 """Triton: FP8 quantization with per-group dynamic range expansion. Reference: megacoat.fp8.expansion.
 
 Per [BLOCK_G, G] tile: amax and non-zero amin per group, k = log2(R_F) / log2(amax / amin) clamped and rounded
-to bf16 (1 for all-zero / single-magnitude / non-finite groups), then q = fp8(sign(x) F.max (|x|/amax)^k).
+to bf16 (1 for all-zero / single-magnitude / non-finite / subnormal-amax groups), then
+q = fp8(sign(x) F.max (|x|/amax)^k), amax raised to 2^-126 for the scaling if subnormal.
 log2/exp2 are libdevice's, like torch's CUDA log2f/exp2f (expand_math), divisions are div_rn, and the float32
 operations follow the reference's order, so the GPU result is bit-exact with torch's.
 Speed: instruction-bound, not memory-bound (session 2: ~480 G elements/s on an H200, 57% of copy bandwidth from
