@@ -30,6 +30,8 @@ MODES = {
     "bf16": [],
     "fp8-linear": ["--fp8-activations", "fp8-linear"],
     "coat": ["--coat-fp8"],
+    # the same without the per-step FP8 weight copies (2 B per block-linear parameter): the memory-lean setting
+    "coat-lean": ["--coat-fp8", "--fp8-weight-cache", "none"],
 }
 MODEL_1P3B = ["--num-layers", "24", "--hidden-size", "2048", "--ffn-hidden-size", "5632", "--num-attention-heads", "16",
               "--seq-length", "2048", "--vocab-size", "32000"]
@@ -115,7 +117,8 @@ def memory_model(argv: list[str]) -> dict:
     cfg = parse_config(argv)
     est = estimate_memory(cfg.model, cfg.fp8.mode, micro_batch_size=cfg.training.micro_batch_size,
                           zero_stage=cfg.parallel.zero_stage, fp8_optimizer=cfg.optim.fp8_optimizer,
-                          fp8_group_size=cfg.optim.fp8_group_size, bf16=cfg.training.precision != "fp32")
+                          fp8_group_size=cfg.optim.fp8_group_size, bf16=cfg.training.precision != "fp32",
+                          fp8_weight_cache=cfg.fp8.weight_cache)
     return {k: v / 2**30 for k, v in est.as_dict().items()}
 
 

@@ -64,10 +64,10 @@ layers)
     step bench_mlp_block 180 python3 benchmarks/bench_mlp_block.py --out "$OUT/bench_mlp_block.json"
     ;;
 e2e-equal)
-    step e2e_equal 560 $E2E --micro-batch-size 4 --compile --profile --out "$OUT/bench_e2e_speed_compiled.json"
+    step e2e_equal 560 $E2E --micro-batch-size 4 --compile --profile --modes bf16 fp8-linear coat coat-lean --out "$OUT/bench_e2e_speed_compiled.json"
     ;;
 e2e-eager)
-    step e2e_eager 560 $E2E --micro-batch-size 4 --compile bf16 --profile --out "$OUT/bench_e2e_speed_eager_fp8.json"
+    step e2e_eager 560 $E2E --micro-batch-size 4 --compile bf16 --profile --modes bf16 fp8-linear coat coat-lean --out "$OUT/bench_e2e_speed_eager_fp8.json"
     ;;
 e2e-search)
     MODES=${*:2}

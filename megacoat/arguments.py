@@ -5,7 +5,7 @@ import argparse
 
 from megacoat.config import MegacoatConfig
 from megacoat.data.config import DataConfig
-from megacoat.fp8.config import ACTIVATION_MODES, FP8_DTYPES, FP8Config
+from megacoat.fp8.config import ACTIVATION_MODES, FP8_DTYPES, WEIGHT_CACHES, FP8Config
 from megacoat.model.config import ModelConfig
 from megacoat.optim.config import DECAY_STYLES, OptimizerConfig
 from megacoat.parallel.config import ParallelConfig
@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-group-size", type=int, default=o.fp8_group_size)
     g.add_argument("--fp8-no-expansion", action="store_true", help="CoatAdamW without dynamic range expansion")
     g.add_argument("--fp8-grad-dtype", choices=FP8_DTYPES, default=FP8Config().grad_dtype)
+    g.add_argument("--fp8-weight-cache", choices=WEIGHT_CACHES, default=FP8Config().weight_cache,
+                   help="step: keep the FP8 weight copies (W8 and W8^T) from one optimizer step to the next (+2 "
+                        "bytes per block-linear parameter); none: make them per use (less memory, a little slower)")
 
     t = TrainingConfig()
     g = p.add_argument_group("training")
@@ -145,7 +148,8 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         fp8_v_dtype=args.fp8_v_dtype, fp8_group_size=args.fp8_group_size, fp8_expand=not args.fp8_no_expansion)
     data = DataConfig(data_path=list(args.data_path), split=args.split, tokenizer_model=args.tokenizer_model,
                       cache_dir=args.data_cache_dir, num_workers=args.num_workers, mock_data=args.mock_data)
-    fp8 = FP8Config(mode=fp8_activations, grad_dtype=args.fp8_grad_dtype, group_size=args.fp8_group_size)
+    fp8 = FP8Config(mode=fp8_activations, grad_dtype=args.fp8_grad_dtype, group_size=args.fp8_group_size,
+                    weight_cache=args.fp8_weight_cache)
     parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                               pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                               sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage)

@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2))
     p.add_argument("--fp8-group-size", type=int, default=128)
+    p.add_argument("--fp8-weight-cache", choices=["step", "none"], default="step")
     p.add_argument("--mode", choices=MODES, default=None, help="one activation mode (default: all three)")
     p.add_argument("--fp8-optimizer", action="store_true", help="CoatAdamW only (default: AdamW and CoatAdamW)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                                       data_parallel_size=args.data_parallel_size, zero_stage=args.zero_stage,
                                       tensor_parallel_size=args.tensor_model_parallel_size,
                                       pipeline_parallel_size=args.pipeline_model_parallel_size,
-                                      fp8_optimizer=fp8_opt, fp8_group_size=args.fp8_group_size)
+                                      fp8_optimizer=fp8_opt, fp8_group_size=args.fp8_group_size,
+                                      fp8_weight_cache=args.fp8_weight_cache)
                 rows.append({"mode": mode, "optimizer_class": "CoatAdamW" if fp8_opt else "AdamW", **est.as_dict()})
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

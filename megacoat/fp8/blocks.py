@@ -44,10 +44,12 @@ class CoatTransformerBlock(nn.Module):
         self.ffn_norm = block.ffn_norm
         self.feed_forward = block.feed_forward
         if not isinstance(self.attention.wo, Fp8Linear):
-            self.attention.wo = Fp8Linear.from_linear(self.attention.wo, fp8.grad_dtype)
+            self.attention.wo = Fp8Linear.from_linear(self.attention.wo, fp8.grad_dtype,
+                                                       persistent_weight_cache=fp8.persistent_weight_cache)
         self.group_size = fp8.group_size
         self.grad_dtype = get_format(fp8.grad_dtype).dtype
-        self.qkv_cache, self.w13_cache, self.w2_cache = Fp8WeightCache(), Fp8WeightCache(), Fp8WeightCache()
+        self.qkv_cache, self.w13_cache, self.w2_cache = (Fp8WeightCache(fp8.persistent_weight_cache)
+                                                         for _ in range(3))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         a, ff = self.attention, self.feed_forward

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 # coat: the full FP8 precision flow (FP8 linears and non-linears, FP8 tensors saved for backward).
 ACTIVATION_MODES = ("bf16", "fp8-linear", "coat")
 FP8_DTYPES = ("e4m3", "e5m2")
+# step: the FP8 weight copies (W8, W8^T) live from one optimizer step to the next (fast, +2 B per block-linear
+# parameter). none: made per use and dropped (no persistent bytes, ~3 extra weight reads per micro-batch).
+WEIGHT_CACHES = ("step", "none")
 
 
 @dataclass
@@ -14,15 +17,22 @@ class FP8Config:
     mode: str = "bf16"
     grad_dtype: str = "e5m2"  # dtype of output gradients fed to the backward GEMMs
     group_size: int = 128  # 1xG groups for non-linear layers
+    weight_cache: str = "step"
 
     def __post_init__(self):
         if self.mode not in ACTIVATION_MODES:
             raise ValueError(f"--fp8-activations mode must be one of {ACTIVATION_MODES}, got {self.mode!r}")
         if self.grad_dtype not in FP8_DTYPES:
             raise ValueError(f"--fp8-grad-dtype must be one of {FP8_DTYPES}, got {self.grad_dtype!r}")
+        if self.weight_cache not in WEIGHT_CACHES:
+            raise ValueError(f"--fp8-weight-cache must be one of {WEIGHT_CACHES}, got {self.weight_cache!r}")
         if self.group_size not in (16, 32, 64, 128, 256):
             raise ValueError(f"--fp8-group-size must be one of 16/32/64/128/256, got {self.group_size}")
 
     @property
     def enabled(self) -> bool:
         return self.mode != "bf16"
+
+    @property
+    def persistent_weight_cache(self) -> bool:
+        return self.weight_cache == "step"

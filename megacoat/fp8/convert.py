@@ -48,7 +48,8 @@ def convert_to_fp8(model: nn.Module, fp8: FP8Config) -> nn.Module:
             for parent in block.modules():
                 for child_name, child in list(parent.named_children()):
                     if type(child) is nn.Linear:
-                        setattr(parent, child_name, Fp8Linear.from_linear(child, fp8.grad_dtype, shared))
+                        setattr(parent, child_name, Fp8Linear.from_linear(child, fp8.grad_dtype, shared,
+                                                                        fp8.persistent_weight_cache))
         else:
             raise ValueError(f"unknown FP8 activation mode {fp8.mode!r}")
     return model

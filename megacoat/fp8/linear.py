@@ -43,24 +43,47 @@ class Fp8WeightCache:
     """E4M3 copies of one weight, or of several concatenated along the output dim (w1|w3, wq|wk|wv) so that
     they run as one GEMM, in both layouts, with one per-tensor scale.
 
-    Rebuilt when any weight's version counter or storage changes (in-place updates by torch optimizers bump
-    `_version`), or after invalidate_fp8_weight_caches(). Micro-batches between two optimizer steps reuse it.
+    persistent (--fp8-weight-cache step, the default): both copies are kept and rebuilt when any weight's
+    version counter or storage changes (in-place updates by torch optimizers bump `_version`), or after
+    invalidate_fp8_weight_caches(); micro-batches between two optimizer steps reuse them. Costs 2 bytes per
+    block-linear parameter for the whole run (~2.3 GiB for a 1.3 B model).
+    Not persistent (--fp8-weight-cache none): forward makes W8 and drops it after its GEMM, and backward makes
+    W8^T again from the weight (fp8_weight_t): nothing is kept, for ~3 extra reads of the weight per micro-batch.
     """
 
-    def __init__(self):
+    def __init__(self, persistent: bool = True):
+        self.persistent = persistent
         self._key = None
         self.builds = 0  # how many times the copies were made (tests check the reuse)
         self.w8 = self.w8t = self.scale = None
 
-    def get(self, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def get(self, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(W8, W8^T, scale); W8^T is None when the cache is not persistent (backward calls fp8_weight_t)."""
+        if not self.persistent:
+            self.builds += 1
+            with torch.no_grad():
+                w8, _, scale = quantize_transpose(_joined(weights), E4M3.dtype, rowwise=True, transpose=False)
+            return w8, None, scale
         key = (_generation,) + tuple((w.data_ptr(), w._version, tuple(w.shape)) for w in weights)
         if key != self._key:
             with torch.no_grad():
-                w = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
-                self.w8, self.w8t, self.scale = quantize_transpose(w, E4M3.dtype)
+                self.w8, self.w8t, self.scale = quantize_transpose(_joined(weights), E4M3.dtype)
             self._key = key
             self.builds += 1
         return self.w8, self.w8t, self.scale
+
+
+def _joined(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    return weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+
+
+def fp8_weight_t(w8t: torch.Tensor | None, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Backward's FP8 W^T: the cached copy, or (non-persistent cache) made again from the weights, which have
+    not changed since forward: the same amax, hence the same scale and bytes as a cached copy."""
+    if w8t is not None:
+        return w8t
+    with torch.no_grad():
+        return quantize_transpose(_joined(weights), E4M3.dtype, rowwise=False, transpose=True)[1]
 
 
 class Fp8InputCache:
@@ -133,6 +156,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         out = scaled_mm(x8, w8.t(), x_scale, w_scale, x.dtype)
         ctx.save_for_backward(x8t, x_scale)  # FP8 input, transposed for wgrad: the only activation saved
         ctx.w8t, ctx.w_scale, ctx.grad_dtype, ctx.w_dtype = w8t, w_scale, grad_dtype, weight.dtype
+        ctx.weights = (weight,) if w8t is None else None  # to remake W8^T in backward (no persistent cache)
         return out
 
     @staticmethod
@@ -142,7 +166,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         g8, g8t, g_scale = quantize_grad(grad_out, ctx.grad_dtype, rowwise=need_dx, transpose=need_dw)
         dx = dw = None
         if need_dx:
-            dx = scaled_mm(g8, ctx.w8t.t(), g_scale, ctx.w_scale, grad_out.dtype)
+            w8t = fp8_weight_t(ctx.w8t, ctx.weights)
+            dx = scaled_mm(g8, w8t.t(), g_scale, ctx.w_scale, grad_out.dtype)
         if need_dw:
             dw = scaled_mm(g8t, x8t.t(), g_scale, x_scale, ctx.w_dtype)
         return dx, dw, None, None, None
@@ -169,16 +194,16 @@ class Fp8Linear(nn.Linear):
     so checkpoints and the optimizer see the same `weight`."""
 
     def __init__(self, in_features: int, out_features: int, grad_dtype: str = "e5m2", device=None, dtype=None,
-                 input_cache: Fp8InputCache | None = None):
+                 input_cache: Fp8InputCache | None = None, persistent_weight_cache: bool = True):
         check_gemm_dims(in_features=in_features, out_features=out_features)
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
         self.grad_dtype = get_format(grad_dtype).name
-        self.fp8_cache = Fp8WeightCache()
+        self.fp8_cache = Fp8WeightCache(persistent_weight_cache)
         self.input_cache = input_cache
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, grad_dtype: str = "e5m2",
-                    input_cache: Fp8InputCache | None = None) -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear, grad_dtype: str = "e5m2", input_cache: Fp8InputCache | None = None,
+                    persistent_weight_cache: bool = True) -> "Fp8Linear":
         """`input_cache`: one Fp8InputCache given to every linear of a block lets siblings share their input."""
         if linear.bias is not None:
             raise ValueError("Fp8Linear supports bias-free linears only (the model has no biases)")
@@ -189,7 +214,7 @@ class Fp8Linear(nn.Linear):
         new.weight = linear.weight
         new.register_parameter("bias", None)
         new.grad_dtype = get_format(grad_dtype).name
-        new.fp8_cache = Fp8WeightCache()
+        new.fp8_cache = Fp8WeightCache(persistent_weight_cache)
         new.input_cache = input_cache
         return new
 

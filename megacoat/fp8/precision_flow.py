@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from megacoat.fp8.linear import Fp8WeightCache, check_gemm_dims, quantize_grad, scaled_mm
+from megacoat.fp8.linear import Fp8WeightCache, check_gemm_dims, fp8_weight_t, quantize_grad, scaled_mm
 from megacoat.ops.rmsnorm import rmsnorm_fp8_bwd, rmsnorm_fp8_fwd, rmsnorm_fp8_out
 from megacoat.ops.swiglu import swiglu_fp8_bwd_out_t, swiglu_fp8_fwd, swiglu_fp8_out
 
@@ -37,13 +37,15 @@ class CoatNormLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x8, xs, rstd, y_scale, norm_weight)
         ctx.w8t, ctx.w_scale, ctx.group_size, ctx.grad_dtype = w8t, w_scale, group_size, grad_dtype
         ctx.sizes, ctx.w_dtype = [w.shape[0] for w in weights], weights[0].dtype
+        ctx.weights = weights if w8t is None else None  # to remake W8^T in backward (no persistent cache)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x8, xs, rstd, y_scale, norm_weight = ctx.saved_tensors
         g8, g8t, g_scale = quantize_grad(grad_out, ctx.grad_dtype)
-        dy = scaled_mm(g8, ctx.w8t.t(), g_scale, ctx.w_scale, grad_out.dtype)
+        w8t = fp8_weight_t(ctx.w8t, ctx.weights)
+        dy = scaled_mm(g8, w8t.t(), g_scale, ctx.w_scale, grad_out.dtype)
         y8t = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, ctx.group_size, transpose=True)
         dw = scaled_mm(g8t, y8t.t(), g_scale, y_scale, ctx.w_dtype)
         dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, ctx.group_size)
@@ -66,6 +68,8 @@ class CoatMLPFunction(torch.autograd.Function):
         out = scaled_mm(s8, w2_8.t(), s_scale, w2_scale, x.dtype)
         ctx.save_for_backward(x8, xs, rstd, y_scale, a1_8, s1, a3_8, s3, s_scale, norm_weight)
         ctx.w13_8t, ctx.w13_scale, ctx.w2_8t, ctx.w2_scale = w13_8t, w13_scale, w2_8t, w2_scale
+        ctx.w13 = (w1, w3) if w13_8t is None else None  # to remake W8^T in backward (no persistent cache)
+        ctx.w2 = (w2,) if w2_8t is None else None
         ctx.group_size, ctx.grad_dtype, ctx.w_dtype, ctx.ffn = group_size, grad_dtype, w1.dtype, w1.shape[0]
         return out
 
@@ -74,13 +78,17 @@ class CoatMLPFunction(torch.autograd.Function):
         x8, xs, rstd, y_scale, a1_8, s1, a3_8, s3, s_scale, norm_weight = ctx.saved_tensors
         g = ctx.group_size
         g8, g8t, g_scale = quantize_grad(grad_out, ctx.grad_dtype)
-        ds = scaled_mm(g8, ctx.w2_8t.t(), g_scale, ctx.w2_scale, grad_out.dtype)  # [M, F]
+        w2_8t = fp8_weight_t(ctx.w2_8t, ctx.w2)
+        ds = scaled_mm(g8, w2_8t.t(), g_scale, ctx.w2_scale, grad_out.dtype)  # [M, F]
+        del w2_8t
         # SwiGLU's backward also remakes s^T (w2's wgrad operand) from the pair it reads anyway
         da8, da8t, da_scale, s8t = swiglu_fp8_bwd_out_t(ds, a1_8, s1, a3_8, s3, s_scale, g, ctx.grad_dtype)
         del ds
         dw2 = scaled_mm(g8t, s8t.t(), g_scale, s_scale, ctx.w_dtype)
         del g8, g8t, s8t
-        dy = scaled_mm(da8, ctx.w13_8t.t(), da_scale, ctx.w13_scale, grad_out.dtype)  # [M, H]
+        w13_8t = fp8_weight_t(ctx.w13_8t, ctx.w13)
+        dy = scaled_mm(da8, w13_8t.t(), da_scale, ctx.w13_scale, grad_out.dtype)  # [M, H]
+        del w13_8t
         y8t = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, g, transpose=True)
         dw13 = scaled_mm(da8t, y8t.t(), da_scale, y_scale, ctx.w_dtype)
         dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, g)

@@ -28,7 +28,8 @@ class TensorParallelCoatBlock(nn.Module):
         self.region = region
         self.group_size = fp8.group_size
         self.grad_dtype = get_format(fp8.grad_dtype).dtype
-        self.qkv_cache, self.w13_cache, self.w2_cache = Fp8WeightCache(), Fp8WeightCache(), Fp8WeightCache()
+        self.qkv_cache, self.w13_cache, self.w2_cache = (Fp8WeightCache(fp8.persistent_weight_cache)
+                                                         for _ in range(3))
 
     def _norm_weight(self, norm: nn.Module) -> torch.Tensor:
         return copy_to_tp(norm.weight, self.region.group)

@@ -66,7 +66,7 @@ class _ShardedLinear(nn.Module):
 
             check_gemm_dims(in_features=self.in_features, out_features=self.out_features)
             self.fp8_grad_dtype = fp8.grad_dtype
-            self.fp8_cache = Fp8WeightCache()
+            self.fp8_cache = Fp8WeightCache(fp8.persistent_weight_cache)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_grad_dtype is None:

@@ -6,13 +6,14 @@ Model state, bytes per parameter (P parameters on this rank, D data-parallel ran
     ZeRO-1: the fp32 master, fp32 grads and moments are partitioned (/D); ZeRO-2: the bf16 grads too
     fp32 (CPU default): weights 4 + grads 4, no master copy
     moments: AdamW 8 (two fp32); CoatAdamW 2 * (1 + 6/G) (FP8 + per-group fp32 scale + bf16 k; G = group size)
-    FP8 modes: an E4M3 copy of every block linear in both layouts (the weight cache) + 2
+    FP8 modes: an E4M3 copy of every block linear in both layouts (the weight cache) + 2, unless
+    --fp8-weight-cache none
 
 Activations saved for backward, bytes per token per layer (h hidden, f FFN hidden, a heads). These are the
 saved-tensor totals of one TransformerBlock in bf16 with flash-style attention (no seq^2 term), read from
 autograd's saved_tensors_hooks; tests/tools/test_memory_estimator.py re-measures them on every run:
     bf16:        24 h + 8 f       (norm inputs kept in fp32, q/k/v/out, the SwiGLU inputs)
-    fp8-linear:  26 h + 7 f       (GEMM inputs saved as E4M3 where a linear owns them, bf16 elsewhere)
+    fp8-linear:  23 h + 7 f       (GEMM inputs saved once as E4M3, shared by sibling linears; bf16 elsewhere)
     coat:        11 h + 2 f + 18 a  (the precision flow saves FP8 tensors with per-group scales)
 The head (final norm, logits, fp32 log-softmax, and the logits' gradient at the start of backward): 8 h + 10 V
 per token on the last pipeline stage.
@@ -30,7 +31,7 @@ from megacoat.model.config import ModelConfig
 MODES = ("bf16", "fp8-linear", "coat")
 ACTIVATION_BYTES = {  # per token per layer: (per h, per f, per head)
     "bf16": (24, 8, 0),
-    "fp8-linear": (26, 7, 0),
+    "fp8-linear": (23, 7, 0),
     "coat": (11, 2, 18),
 }
 
@@ -64,7 +65,7 @@ def activation_bytes_per_token_per_layer(cfg: ModelConfig, mode: str) -> int:
 def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: int = 1, seq_length: int | None = None,
                     data_parallel_size: int = 1, zero_stage: int = 0, tensor_parallel_size: int = 1,
                     pipeline_parallel_size: int = 1, fp8_optimizer: bool = False, fp8_group_size: int = 128,
-                    bf16: bool = True) -> MemoryEstimate:
+                    bf16: bool = True, fp8_weight_cache: str = "step") -> MemoryEstimate:
     """Bytes on the busiest GPU (the first pipeline stage for activations, the last for the head)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -92,7 +93,7 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
         weights = 4 * params
         gradients = 4 * params / zero_div_grad
         optimizer = moments * params / zero_div_master
-    if mode != "bf16":
+    if mode != "bf16" and fp8_weight_cache == "step":
         weights += 2 * block_linear_parameters(cfg) / (tp * pp)  # the E4M3 weight cache, W and W^T
 
     tokens = micro_batch_size * seq

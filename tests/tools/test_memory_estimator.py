@@ -49,6 +49,7 @@ def test_model_state_matches_a_hand_count():
     assert coat.optimizer == int(p * (4 + 2 * (1 + 6 / 128)))  # fp32 master + 2.094 B/param moments
     linears = 2 * (4 * 128 * 128 + 3 * 128 * 256)
     assert coat.weights == 2 * p + 2 * linears  # + the E4M3 weight cache (W and W^T)
+    assert estimate_memory(cfg, "coat", fp8_weight_cache="none").weights == 2 * p  # copies made per use
 
 
 def test_zero_tp_pp_divide_what_they_should():

@@ -1,0 +1,49 @@
+"""--fp8-weight-cache none: the FP8 weight copies are made per use and never kept, and the model computes
+exactly what it computes with the persistent (per optimizer step) cache: the same weights give the same amax,
+hence the same scale and the same FP8 bytes, whichever way W8^T is obtained."""
+import copy
+
+import pytest
+import torch
+
+from megacoat.fp8.config import FP8Config
+from megacoat.fp8.convert import convert_to_fp8
+from megacoat.fp8.linear import Fp8WeightCache
+from megacoat.model.config import ModelConfig
+from megacoat.model.gpt import GPT
+
+CFG = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+           seq_length=32, vocab_size=256)
+
+
+def _caches(model):
+    return [v for m in model.modules() for v in vars(m).values() if isinstance(v, Fp8WeightCache)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("mode", ["fp8-linear", "coat"])
+def test_no_weight_cache_is_bit_identical_and_keeps_nothing(mode, device):
+    torch.manual_seed(0)
+    kept = convert_to_fp8(GPT(ModelConfig(**CFG)), FP8Config(mode=mode, group_size=32)).to(device)
+    plain = GPT(ModelConfig(**CFG))
+    plain.load_state_dict(kept.state_dict())
+    per_use = convert_to_fp8(plain, FP8Config(mode=mode, group_size=32, weight_cache="none")).to(device)
+    assert _caches(per_use) and not any(c.persistent for c in _caches(per_use))
+    tokens = torch.randint(0, CFG["vocab_size"], (2, CFG["seq_length"] + 1), device=device)
+    results = []
+    for model in (kept, per_use):
+        for _ in range(2):  # two micro-batches: the persistent cache is reused, the other remade
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert torch.equal(results[0][0], results[1][0])
+    for name, g in results[0][1].items():
+        assert torch.equal(results[1][1][name], g), name
+    assert all(c.w8 is None and c.w8t is None for c in _caches(per_use))  # nothing outlives its use
+    assert all(c.builds == 1 for c in _caches(kept))
+    assert all(c.builds == 2 for c in _caches(per_use))  # one W8 per forward (W8^T in backward is not cached)
+
+
+def test_bad_weight_cache_is_named():
+    with pytest.raises(ValueError, match="--fp8-weight-cache"):
+        FP8Config(mode="coat", weight_cache="micro-batch")
