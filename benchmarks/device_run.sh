@@ -8,7 +8,11 @@
 # output); copy them into benchmarks/results/ afterwards. Each command has its own time limit, so one that hangs
 # or fails leaves the others' results intact. Groups, in the order a session should take them:
 #   kernels     (~8 min, 1 GPU) GPU tests (pytest -m gpu), bench_quant, bench_optimizer         issues 4, 5
-#   layers      (~6 min, 1 GPU) bench_layer, bench_mlp_block                                     issue 6
+#   layers      (~8 min, 1 GPU) bench_layer: new vs legacy fp8-linear (--ab), then compiled FP8 modes    issue 6
+#   mlp         (~6 min, 1 GPU) bench_mlp_block, with the last measured kernels (739ce90) beside the new
+#               ones when .baseline/739ce90 is carried (the device copy has no .git); make it with
+#               mkdir -p .baseline/739ce90 && git archive 739ce90 megacoat/ops | tar -x -C .baseline/739ce90
+#               (and '/.baseline/' in .git/info/exclude), then name .baseline in the call's carry      issue 6
 #   e2e-equal   (~8 min, 1 GPU) 1.3 B model, the three modes at micro-batch 4, all compiled        issue 10 (a)
 #   e2e-eager   (~8 min, 1 GPU) the same, FP8 modes eager (compiled bf16 as the baseline)       issue 10 (a)
 #   e2e-search  (~9 min, 1 GPU) the largest micro-batch of the modes named after it (default: bf16 coat;
@@ -60,8 +64,13 @@ kernels)
     step bench_optimizer 120 python3 benchmarks/bench_optimizer.py --out "$OUT/bench_optimizer.json"
     ;;
 layers)
-    step bench_layer 240 python3 benchmarks/bench_layer.py --out "$OUT/bench_layer.json"
-    step bench_mlp_block 180 python3 benchmarks/bench_mlp_block.py --out "$OUT/bench_mlp_block.json"
+    step bench_layer 300 python3 benchmarks/bench_layer.py --ab --out "$OUT/bench_layer.json"
+    step bench_layer_compile 240 python3 benchmarks/bench_layer.py --compile-fp8 --out "$OUT/bench_layer_compile.json"
+    ;;
+mlp)
+    BASE=()
+    [ -d .baseline/739ce90 ] && BASE=(--baseline-rev 739ce90)
+    step bench_mlp_block 400 python3 benchmarks/bench_mlp_block.py "${BASE[@]}" --out "$OUT/bench_mlp_block.json"
     ;;
 e2e-equal)
     step e2e_equal 560 $E2E --micro-batch-size 4 --compile --profile --modes bf16 fp8-linear coat coat-lean --out "$OUT/bench_e2e_speed_compiled.json"
