@@ -257,6 +257,32 @@ __device__ __forceinline__ void store_codes(uint8_t* ptr, int64_t i, int64_t n, 
   }
 }
 
+// A group's quantization constants from each lane's partial amax / non-zero amin (both variants below).
+struct GroupStats {
+  float amax;               // over the group (inf when it holds a NaN or an Inf)
+  bool finite;
+  __nv_bfloat16 k_bf16;     // the expansion exponent as stored
+  float kf;                 // ... and as used, so that dequantization inverts exactly what was applied
+  float inv_amax;           // 0 for an all-zero or non-finite group
+};
+
+template <int L>
+__device__ __forceinline__ GroupStats group_stats(float amax, float amin, const Moment& mo, const CoatAdamWArgs& a) {
+  GroupStats st;
+  st.amax = group_max<L>(amax);
+  amin = group_min<L>(amin);
+  st.finite = st.amax < INFINITY;
+  float k = 1.0f;
+  if (a.expand && st.finite && st.amax > amin) {
+    // Once per group: the accurate log2f, so k agrees with the reference's except on bf16 rounding ties.
+    k = fminf(fmaxf(mo.log2_range / log2f(st.amax / amin), a.k_min), a.k_max);
+  }
+  st.k_bf16 = __float2bfloat16_rn(k);
+  st.kf = __bfloat162float(st.k_bf16);
+  st.inv_amax = (st.finite && st.amax > 0.0f) ? 1.0f / st.amax : 0.0f;
+  return st;
+}
+
 // v4's quantization: quantize() above with fewer instructions per element. F.max moves into the exponent (one FFMA:
 // log2(q) = k * log2(|x| / amax) + log2(F.max)), the clamp to F.max is left to the saturating conversion, the sign
 // is copied, and a non-finite group (rare) is zeroed by a branch instead of a select per element.
@@ -271,17 +297,11 @@ __device__ __forceinline__ bool quantize_v4(const float (&x)[VEC], const Moment&
     amax = fmaxf(amax, ax);
     if (ax > 0.0f) amin = fminf(amin, ax);
   }
-  amax = group_max<L>(amax);
-  amin = group_min<L>(amin);
-  const bool finite = amax < INFINITY;
-  float k = 1.0f;
-  if (a.expand && finite && amax > amin) {
-    // Once per group: the accurate log2f, so k agrees with the reference's except on bf16 rounding ties.
-    k = fminf(fmaxf(mo.log2_range / log2f(amax / amin), a.k_min), a.k_max);
-  }
-  const __nv_bfloat16 k_bf16 = __float2bfloat16_rn(k);
-  const float kf = __bfloat162float(k_bf16);
-  const float inv_amax = (finite && amax > 0.0f) ? 1.0f / amax : 0.0f;
+  const GroupStats st = group_stats<L>(amax, amin, mo, a);
+  const bool finite = st.finite;
+  const __nv_bfloat16 k_bf16 = st.k_bf16;
+  const float kf = st.kf, inv_amax = st.inv_amax;
+  amax = st.amax;
   const bool plain = kPlainShortcut && kf == 1.0f;
   float out[VEC];
 #pragma unroll
@@ -321,17 +341,11 @@ __device__ __forceinline__ bool quantize(const float (&x)[VEC], const Moment& mo
     amax = fmaxf(amax, ax[j]);
     if (ax[j] > 0.0f) amin = fminf(amin, ax[j]);
   }
-  amax = group_max<L>(amax);
-  amin = group_min<L>(amin);
-  const bool finite = amax < INFINITY;
-  float k = 1.0f;
-  if (a.expand && finite && amax > amin) {
-    // Once per group: the accurate log2f, so k agrees with the reference's except on bf16 rounding ties.
-    k = fminf(fmaxf(mo.log2_range / log2f(amax / amin), a.k_min), a.k_max);
-  }
-  const __nv_bfloat16 k_bf16 = __float2bfloat16_rn(k);
-  const float kf = __bfloat162float(k_bf16);
-  const float inv_amax = (finite && amax > 0.0f) ? 1.0f / amax : 0.0f;
+  const GroupStats st = group_stats<L>(amax, amin, mo, a);
+  const bool finite = st.finite;
+  const __nv_bfloat16 k_bf16 = st.k_bf16;
+  const float kf = st.kf, inv_amax = st.inv_amax;
+  amax = st.amax;
   float out[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
