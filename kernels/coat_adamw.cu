@@ -14,6 +14,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cstdint>
 
 #include "coat_adamw.h"
@@ -270,6 +271,7 @@ template <int L>
 __device__ __forceinline__ GroupStats group_stats(float amax, float amin, const Moment& mo, const CoatAdamWArgs& a) {
   GroupStats st;
   st.amax = group_max<L>(amax);
+  if (st.amax < FLT_MIN) st.amax = 0.0f;  // below 2^-126: stored as a zero group (the reference's rule)
   amin = group_min<L>(amin);
   st.finite = st.amax < INFINITY;
   float k = 1.0f;

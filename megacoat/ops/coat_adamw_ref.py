@@ -58,6 +58,10 @@ def quantize_moment_ref(x: torch.Tensor, fmt, group_size: int, expand: bool):
     xg = _grouped(x.reshape(-1).float(), group_size)
     a = torch.where(torch.isnan(xg), torch.full_like(xg, math.inf), xg.abs())  # NaN counts as non-finite
     amax = a.amax(dim=1)
+    # A group whose largest moment is below float32's smallest normal (2^-126) is stored as zero: 1/amax would
+    # overflow (zeros would become NaN, the rest F.max), and such moments move no weight (eps >> sqrt(v)).
+    # Embedding rows of tokens unseen for a few hundred steps decay there (beta1^t), so this is not theoretical.
+    amax = torch.where(amax < torch.finfo(torch.float32).tiny, torch.zeros_like(amax), amax)
     finite = torch.isfinite(amax)
     amin = torch.where(a > 0, a, torch.full_like(a, math.inf)).amin(dim=1)
     if expand:

@@ -98,6 +98,7 @@ def _quantize(x, FMAX, LOG2_FMAX, LOG2_RANGE, MIN_NORMAL, SUB_MAGIC, MBITS: tl.c
     nearest even itself), scale, k (bf16), bad (per group). k keeps the accurate tl.log2: once per group."""
     a = tl.where(x != x, float("inf"), tl.abs(x))  # NaN counts as non-finite
     amax = tl.max(a, axis=1)
+    amax = tl.where(amax < 1.1754943508222875e-38, 0.0, amax)  # below 2^-126: a zero group (the reference's rule)
     finite = amax < float("inf")
     amin = tl.min(tl.where(a > 0, a, float("inf")), axis=1)
     one = tl.full(amax.shape, 1.0, tl.float32)

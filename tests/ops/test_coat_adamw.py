@@ -387,3 +387,42 @@ def test_gpu_chunk_runs_cross_tensors(backend):
     for a, b, bound in zip(params, p2, bounds):
         assert ((b - a).abs() <= bound).all()
     assert_state_close(s2, state, exact_fraction=0.99)
+
+
+# ---------------------------------------------------------------- moments that decay below float32's normals
+
+def _tiny_moment_case(device):
+    """Group 1 of m (zeros among its values, gradients zero) decays below 2^-126 in one step (beta1 = 1e-3):
+    what an embedding row of an unseen token does over a few hundred steps with beta1 = 0.9."""
+    G = 64
+    params, grads, state = make_state([4 * G], G, device=device)
+    m = wide_range(4 * G, device=device)
+    m[G: 2 * G] = 1e-37
+    m[G: G + 8] = 0.0
+    q, s, k, _ = quantize_moment_ref(m, "e4m3", G, True)
+    state[0][0], state[1][0], state[2][0] = q, s, k
+    grads[0][G: 2 * G] = 0.0
+    return G, params, grads, state
+
+
+def _check_tiny_group_is_zero(G, params, state, nf):
+    assert int(nf) == 0  # a tiny group is not a non-finite one
+    assert state[1][0][1] == 0 and (state[0][0][G: 2 * G].float() == 0).all() and state[2][0][1] == 1
+    assert torch.isfinite(state[1][0]).all() and torch.isfinite(params[0]).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU test; the GPU variant below runs the kernels")
+def test_moment_group_below_float32_normals_is_stored_as_zero(backend):
+    # Without the rule, 1/amax overflows: the group's zeros became NaN codes and its other values F.max.
+    G, params, grads, state = _tiny_moment_case("cpu")
+    nf = run_backend(backend, params, grads, state, step=7, group_size=G, expand=True, beta1=1e-3)
+    _check_tiny_group_is_zero(G, params, state, nf)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_moment_group_below_float32_normals_is_stored_as_zero(backend):
+    G, params, grads, state = _tiny_moment_case("cuda")
+    nf = run_backend(backend, params, grads, state, step=7, group_size=G, expand=True, beta1=1e-3)
+    _check_tiny_group_is_zero(G, params, state, nf)
