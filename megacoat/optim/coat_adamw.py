@@ -4,6 +4,10 @@ State per parameter of n elements, per moment: n FP8 codes, ceil(n/G) fp32 scale
 i.e. 1 + 6/G bytes per element (G = 128: 2.09 bytes per parameter for both moments; fp32 AdamW: 8). One fused
 step per launch over all parameters of a group (`megacoat.ops.coat_adamw_step`); under DeepSpeed ZeRO-1/2 a
 "parameter" is one flat fp32 partition of any length.
+
+Edge groups: a group holding a NaN/Inf is stored with a NaN scale and counted (`nonfinite_groups`); a group whose
+largest moment is below float32's smallest normal (2^-126) is stored as zero (it moves no weight, and 1/amax
+would overflow).
 """
 from __future__ import annotations
 
