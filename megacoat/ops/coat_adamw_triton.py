@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from megacoat.fp8.formats import get_format
+from megacoat.ops import expand_math
 from megacoat.ops.coat_adamw_ref import K_MAX, K_MIN, adam_scalars
 from megacoat.ops.coat_adamw_tables import build_tables, check_lists
 
@@ -50,8 +51,7 @@ def _fast_log2(x, HW: tl.constexpr):
     """log2 per element: the hardware's lg2.approx.ftz (one MUFU op, ~2 ulp, as the CUDA kernel) where tl.log2
     compiles to a ~20-instruction polynomial; tl.log2 under the interpreter, which runs no PTX."""
     if HW:
-        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
+        return expand_math.approx_log2(x)
     else:
         return tl.log2(x)
 
@@ -60,8 +60,7 @@ def _fast_log2(x, HW: tl.constexpr):
 def _fast_exp2(x, HW: tl.constexpr):
     """exp2 per element: ex2.approx.ftz (one MUFU op, no subnormal fix-up around it), tl.exp2 in the interpreter."""
     if HW:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
+        return expand_math.approx_exp2(x)
     else:
         return tl.exp2(x)
 
