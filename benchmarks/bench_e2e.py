@@ -75,24 +75,34 @@ def run_pretrain(argv: list[str], timeout: int, profile_steps: tuple[int, int] |
         except subprocess.TimeoutExpired:
             return {"ok": False, "error": f"timeout after {timeout}s", "argv": argv}
         if proc.returncode != 0:
-            text = proc.stdout[-4000:] + proc.stderr[-4000:]
-            oom = "out of memory" in text.lower() or "OutOfMemoryError" in text
-            return {"ok": False, "error": "oom" if oom else text[-1500:], "argv": argv}
+            return failure(proc.stdout[-4000:] + proc.stderr[-4000:], argv)
         records = [json.loads(line) for line in open(log)]
         profile = top_operators(os.path.join(tmp, "profile", "top_ops_rank0.json")) if profile_steps else None
     train = [r for r in records if "loss" in r]
-    steady = train[1:] or train
-    if profile_steps:  # an interval that ends after the window's start holds profiled steps
-        steady = [r for r in steady if r["iteration"] <= profile_steps[0]] or steady
     return {
         "ok": True, "argv": argv, "profile": profile,
-        "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in steady),
-        "tflops_per_gpu": statistics.mean(r["tflops_per_gpu"] for r in steady),
-        "mfu": None if steady[0]["mfu"] is None else statistics.mean(r["mfu"] for r in steady),
+        **throughput(train, profile_steps[0] if profile_steps else None),
         "max_memory_gib": max(r["max_memory_bytes"] for r in train) / 2**30,
         "losses": [(r["iteration"], r["loss"]) for r in train],
         "val_losses": [(r["iteration"], r["val_loss"]) for r in records if "val_loss" in r],
     }
+
+
+def failure(output: str, argv: list[str], keep: int = 1500) -> dict:
+    """A failed run: 'oom' when it ran out of GPU memory (what a micro-batch search stops at), else its output."""
+    oom = "out of memory" in output.lower() or "OutOfMemoryError" in output
+    return {"ok": False, "error": "oom" if oom else output[-keep:], "argv": argv}
+
+
+def throughput(train: list[dict], last_iteration: int | None = None) -> dict:
+    """Mean tokens/s, TFLOP/s per GPU and MFU over the logged intervals after the first (warm-up and
+    compilation); with last_iteration, only intervals ending there or before (later ones hold profiled steps)."""
+    steady = train[1:] or train
+    if last_iteration is not None:
+        steady = [r for r in steady if r["iteration"] <= last_iteration] or steady
+    return {"tokens_per_s": statistics.mean(r["tokens_per_s"] for r in steady),
+            "tflops_per_gpu": statistics.mean(r["tflops_per_gpu"] for r in steady),
+            "mfu": None if steady[0]["mfu"] is None else statistics.mean(r["mfu"] for r in steady)}
 
 
 def top_operators(path: str, top: int = 15) -> dict | None:

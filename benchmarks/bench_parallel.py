@@ -36,14 +36,13 @@ import math
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
 # The sibling script (this folder is on sys.path when run as `python benchmarks/bench_parallel.py`).
-from bench_e2e import MODEL_1P3B, environment  # noqa: E402
+from bench_e2e import MODEL_1P3B, environment, failure, throughput  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -133,20 +132,15 @@ def run(gpus: int, argv: list[str], timeout: int, port: int) -> dict:
         except subprocess.TimeoutExpired:
             return {"ok": False, "error": f"timeout after {timeout}s", "argv": argv}
         wall = time.perf_counter() - t0
-        text = proc.stdout[-6000:] + proc.stderr[-6000:]
         if proc.returncode != 0 or not os.path.exists(result):
-            oom = "out of memory" in text.lower() or "OutOfMemoryError" in text
-            return {"ok": False, "error": "oom" if oom else text[-2500:], "argv": argv}
+            return failure(proc.stdout[-6000:] + proc.stderr[-6000:], argv, keep=2500)
         train = [r for r in map(json.loads, open(log)) if "loss" in r]
         extra = json.load(open(result))
-    steady = train[1:] or train
-    tokens_per_s = statistics.mean(r["tokens_per_s"] for r in steady)
+    speed = throughput(train)
     peaks = extra["max_memory_bytes_per_rank"]
     return {
         "ok": True, "argv": argv, "wall_s": wall, **{k: extra[k] for k in ("tp", "pp", "dp", "grad_accum")},
-        "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / gpus,
-        "tflops_per_gpu": statistics.mean(r["tflops_per_gpu"] for r in steady),
-        "mfu": None if steady[0]["mfu"] is None else statistics.mean(r["mfu"] for r in steady),
+        **speed, "tokens_per_s_per_gpu": speed["tokens_per_s"] / gpus,
         "max_memory_gib_per_gpu": [b / 2**30 for b in peaks], "max_memory_gib": max(peaks) / 2**30,
         "losses": [(r["iteration"], r["loss"]) for r in train],
     }
