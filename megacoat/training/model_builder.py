@@ -40,9 +40,10 @@ def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState 
 
 def apply_compile(model: nn.Module) -> None:
     """torch.compile each transformer block (as torchtitan does: one graph reused by every layer, short compile
-    times) and the loss. Compiled, the fp32 cross-entropy over the vocabulary is fused with its cast: the fp32
-    logits and their log-softmax (8 bytes per logit, ~2 GiB for 8k tokens x 32k vocabulary) are never stored;
-    backward recomputes the softmax from the bf16 logits. A tensor-parallel model keeps its vocab-parallel loss."""
+    times) and the loss. Compiled, the fp32 cross-entropy over the vocabulary is fused with its cast: backward
+    keeps the bf16 logits (2 bytes per logit) instead of the fp32 log-softmax (4), recomputing the softmax, and
+    the fp32 copies eager makes around the loss (the cast, the log-softmax, its gradient) are never materialised.
+    A tensor-parallel model keeps its vocab-parallel loss."""
     for block in model.layers:
         block.compile()
     if getattr(model, "loss_fn", None) is cross_entropy_loss:

@@ -9,6 +9,7 @@ import torch
 
 from megacoat.fp8.config import FP8Config
 from megacoat.fp8.convert import convert_to_fp8
+from megacoat.fp8.saved_memory import saved_activation_bytes
 from megacoat.model.config import ModelConfig
 from megacoat.model.gpt import GPT, cross_entropy_loss
 from megacoat.training.model_builder import apply_compile
@@ -40,29 +41,19 @@ def test_compiled_blocks_match_eager(mode):
         torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
 
 
-def _saved_bytes(fn, *args) -> int:
-    sizes = []
-
-    def pack(t):
-        sizes.append(t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    return sum(sizes)
-
-
 @pytest.mark.slow
 def test_compiled_loss_keeps_only_the_bf16_logits():
-    """Eager F.cross_entropy on .float() logits saves two fp32 copies (8 bytes per logit) for backward; the
-    compiled loss saves the bf16 logits (2 bytes) and a per-token statistic: why apply_compile compiles it."""
+    """Eager F.cross_entropy on .float() logits keeps the fp32 log-softmax (4 bytes per logit) for backward;
+    the compiled loss keeps the bf16 logits (2 bytes) and per-token statistics: why apply_compile compiles it.
+    Bytes are unique storages (saved_activation_bytes)."""
     torch._dynamo.reset()
     logits = torch.randn(2, 64, 512, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, 512, (2, 64))
     labels[0, :5] = -100
     compiled = torch.compile(cross_entropy_loss)
-    eager_bytes, compiled_bytes = _saved_bytes(cross_entropy_loss, logits, labels), _saved_bytes(compiled, logits, labels)
-    assert eager_bytes >= 8 * logits.numel() and compiled_bytes <= 2 * logits.numel() + 64 * labels.numel()
+    eager_bytes, _ = saved_activation_bytes(lambda: cross_entropy_loss(logits, labels))
+    compiled_bytes, _ = saved_activation_bytes(lambda: compiled(logits, labels))
+    assert eager_bytes >= 4 * logits.numel() and compiled_bytes <= 2 * logits.numel() + 64 * labels.numel()
     (g_eager,) = torch.autograd.grad(cross_entropy_loss(logits, labels), logits)
     (g_compiled,) = torch.autograd.grad(compiled(logits, labels), logits)
     torch.testing.assert_close(g_compiled, g_eager)  # bf16 gradients: equal to bf16 rounding
