@@ -29,9 +29,10 @@ class StepProfiler:
         self._prof = profile(activities=activities, record_shapes=False)
         self._prof.__enter__()
 
-    def step(self, iteration: int) -> None:
+    def step(self, iteration: int) -> bool:
+        """True when this call closed the window and wrote its files (time the caller should not count)."""
         if self.directory is None:
-            return
+            return False
         if iteration == self.start and self._prof is None:
             self._begin()
         elif iteration == self.end and self._prof is not None:
@@ -40,6 +41,8 @@ class StepProfiler:
             self._prof.__exit__(None, None, None)
             self._write(self._prof)
             self._prof = None
+            return True
+        return False
 
     def _write(self, prof) -> None:
         os.makedirs(self.directory, exist_ok=True)

@@ -258,8 +258,7 @@ class Trainer:
                     "skipped_steps": self.guard.pop_since_log()}, t.train_iters)
                 history["loss"].append((it, loss_value))
                 last_time, last_iter = time.perf_counter(), it
-            self.profiler.step(it)
-            if t.profile_dir and it == t.profile_step_end:
+            if self.profiler.step(it):
                 last_time = time.perf_counter()  # writing the trace is not training time
             self.guard.check()  # after --max-skipped-steps skips in a row: stop, before any save
             if t.eval_iters and (it % t.eval_interval == 0 or it == t.train_iters):
