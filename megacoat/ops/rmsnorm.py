@@ -19,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.group_cast_ref import TINY, group_dequantize, group_quantize
 from megacoat.ops.tensor_scale import fold_amax_to_scale, scale_workspace
-from megacoat.ops.triton_math import FAST, div_saturate, saturate
+from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, group_dequantize, group_quantize, pick,
+                                   scale_from_amax)
+from megacoat.ops.triton_math import div_saturate, saturate
 
 E4M3 = torch.float8_e4m3fn
 
@@ -29,8 +30,7 @@ E4M3 = torch.float8_e4m3fn
 def _check(x: torch.Tensor, weight: torch.Tensor, group_size: int) -> None:
     if x.dim() != 2 or weight.dim() != 1 or x.shape[1] != weight.shape[0]:
         raise ValueError(f"rmsnorm expects x [M, H] and weight [H], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if group_size < 16 or group_size & (group_size - 1):
-        raise ValueError(f"group size must be a power of two >= 16, got {group_size}")
+    check_group_size(group_size)
 
 
 # ----------------------------------------------------------------------------------------------- references
@@ -41,7 +41,7 @@ def rmsnorm_fp8_fwd_ref(x, weight, eps: float, group_size: int, out_dtype=E4M3):
     xd = group_dequantize(x8, xs, group_size)
     rstd = 1.0 / torch.sqrt((xd * xd).mean(-1) + eps)
     amax = (rstd * (xd * weight.float()).abs().amax(-1)).amax()
-    y_scale = (amax.clamp(min=TINY) / torch.finfo(out_dtype).max).reshape(1)
+    y_scale = scale_from_amax(amax, out_dtype).reshape(1)
     return x8, xs, rstd, y_scale
 
 
@@ -169,7 +169,7 @@ def rmsnorm_fp8_fwd_triton(x, weight, eps: float, group_size: int, out_dtype=E4M
     amax, count = scale_workspace(x.device)
     ngp = triton.next_power_of_2(ng)
     _fwd_kernel[(m,)](x, weight, x8, xs, rstd, amax, count, y_scale, h, ng, eps, torch.finfo(E4M3).max,
-                      torch.finfo(out_dtype).max, TINY, G=group_size, NGP=ngp, FAST=FAST,
+                      torch.finfo(out_dtype).max, AMAX_FLOOR, G=group_size, NGP=ngp, FAST=FAST,
                       num_warps=_warps(ngp * group_size, 1024))
     return x8, xs, rstd, y_scale
 
@@ -214,15 +214,13 @@ def rmsnorm_fp8_bwd_triton(dy, x8, x_scales, rstd, weight, group_size: int):
 
 # ---------------------------------------------------------------------------------------------- dispatchers
 def rmsnorm_fp8_fwd(x, weight, eps: float, group_size: int, out_dtype=E4M3):
-    fn = rmsnorm_fp8_fwd_triton if x.is_cuda else rmsnorm_fp8_fwd_ref
-    return fn(x, weight, eps, group_size, out_dtype)
+    return pick(x, rmsnorm_fp8_fwd_triton, rmsnorm_fp8_fwd_ref)(x, weight, eps, group_size, out_dtype)
 
 
 def rmsnorm_fp8_out(x8, x_scales, rstd, weight, y_scale, group_size: int, transpose: bool, out_dtype=E4M3):
-    fn = rmsnorm_fp8_out_triton if x8.is_cuda else rmsnorm_fp8_out_ref
-    return fn(x8, x_scales, rstd, weight, y_scale, group_size, transpose, out_dtype)
+    return pick(x8, rmsnorm_fp8_out_triton, rmsnorm_fp8_out_ref)(
+        x8, x_scales, rstd, weight, y_scale, group_size, transpose, out_dtype)
 
 
 def rmsnorm_fp8_bwd(dy, x8, x_scales, rstd, weight, group_size: int):
-    fn = rmsnorm_fp8_bwd_triton if dy.is_cuda else rmsnorm_fp8_bwd_ref
-    return fn(dy, x8, x_scales, rstd, weight, group_size)
+    return pick(dy, rmsnorm_fp8_bwd_triton, rmsnorm_fp8_bwd_ref)(dy, x8, x_scales, rstd, weight, group_size)

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megacoat.ops.numerics import pick
+
 
 def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     if x.dim() != 4 or x.shape[-1] % 2 or x.stride(-1) != 1:
@@ -69,7 +71,7 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
 
 
 def _rope(x, cos, sin, inverse=False):
-    return (rope_triton if x.is_cuda else rope_ref)(x, cos, sin, inverse)
+    return pick(x, rope_triton, rope_ref)(x, cos, sin, inverse)
 
 
 class RopeFunction(torch.autograd.Function):

@@ -20,9 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.group_cast_ref import TINY, group_dequantize, group_quantize
 from megacoat.ops.tensor_scale import fold_amax_to_scale, scale_workspace
-from megacoat.ops.triton_math import FAST, div_saturate, saturate, sigmoid
+from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, group_dequantize, group_quantize, pick,
+                                   scale_from_amax)
+from megacoat.ops.triton_math import div_saturate, saturate, sigmoid
 
 E4M3 = torch.float8_e4m3fn
 
@@ -30,13 +31,12 @@ E4M3 = torch.float8_e4m3fn
 def _check(a13: torch.Tensor, group_size: int) -> int:
     if a13.dim() != 2 or a13.shape[1] % 2:
         raise ValueError(f"swiglu expects a13 [M, 2F] (gate | up), got shape {tuple(a13.shape)}")
-    if group_size < 16 or group_size & (group_size - 1):
-        raise ValueError(f"group size must be a power of two >= 16, got {group_size}")
+    check_group_size(group_size)
     return a13.shape[1] // 2
 
 
 def _scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (amax.amax().clamp(min=TINY) / torch.finfo(dtype).max).reshape(1)
+    return scale_from_amax(amax.amax(), dtype).reshape(1)
 
 
 # ----------------------------------------------------------------------------------------------- references
@@ -212,7 +212,7 @@ def swiglu_fp8_fwd_triton(a13, group_size: int, out_dtype=E4M3):
     s_scale = torch.empty((1,), dtype=torch.float32, device=dev)
     amax, count = scale_workspace(dev)
     _fwd_kernel[grid](a13, a1_8, s1, a3_8, s3, amax, count, s_scale, m, f, ng, torch.finfo(E4M3).max,
-                      torch.finfo(out_dtype).max, TINY, G=group_size, BM=_BM, FAST=FAST, num_warps=4)
+                      torch.finfo(out_dtype).max, AMAX_FLOOR, G=group_size, BM=_BM, FAST=FAST, num_warps=4)
     return a1_8, s1, a3_8, s3, s_scale
 
 
@@ -251,24 +251,23 @@ def _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dty
         torch.finfo(out_dtype).max if write_st else 0.0, G=group_size, BM=_BM, FAST=FAST, WRITE_ST=write_st,
         num_warps=4)
     _bwd_cast_kernel[(triton.cdiv(m, _BM_T), ng)](*args, scale, da, dat, m, f, ng, torch.finfo(grad_dtype).max,
-                                                  TINY, G=group_size, BM=_BM_T, FAST=FAST,
+                                                  AMAX_FLOOR, G=group_size, BM=_BM_T, FAST=FAST,
                                                   num_warps=_WARPS_T)
     return (da, dat, scale, st) if write_st else (da, dat, scale)
 
 
 # ---------------------------------------------------------------------------------------------- dispatchers
 def swiglu_fp8_fwd(a13, group_size: int, out_dtype=E4M3):
-    return (swiglu_fp8_fwd_triton if a13.is_cuda else swiglu_fp8_fwd_ref)(a13, group_size, out_dtype)
+    return pick(a13, swiglu_fp8_fwd_triton, swiglu_fp8_fwd_ref)(a13, group_size, out_dtype)
 
 
 def swiglu_fp8_out(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpose: bool, out_dtype=E4M3):
-    fn = swiglu_fp8_out_triton if a1_8.is_cuda else swiglu_fp8_out_ref
-    return fn(a1_8, s1, a3_8, s3, s_scale, group_size, transpose, out_dtype)
+    return pick(a1_8, swiglu_fp8_out_triton, swiglu_fp8_out_ref)(
+        a1_8, s1, a3_8, s3, s_scale, group_size, transpose, out_dtype)
 
 
 def swiglu_fp8_bwd(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=torch.float8_e5m2):
-    fn = swiglu_fp8_bwd_triton if ds.is_cuda else swiglu_fp8_bwd_ref
-    return fn(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype)
+    return pick(ds, swiglu_fp8_bwd_triton, swiglu_fp8_bwd_ref)(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype)
 
 
 def swiglu_fp8_bwd_out_t(ds, a1_8, s1, a3_8, s3, s_scale, group_size: int, grad_dtype=torch.float8_e5m2,
@@ -276,5 +275,5 @@ def swiglu_fp8_bwd_out_t(ds, a1_8, s1, a3_8, s3, s_scale, group_size: int, grad_
     """swiglu_fp8_bwd plus the forward's output transposed (s^T [F, M], the down projection's wgrad operand),
     written by the backward's amax pass from the pair it reads anyway: one launch and one read of the pair
     (2 bytes per element) fewer than swiglu_fp8_out(transpose=True) beside swiglu_fp8_bwd."""
-    fn = swiglu_fp8_bwd_out_t_triton if ds.is_cuda else swiglu_fp8_bwd_out_t_ref
-    return fn(ds, a1_8, s1, a3_8, s3, s_scale, group_size, grad_dtype, out_dtype)
+    return pick(ds, swiglu_fp8_bwd_out_t_triton, swiglu_fp8_bwd_out_t_ref)(
+        ds, a1_8, s1, a3_8, s3, s_scale, group_size, grad_dtype, out_dtype)
