@@ -6,8 +6,8 @@ both from one read of the high-precision tensor costs one extra byte per element
 
 `scale` is the dequantization scale: value = stored * scale, scale = max(amax, AMAX_FLOOR) / fmax and
 stored = fp8(clamp(x * (1 / scale), +-fmax)), the reciprocal taken once per tensor (float32, IEEE) so kernel and
-reference do the same float32 operations (megacoat.ops.numerics: the floor, and the division that replaces the
-reciprocal when it overflows, for an all-zero tensor).
+reference do the same float32 operations (megacoat.ops.numerics: the floor, and the power-of-two rescaling that
+keeps the reciprocal finite for a scale from the floor, e.g. an all-zero tensor).
 
 `quantize_transpose(x)` is the hot path of every FP8 linear: two launches and no host sync -- one reduction
 for amax (torch.linalg.vector_norm(inf): |x| and max in one kernel, NaN propagates) and one cast kernel that
@@ -20,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.numerics import AMAX_FLOOR, cast_with_scale, pick, scale_from_amax
+from megacoat.ops.numerics import AMAX_FLOOR, RESCALE, RESCALE_BELOW, cast_with_scale, pick, scale_from_amax
+
+RESCALE, RESCALE_BELOW = tl.constexpr(RESCALE), tl.constexpr(RESCALE_BELOW)
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -59,16 +61,14 @@ def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, N, 
             tl.store(scale_ptr, scale)
     else:
         scale = tl.load(scale_ptr)
-    inv = tl.div_rn(1.0, scale)  # once per program: the element loop multiplies
+    # once per program: the element loop multiplies; a scale from the amax floor is rescaled first (numerics)
+    c = tl.where(scale < RESCALE_BELOW, RESCALE, 1.0)
+    inv = tl.div_rn(1.0, scale * c)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-    if inv < 3.0e38:
-        y = x * inv
-    else:  # 1 / scale overflowed (an all-zero tensor): divide, so 0 stays 0
-        y = tl.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * scale)
-    q = tl.clamp(y, -fmax, fmax)
+    q = tl.clamp((x * c) * inv, -fmax, fmax)
     if ROWWISE:
         tl.store(out_ptr + rm[:, None] * N + rn[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
     if TRANSPOSE:

@@ -75,13 +75,18 @@ def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return amax.float().clamp(min=AMAX_FLOOR) / fmax
 
 
+RESCALE_BELOW = 2.0 ** -64  # cast_with_scale: a scale below this is multiplied by RESCALE first
+RESCALE = 2.0 ** 64
+
+
 def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """fp8(clamp(x * (1 / scale))), the reciprocal once (IEEE); where it overflows (scale below 2^-128: an
-    all-zero or sub-normal tensor) the division x / scale itself, so 0 stays 0 instead of 0 * inf = NaN."""
+    """fp8(clamp(x * (1 / scale))), the reciprocal once (IEEE). A scale from the floor (2^-126 / F.max) has no
+    finite reciprocal, so below 2^-64 both x and scale are first multiplied by 2^64 (exact: a power of two, and
+    |x| <= amax < 2^-48 there): the same multiply-by-reciprocal, with 0 staying 0 instead of 0 * inf = NaN."""
     fmax = fp8_max(fp8_dtype)
-    xf, s = x.float(), scale.float()
-    inv = torch.reciprocal(s)
-    y = torch.where(torch.isinf(inv) & torch.isfinite(s), xf / s, xf * inv)
+    s = scale.float()
+    c = torch.where(s < RESCALE_BELOW, torch.full_like(s, RESCALE), torch.ones_like(s))
+    y = (x.float() * c) * torch.reciprocal(s * c)
     return y.clamp(-fmax, fmax).to(fp8_dtype)
 
 
