@@ -66,8 +66,6 @@ def rmsnorm_fp8_bwd_ref(dy, x8, x_scales, rstd, weight, group_size: int):
 # A row lives in registers as a [NGP, G] tile, one group per tile row (NGP = groups rounded up to a power of
 # two): group amaxes are reductions along axis 1, row sums over the whole tile, and no 3-D reshape is needed
 # (Triton 3.6 mis-compiles those on Hopper when FP8 values are converted inside them; seen as NaN rstd).
-# The first version walked a row one [8 rows, G] tile at a time: ~3 KB in flight per program, a shared-memory
-# round trip for the weight and a reduction per step (574 GB/s backward, 974 forward on an H200).
 @triton.jit
 def _row_tile(H, G: tl.constexpr, NGP: tl.constexpr):
     """Group index [NGP], column offsets [NGP, G] and their mask for one row."""
@@ -78,11 +76,11 @@ def _row_tile(H, G: tl.constexpr, NGP: tl.constexpr):
 
 @triton.jit
 def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, count_ptr, scale_ptr, H, NG, eps, fmax_in,
-                fmax_out, tiny, G: tl.constexpr, NGP: tl.constexpr, FAST: tl.constexpr):
+                fmax_out, amax_floor, G: tl.constexpr, NGP: tl.constexpr, FAST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     gi, col, mask = _row_tile(H, G, NGP)
     x = tl.load(x_ptr + row * H + col, mask=mask, other=0.0).to(tl.float32)
-    gs = tl.maximum(tl.max(tl.abs(x), axis=1), tiny) / fmax_in
+    gs = tl.maximum(tl.max(tl.abs(x), axis=1), amax_floor) / fmax_in
     # a divide, not x * (1 / gs): an all-zero or subnormal group has 1 / gs = inf, and 0 * inf is NaN
     q = saturate(x / gs[:, None], fmax_in, FAST).to(x8_ptr.dtype.element_ty)
     tl.store(x8_ptr + row * H + col, q, mask=mask)
@@ -93,7 +91,7 @@ def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, count_ptr, sca
     # rstd > 0, so max|x * rstd * w| over a row is rstd * max|x * w|: the output amax without the output.
     w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
     amax = rstd * tl.max(tl.max(tl.abs(xd * w), axis=1), axis=0)
-    fold_amax_to_scale(amax, amax_ptr, count_ptr, scale_ptr, fmax_out, tiny)
+    fold_amax_to_scale(amax, amax_ptr, count_ptr, scale_ptr, fmax_out, amax_floor)
 
 
 @triton.jit

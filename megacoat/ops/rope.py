@@ -37,8 +37,7 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: boo
 
 # One program rotates BH heads of one token: the tile [BH, head_dim] is read and written as whole contiguous rows
 # (128-bit accesses), split into its even/odd lanes in registers, and the token's cos/sin row is loaded once for
-# all its heads. (The first version gathered x[2i] and x[2i+1] with 2-byte accesses, reloaded the tables per
-# head and divided 64-bit row indices per element: 235 GB/s on an H200.)
+# all its heads.
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, S, NH, stride_b, stride_s, stride_h, sign,
                  HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):

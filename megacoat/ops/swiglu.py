@@ -97,7 +97,7 @@ def _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG):
 
 @triton.jit
 def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, count_ptr, scale_ptr, M, F, NG, fmax_in, fmax_out,
-                tiny, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr):
+                amax_floor, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr):
     gi = tl.program_id(1)
     rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
@@ -106,8 +106,8 @@ def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, count_ptr, scal
     offs = rm[:, None] * F + rn[None, :]
     x1 = tl.load(a_ptr + rm[:, None] * (2 * F) + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     x3 = tl.load(a_ptr + rm[:, None] * (2 * F) + F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-    g1 = tl.maximum(tl.max(tl.abs(x1), axis=1), tiny) / fmax_in
-    g3 = tl.maximum(tl.max(tl.abs(x3), axis=1), tiny) / fmax_in
+    g1 = tl.maximum(tl.max(tl.abs(x1), axis=1), amax_floor) / fmax_in
+    g3 = tl.maximum(tl.max(tl.abs(x3), axis=1), amax_floor) / fmax_in
     q1 = saturate(x1 / g1[:, None], fmax_in, FAST).to(a1_ptr.dtype.element_ty)
     q3 = saturate(x3 / g3[:, None], fmax_in, FAST).to(a3_ptr.dtype.element_ty)
     tl.store(a1_ptr + offs, q1, mask=mask)
@@ -117,7 +117,8 @@ def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, count_ptr, scal
     a1 = q1.to(tl.float32) * g1[:, None]
     a3 = q3.to(tl.float32) * g3[:, None]
     s = a1 * sigmoid(a1, FAST) * a3
-    fold_amax_to_scale(tl.max(tl.max(tl.abs(s), axis=1), axis=0), amax_ptr, count_ptr, scale_ptr, fmax_out, tiny)
+    fold_amax_to_scale(tl.max(tl.max(tl.abs(s), axis=1), axis=0), amax_ptr, count_ptr, scale_ptr, fmax_out,
+                       amax_floor)
 
 
 @triton.jit
@@ -152,7 +153,7 @@ def _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG,
 def _bwd_amax_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, s_scale_ptr, st_ptr, M, F, NG, fmax_s,
                      G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr, WRITE_ST: tl.constexpr):
     """Pass 1: max |da1|, |da3| into one float (they share one scale, as one [M, 2F] GEMM operand). The
-    atomic max replaces a partial-amax array and the torch reductions over it (three launches).
+    atomic max needs no partial-amax array and no torch reductions over it (three launches).
     WRITE_ST: also write s^T [F, M] (the down projection's wgrad operand) from the pair this pass reads
     anyway, instead of a swiglu_fp8_out(transpose=True) launch that reads it once more."""
     gi = tl.program_id(1)
@@ -169,14 +170,14 @@ def _bwd_amax_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, s_scale_p
 
 @triton.jit
 def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, F, NG,
-                     fmax_g, tiny, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr):
+                     fmax_g, amax_floor, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr):
     """Pass 2: one read of ds, a1, a3 writes da1|da3 both row-major [M, 2F] (dgrad) and transposed [2F, M]
     (wgrad). Tiles run in the reverse order of pass 1, so the first ones read what pass 1 left in L2."""
     gi = tl.num_programs(1) - 1 - tl.program_id(1)
     rm = ((tl.num_programs(0) - 1 - tl.program_id(0)) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < F)
-    scale = tl.math.div_rn(tl.maximum(tl.load(amax_ptr), tiny), fmax_g)  # IEEE, as the reference's torch division
+    scale = tl.math.div_rn(tl.maximum(tl.load(amax_ptr), amax_floor), fmax_g)  # IEEE, as the reference's torch division
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(scale_ptr, scale)
     da1, da3, _ = _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG, FAST)

@@ -212,7 +212,8 @@ def test_auto_on_a_gpu_without_the_extension_stops_with_the_reason(monkeypatch):
         raise FileNotFoundError("nvcc not found")
 
     monkeypatch.setattr(ops, "load_extension", no_build)
-    with pytest.raises(RuntimeError, match=r"could not be built \(FileNotFoundError: nvcc not found\).*backend='torch'"):
+    with pytest.raises(RuntimeError,
+                       match=r"could not be built \(FileNotFoundError: nvcc not found\).*backend='torch'"):
         resolve_backend("auto", torch.device("cuda"))
     assert resolve_backend("torch", torch.device("cuda")) == "torch"
 
