@@ -17,7 +17,7 @@ from megacoat.fp8.config import FP8Config
 from megacoat.fp8.formats import get_format
 from megacoat.fp8.linear import Fp8Linear, Fp8WeightCache
 from megacoat.fp8.precision_flow import coat_mlp, coat_norm_linear
-from megacoat.model.gpt import causal_attention
+from megacoat.ops.attention import causal_attention
 from megacoat.ops.rope import rope
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacoat.model.config import ModelConfig
+from megacoat.ops.attention import causal_attention
 
 IGNORE_INDEX = -100  # labels with this value (padding) do not count in the loss
 
@@ -54,19 +55,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x0, x1 = xf[..., 0], xf[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return out.flatten(-2).type_as(x)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [b, s, heads, d], k/v [b, s, kv_heads, d] -> [b, s, heads * d]: causal SDPA, each key/value head
-    serving heads / kv_heads query heads."""
-    b, s = q.shape[:2]
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
-    repeats = q.shape[1] // k.shape[1]
-    if repeats > 1:
-        k = k.repeat_interleave(repeats, dim=1)
-        v = v.repeat_interleave(repeats, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return out.transpose(1, 2).reshape(b, s, -1)
 
 
 class Attention(nn.Module):
