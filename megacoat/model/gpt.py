@@ -2,7 +2,8 @@
 attention, SwiGLU MLP, blocks, the model and its loss.
 
 Nothing here knows about FP8, tensor parallelism or the training loop: `megacoat.fp8.convert_to_fp8` and
-`megacoat.parallel` swap modules of this model from outside, by name (torchtitan's separation). The names
+`megacoat.parallel.apply_tp` swap modules (and the loss) of this model from outside, by name (torchtitan's
+separation). The names
 follow Llama / torchtitan so checkpoints map one to one onto Hugging Face's `LlamaForCausalLM`.
 """
 from __future__ import annotations
@@ -94,9 +95,8 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.layer_id = layer_id
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -112,7 +112,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.output = make_linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_embeddings:
@@ -121,8 +121,11 @@ class GPT(nn.Module):
         # are a function of the config, so nothing is saved. `_rope` moves them to the activations' device.
         self._rope_cpu = rope_tables(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        # A plain attribute so that a wrapper can be swapped in from outside (torch.compile in apply_compile).
+        # Plain attributes that converters replace from outside: the loss (compiled by apply_compile; the
+        # vocab-parallel cross-entropy under tensor parallelism) and what makes the head's output the full
+        # logits (an all-gather over the vocabulary under tensor parallelism, where the head is split).
         self.loss_fn = cross_entropy_loss
+        self.gather_logits = full_logits
         self.reset_parameters()
 
     def _rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,8 +160,12 @@ class GPT(nn.Module):
             h = layer(h, cos, sin)
         logits = self.output(self.norm(h))
         if labels is None:
-            return logits
+            return self.gather_logits(logits)
         return self.loss_fn(logits, labels)
+
+
+def full_logits(logits: torch.Tensor) -> torch.Tensor:
+    return logits  # one rank holds the whole head: its logits are the full logits
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
