@@ -23,15 +23,6 @@ OPS_MAY_IMPORT_MODULES = ("deepspeed.ops.op_builder",)
 FP8_MUST_NOT_IMPORT = ("model", "training", "parallel")
 OUTSIDE_THE_LIBRARY = ("tools", "benchmarks", "tests")
 
-# Imports against the layering that issue 16's kernel half (another change in flight) removes: the CoatAdamW
-# kernels read moment formats from megacoat.fp8.formats. Every entry must still exist (test_pending_...), so the
-# change that removes one also removes it here.
-PENDING = {
-    ("megacoat.ops.coat_adamw_cuda", "megacoat.fp8.formats"),
-    ("megacoat.ops.coat_adamw_ref", "megacoat.fp8.formats"),
-    ("megacoat.ops.coat_adamw_triton", "megacoat.fp8.formats"),
-}
-
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -78,8 +69,6 @@ def subpackage(module: str) -> str | None:
 def violations(edges) -> list[str]:
     found = []
     for src, dst, where in edges:
-        if (src, dst) in PENDING:
-            continue
         pkg, top = subpackage(src), dst.split(".")[0]
         if pkg == "ops" and top != "megacoat" and top not in OPS_MAY_IMPORT \
                 and not dst.startswith(OPS_MAY_IMPORT_MODULES):
@@ -98,7 +87,7 @@ def package_cycles(edges) -> list[str]:
     graph: dict[str, dict[str, str]] = {}
     for src, dst, where in edges:
         a, b = subpackage(src), subpackage(dst)
-        if a and b and a != b and (src, dst) not in PENDING:
+        if a and b and a != b:
             graph.setdefault(a, {}).setdefault(b, where)
     cycles, seen = [], set()
 
@@ -127,12 +116,6 @@ def test_imports_point_the_intended_way():
 def test_no_import_cycle_between_subpackages():
     cycles = package_cycles(all_imports())
     assert not cycles, "import cycles between megacoat's subpackages:\n" + "\n".join(cycles)
-
-
-def test_pending_exceptions_still_exist():
-    present = {(src, dst) for src, dst, _ in all_imports()}
-    gone = PENDING - present
-    assert not gone, f"these imports are gone: remove them from PENDING: {sorted(gone)}"
 
 
 def test_the_checks_see_forbidden_imports():
