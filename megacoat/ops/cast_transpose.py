@@ -79,6 +79,12 @@ def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, N, 
 def _launch(x, amax, scale, out_dtype, rowwise, transpose):
     _check2d(x)
     x = x.contiguous()
+    if transpose and x.dtype == torch.float32 and x.is_cuda:
+        # Triton 3.6 on sm_90 writes wrong codes (some NaN) into the transposed store of a tile loaded as float32,
+        # however the transpose is spelled (tests/ops/test_cast_transpose.py, GPU); the row-major store is exact.
+        # float32 activations are the --fp32 and test path, not the bf16 hot path: transpose the FP8 bytes in torch.
+        q, _ = _launch(x, amax, scale, out_dtype, True, False)
+        return (q if rowwise else None), q.t().contiguous()
     m, n = x.shape
     out = torch.empty((m, n), dtype=out_dtype, device=x.device) if rowwise else None
     outt = torch.empty((n, m), dtype=out_dtype, device=x.device) if transpose else None
