@@ -9,13 +9,11 @@ backend="torch" to run the reference on a GPU on purpose.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from megacoat.ops.coat_adamw_ref import K_MAX, K_MIN, adam_scalars, coat_adamw_step_ref
+from megacoat.ops.coat_adamw_ref import adam_scalars, coat_adamw_step_ref
 from megacoat.ops.coat_adamw_tables import build_tables, check_lists, chunk_elems
-from megacoat.ops.numerics import fp8_max, log2_dynamic_range
+from megacoat.ops.numerics import K_MAX, K_MIN, fp8_max, log2_dynamic_range
 
 BACKENDS = ("auto", "cuda", "torch")
 _module = None

@@ -5,7 +5,8 @@ Scales are dequantization multipliers, float32: value = stored * scale, scale = 
 
 AMAX_FLOOR = 2^-126, float32's smallest normal, for moments and activations alike. An amax below it (a group or
 tensor of float32 sub-normals, or all zeros) is raised to it before scaling, which keeps every quantity the kernels
-form finite: 1 / amax <= 2^126, and x / scale = x * F.max / amax <= F.max for |x| <= amax. The values of such a
+form finite: 1 / amax <= 2^126, and x / scale = x * F.max / amax <= F.max for |x| <= amax (only 1 / scale itself
+can overflow, for a scale from the floor: cast_with_scale rescales by a power of two there). The values of such a
 group keep their place on the FP8 grid, scaled as if their amax were 2^-126; expansion is not applied to them
 (k = 1): their range says nothing worth the pow. A lower floor would let 1 / amax overflow (2^-127 -> inf), a
 higher one (e.g. 2^(ceil(log2 F.max) - 128), where F.max / amax stays finite) would only matter to code that
@@ -16,7 +17,7 @@ Non-finite input: a group (or tensor) holding a NaN or an Inf gets a non-finite 
 
 Divisions in the references are tensor / tensor (IEEE round-to-nearest on CPU and CUDA, `tl.div_rn` in the
 kernels): `python_float / tensor` is `reciprocal(tensor) * float` in torch, and `tensor / python_float` on CUDA
-multiplies by the reciprocal.
+multiplies by the reciprocal. The one exception, on purpose, is group_quantize's scale (see there).
 """
 from __future__ import annotations
 

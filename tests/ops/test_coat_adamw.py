@@ -15,8 +15,6 @@ times k <= K_MAX = 64 that is <= 2^-16 in the exponent; the rounding of k * log2
 reference's own log2f/exp2f add < 2^-18. Together ln2 * (2^-16 + 2^-19) + 2^-21 + 2^-18 < 2^-15.5: DELTA = 2^-15.
 With plain scaling (k = 1) no approximation is involved: codes are bit-exact.
 """
-import math
-
 import pytest
 import torch
 
