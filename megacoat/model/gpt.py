@@ -3,8 +3,8 @@ attention, SwiGLU MLP, blocks, the model and its loss.
 
 Nothing here knows about FP8, tensor parallelism or the training loop: `megacoat.fp8.convert_to_fp8` and
 `megacoat.parallel.apply_tp` swap modules (and the loss) of this model from outside, by name (torchtitan's
-separation). The names
-follow Llama / torchtitan so checkpoints map one to one onto Hugging Face's `LlamaForCausalLM`.
+separation). The names follow Llama / torchtitan so checkpoints map one to one onto Hugging Face's
+`LlamaForCausalLM`.
 """
 from __future__ import annotations
 
