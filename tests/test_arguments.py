@@ -52,7 +52,7 @@ def test_help_states_every_default_once(monkeypatch):
     parser = build_parser()
     text = " ".join(parser.format_help().split())
     for action in parser._actions:
-        if not action.option_strings or action.default is argparse.SUPPRESS:
+        if not action.option_strings or argparse.SUPPRESS in (action.default, action.help):
             continue
         help_text = " ".join(parser._get_formatter()._expand_help(action).split())
         assert help_text.count("default") == 1, (action.option_strings, help_text)

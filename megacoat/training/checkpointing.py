@@ -251,7 +251,7 @@ def check_compatible(path: str, meta: dict, config_dict: dict, layout: Layout,
     bad = layout.incompatibilities(meta["layout"])
     if bad:
         raise ValueError(f"--load {path}: incompatible parallel layout: " + "; ".join(bad))
-    saved_optim, now_optim = meta["megacoat_config"].get("optim", {}), config_dict["optim"]
+    saved_optim, now_optim = meta["megacoat_config"].get("optim", {}), config_dict.get("optim", {})
     if saved_optim.get("fp8_optimizer") and now_optim.get("fp8_optimizer"):
         diff = {k: (saved_optim[k], now_optim[k]) for k in OPTIMIZER_STATE_KEYS
                 if k in saved_optim and saved_optim[k] != now_optim[k]}
