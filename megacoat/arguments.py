@@ -119,9 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-json", default=None, help="append one JSON object per logged iteration to this file")
     g.add_argument("--eval-interval", type=int, default=t.eval_interval)
     g.add_argument("--eval-iters", type=int, default=t.eval_iters)
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save", default=None, help="checkpoint directory: DIR/iter_0000100/ per save, DIR/latest")
+    g.add_argument("--load", default=None,
+                   help="resume from the --save directory DIR (its latest) or from DIR/iter_N; with no checkpoint "
+                        "there it is an error, unless it is also the --save directory (a job's first run)")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="save every N iterations (default: with --save, at the end only)")
     g.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints under --save")
     g.add_argument("--exit-interval", type=int, default=None, help="save and exit when iteration %% N == 0")
     g.add_argument("--profile-dir", default=None,
@@ -153,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shard prefix, or weights and prefixes: 0.7 A 0.3 B (default: the embedded stdlib corpus)")
     g.add_argument("--split", default=dc.split)
     g.add_argument("--tokenizer-model", default=None, help="sentencepiece .model file")
-    g.add_argument("--data-cache-dir", default=None, help="default: ~/.cache/megacoat")
+    g.add_argument("--data-cache-dir", default=None,
+                   help="where the embedded corpus and dataset indices are kept (default: $MEGACOAT_CACHE or "
+                        "~/.cache/megacoat)")
     g.add_argument("--num-workers", type=int, default=dc.num_workers)
     g.add_argument("--mock-data", action="store_true", help="random tokens instead of a corpus")
 
