@@ -38,7 +38,7 @@ def init_distributed() -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if on_cuda:
         torch.cuda.set_device(local_rank)
-    if not on_cuda:
+    else:
         skip_shm_comm_op()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo", auto_mpi_discovery=False,

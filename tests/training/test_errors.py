@@ -163,3 +163,14 @@ def test_bad_input_two_ranks_every_rank_exits_1(inputs, case, port):
     assert [p.returncode for p in procs] == [1, 1], outs
     _check_one_error_line(outs[0] + outs[1], expected.replace("{d}", str(inputs)))
     assert not any(line.startswith("error: ") for line in outs[1].splitlines())  # rank 1 stays quiet
+
+
+@pytest.mark.slow
+def test_bad_input_through_the_deepspeed_launcher(inputs):
+    """`deepspeed --num_gpus 2` (two CPU ranks): the launcher exits non-zero, one error line, no traceback."""
+    argv, expected = CASES["truncated-bin"]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "29725",
+           PRETRAIN, *argv(inputs)]
+    proc = subprocess.run(cmd, cwd=inputs, env=env(inputs), capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    _check_one_error_line(proc.stdout + proc.stderr, expected)
