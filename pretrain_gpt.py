@@ -4,7 +4,8 @@
     deepspeed --num_gpus 8 pretrain_gpt.py --num-layers 24 --hidden-size 2048 ... --data-path my_text_document
     deepspeed --num_gpus 8 pretrain_gpt.py ... --coat-fp8    # FP8 optimizer states + FP8 activations
 
-`python pretrain_gpt.py --help` lists every flag.
+`python pretrain_gpt.py --help` lists every flag. Bad input (flags, data shards, checkpoints, parallel sizes)
+stops with one `error:` line and exit status 1; `--debug` or MEGACOAT_DEBUG=1 shows the traceback instead.
 """
 from __future__ import annotations
 
@@ -15,18 +16,17 @@ from megacoat.arguments import parse_config
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(argv)  # bad flags stop here, before any work
-    from megacoat.training.trainer import check_data_paths, pretrain
-
-    try:
-        check_data_paths(cfg)  # a missing shard or tokenizer file also stops before any work
-    except FileNotFoundError as e:
-        raise SystemExit(f"error: {e}") from None
+    from megacoat.training.errors import INPUT_ERRORS, one_line_errors
     from megacoat.training.stability import NonFiniteTrainingError
+    from megacoat.training.trainer import Trainer, check_data_paths
 
-    try:
-        return pretrain(cfg)
-    except NonFiniteTrainingError as e:  # the guard's stop: a message, not a traceback; checkpoints intact
-        raise SystemExit(f"error: {e}") from None
+    debug = cfg.training.debug
+    with one_line_errors(INPUT_ERRORS, debug):  # set-up: everything here checks what the user gave
+        check_data_paths(cfg)  # a missing shard or tokenizer file stops before any work
+        trainer = Trainer(cfg)
+    # Training: the guard's stop (checkpoints intact) and file-system errors of saves; anything else is a bug.
+    with one_line_errors((NonFiniteTrainingError, OSError), debug):
+        return trainer.train()
 
 
 if __name__ == "__main__":

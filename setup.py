@@ -35,7 +35,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "matplotlib", "tensorboard", "safetensors"],
+        # transformers: tests/tools/test_convert_to_hf.py loads the export with LlamaForCausalLM (CPU is enough).
+        "dev": ["pytest", "pytest-timeout", "matplotlib", "tensorboard", "safetensors", "transformers"],
         "wandb": ["wandb"],
     },
 )

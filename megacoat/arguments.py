@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import copy
+import re
 
 from megacoat.config import MegacoatConfig
 from megacoat.data.config import DataConfig
@@ -11,12 +13,50 @@ from megacoat.optim.config import DECAY_STYLES, OptimizerConfig
 from megacoat.parallel.config import ParallelConfig
 from megacoat.training.config import TrainingConfig
 
+# A negative number, scientific notation included (-1e-3, -.5, -2E+4): a value, never a flag. argparse's own
+# pattern (`^-\d+$|^-\d*\.\d+$`) misses exponents and takes `--lr -1e-3` for a missing argument.
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, once: flags without help text included (argparse's
+    ArgumentDefaultsHelpFormatter skips those), help that already states a default left as it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "default" in text:
+            return text
+        if action.default is None:
+            default = "not set"
+        elif isinstance(action.default, bool):
+            default = "on" if action.default else "off"
+        elif isinstance(action.default, list):
+            default = " ".join(map(str, action.default)) or "none"
+        else:
+            default = "%(default)s"
+        return f"{text} (default: {default})".strip()
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and action.option_strings:  # argparse prints no help line at all for None
+            action = copy.copy(action)
+            action.help = self._get_help_string(action)
+        return super()._format_action(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with negative numbers in scientific notation accepted as values, so that `--lr -1e-3` reaches
+    the range check and its message instead of "expected one argument"."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_NUMBER  # the attribute argparse consults (3.10-3.13)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Pretrain a Llama-style GPT with megacoat (DeepSpeed + COAT FP8). With no flags it trains a "
                     "tiny model on the Python standard library's source files.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     d = ModelConfig()
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=d.num_layers)
@@ -75,9 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-json", default=None, help="append one JSON object per logged iteration to this file")
     g.add_argument("--eval-interval", type=int, default=t.eval_interval)
     g.add_argument("--eval-iters", type=int, default=t.eval_iters)
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save", default=None, help="checkpoint directory: DIR/iter_0000100/ per save, DIR/latest")
+    g.add_argument("--load", default=None,
+                   help="resume from the --save directory DIR (its latest) or from DIR/iter_N; with no checkpoint "
+                        "there it is an error, unless it is also the --save directory (a job's first run)")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="save every N iterations (default: with --save, at the end only)")
     g.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints under --save")
     g.add_argument("--exit-interval", type=int, default=None, help="save and exit when iteration %% N == 0")
     g.add_argument("--profile-dir", default=None,
@@ -92,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-project", default=None, help="log to wandb (optional dependency; offline without "
                                                          "WANDB_API_KEY)")
     g.add_argument("--wandb-run-name", default=None)
+    g.add_argument("--debug", action="store_true",
+                   help="show the Python traceback of an error instead of its one `error:` line (also: "
+                        "MEGACOAT_DEBUG=1)")
 
     pc = ParallelConfig()
     g = p.add_argument_group("parallelism")
@@ -106,7 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shard prefix, or weights and prefixes: 0.7 A 0.3 B (default: the embedded stdlib corpus)")
     g.add_argument("--split", default=dc.split)
     g.add_argument("--tokenizer-model", default=None, help="sentencepiece .model file")
-    g.add_argument("--data-cache-dir", default=None, help="default: ~/.cache/megacoat")
+    g.add_argument("--data-cache-dir", default=None,
+                   help="where the embedded corpus and dataset indices are kept (default: $MEGACOAT_CACHE or "
+                        "~/.cache/megacoat)")
     g.add_argument("--num-workers", type=int, default=dc.num_workers)
     g.add_argument("--mock-data", action="store_true", help="random tokens instead of a corpus")
 
@@ -150,7 +198,7 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         max_skipped_steps=args.max_skipped_steps, tensorboard_dir=args.tensorboard_dir,
         wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
         compile=args.compile, profile_dir=args.profile_dir, profile_step_start=args.profile_step_start,
-        profile_step_end=args.profile_step_end)
+        profile_step_end=args.profile_step_end, debug=args.debug)
     if data.mock_data and data.data_path:
         raise ValueError("--mock-data and --data-path are exclusive")
     return MegacoatConfig(model=model, optim=optim, data=data, fp8=fp8, parallel=parallel, training=training)

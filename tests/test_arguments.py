@@ -1,3 +1,5 @@
+import argparse
+
 import pytest
 
 from megacoat.arguments import parse_config
@@ -32,3 +34,35 @@ def test_compile_composes_with_every_fp8_mode():
     # The FP8 flow's fused functions graph-break (tests/training/test_compile.py); the glue is compiled.
     for flags in (["--coat-fp8"], ["--fp8-activations", "fp8-linear"], ["--fp8-optimizer"]):
         assert parse_config(["--compile", *flags]).training.compile
+
+
+def test_help_states_every_default_once(monkeypatch):
+    from megacoat.arguments import build_parser
+
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per flag: no wrapping inside the texts compared
+    parser = build_parser()
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if not action.option_strings or argparse.SUPPRESS in (action.default, action.help):
+            continue
+        help_text = " ".join(parser._get_formatter()._expand_help(action).split())
+        assert "default" in help_text and help_text.count("default:") <= 1, (action.option_strings, help_text)
+        assert help_text in text, (action.option_strings, help_text)
+    assert "(default: heads) (default" not in text
+    assert "--lr LR (default: 0.001)" in text and "--coat-fp8 COAT: FP8" in text and "(default: off)" in text
+
+
+@pytest.mark.parametrize("value", ["-1e-3", "-1E-3", "-2.5e+4", "-.5", "-1", "-1.0"])
+def test_negative_numbers_reach_the_range_check(capsys, value):
+    message = _error(capsys, ["--lr", value])
+    assert "expected one argument" not in message
+    assert "--lr" in message and "--lr > 0" in message
+
+
+def test_scientific_notation_values_parse():
+    cfg = parse_config(["--lr", "3e-4", "--min-lr", "3E-5", "--adam-eps", "1e-8"])
+    assert (cfg.optim.lr, cfg.optim.min_lr, cfg.optim.adam_eps) == (3e-4, 3e-5, 1e-8)
+
+
+def test_debug_flag():
+    assert parse_config(["--debug"]).training.debug and not parse_config([]).training.debug

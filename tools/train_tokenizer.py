@@ -48,6 +48,10 @@ def main(argv=None) -> int:
     tok = SentencePieceTokenizer(args.output)
     print(f"wrote {args.output}: vocab {tok.vocab_size}, eod {tok.eod}, pad {tok.pad}, identity {tok.identity()} "
           f"({len(files)} files, {time.perf_counter() - t0:.1f} s)")
+    if tok.vocab_size != args.vocab_size:
+        print(f"warning: produced a vocabulary of {tok.vocab_size} pieces, not the --vocab-size {args.vocab_size} "
+              f"asked for: the input holds too little text for more (give more text for more pieces; "
+              f"pretrain_gpt.py's --vocab-size must be at least {tok.vocab_size})", file=sys.stderr)
     return 0
 
 

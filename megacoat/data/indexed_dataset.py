@@ -70,6 +70,7 @@ class IndexedDataset:
         _check_pointers(idx_path, bin_path, bin_size, self.dtype, self.sequence_lengths, self.sequence_pointers)
         # Plain ndarray over the map (np.memmap slices cost microseconds each); an empty .bin cannot be mapped.
         self.tokens = _map(bin_path, self.dtype) if bin_size else np.empty(0, self.dtype)
+        self._max_token_id: int | None = None
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -84,6 +85,17 @@ class IndexedDataset:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
+
+    def max_token_id(self) -> int:
+        """The largest token id in the .bin (-1 if it is empty): a vectorised pass over the map, in chunks of
+        64 Mi tokens so that a large shard is streamed through the page cache, not copied."""
+        if self._max_token_id is None:
+            chunk = 1 << 26
+            best = -1
+            for lo in range(0, len(self.tokens), chunk):
+                best = max(best, int(self.tokens[lo:lo + chunk].max()))
+            self._max_token_id = best
+        return self._max_token_id
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens [offset, offset + length) of sequence i, without copying."""

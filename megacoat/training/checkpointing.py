@@ -195,19 +195,55 @@ def _model_diff(saved: dict, now: dict) -> dict:
     return {k: (saved.get(k), now.get(k)) for k in keys if saved.get(k) != now.get(k)}
 
 
-def load_checkpoint(engine, directory: str, config_dict: dict, layout: Layout,
-                    tokenizer: dict | None = None) -> tuple[str, TrainState] | None:
-    """Load the checkpoint `latest` names (collective). None when `directory` holds none yet. A checkpoint
-    made by another model, tokenizer or an incompatible parallel layout is an error naming what differs,
-    raised before DeepSpeed reads anything."""
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"--load {directory}: no such directory")
-    tag = latest_tag(directory)
-    if tag is None:
+# --- what --load names ------------------------------------------------------------------------------------
+def resolve_load(load: str, save: str | None = None) -> tuple[str, str] | None:
+    """(checkpoint directory, tag) that `--load` names, checked before any model is built.
+
+    `--load DIR` is the save directory: its `latest` (or, without one, its newest complete checkpoint).
+    `--load DIR/iter_0000100` is that one checkpoint (DeepSpeed's tag). None (start from scratch) only where
+    that is plainly meant: `--load` is the `--save` directory and holds no checkpoint yet (the first run of a
+    job that resumes itself). Anything else that holds no checkpoint is an error naming the path.
+    """
+    path = os.path.normpath(load)
+    if os.path.isfile(os.path.join(path, META_FILE)):  # one checkpoint: DIR/iter_N
+        return os.path.dirname(path) or ".", os.path.basename(path)
+    first_run = save is not None and os.path.abspath(path) == os.path.abspath(os.path.normpath(save))
+    if not os.path.isdir(path):
+        if first_run:
+            return None
+        raise FileNotFoundError(f"--load {load}: no such directory")
+    tag = latest_tag(path)
+    if tag is not None:
+        return path, tag
+    if first_run:
         return None
-    path = os.path.join(directory, tag)
-    with open(os.path.join(path, META_FILE)) as f:
-        meta = json.load(f)
+    name = os.path.basename(path)
+    if name.startswith(TAG_PREFIX) or name.startswith(TMP_PREFIX + TAG_PREFIX):
+        raise FileNotFoundError(f"--load {load}: not a complete megacoat checkpoint (no {META_FILE}; a save that "
+                                f"was interrupted, or not written by megacoat)")
+    raise FileNotFoundError(f"--load {load}: no checkpoint in this directory (neither {LATEST_FILE} nor "
+                            f"{TAG_PREFIX}N/{META_FILE}); to start from scratch drop --load, or give the same "
+                            f"directory to --save and --load")
+
+
+def read_meta(directory: str, tag: str) -> dict:
+    path = os.path.join(directory, tag, META_FILE)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--load {os.path.join(directory, tag)}: {path} is not valid JSON ({e})") from None
+
+
+# CoatAdamW's state is stored in these formats; another value cannot read it (AdamW vs CoatAdamW is the
+# layout's fp8_optimizer).
+OPTIMIZER_STATE_KEYS = ("fp8_m_dtype", "fp8_v_dtype", "fp8_group_size", "fp8_expand")
+
+
+def check_compatible(path: str, meta: dict, config_dict: dict, layout: Layout,
+                     tokenizer: dict | None = None) -> None:
+    """Refuse a checkpoint made by another model, optimizer state format, tokenizer or an incompatible
+    parallel layout, naming what differs. Reads only megacoat.json: runs before the model is built."""
     saved_model, now_model = meta["megacoat_config"]["model"], config_dict["model"]
     if saved_model != now_model:
         raise ValueError(f"--load {path}: the checkpoint's model differs from the flags "
@@ -215,13 +251,36 @@ def load_checkpoint(engine, directory: str, config_dict: dict, layout: Layout,
     bad = layout.incompatibilities(meta["layout"])
     if bad:
         raise ValueError(f"--load {path}: incompatible parallel layout: " + "; ".join(bad))
+    saved_optim, now_optim = meta["megacoat_config"].get("optim", {}), config_dict.get("optim", {})
+    if saved_optim.get("fp8_optimizer") and now_optim.get("fp8_optimizer"):
+        diff = {k: (saved_optim[k], now_optim[k]) for k in OPTIMIZER_STATE_KEYS
+                if k in saved_optim and saved_optim[k] != now_optim[k]}
+        if diff:
+            raise ValueError(f"--load {path}: the checkpoint's CoatAdamW state was stored in another format "
+                             f"(field: (saved, now)): {diff}")
     if meta.get("tokenizer") and tokenizer and meta["tokenizer"]["sha256"] != tokenizer["sha256"]:
         raise ValueError(f"--load {path}: the checkpoint was trained with tokenizer {meta['tokenizer']['path']} "
                          f"(sha256 {meta['tokenizer']['sha256'][:12]}...), not {tokenizer['path']} "
                          f"(sha256 {tokenizer['sha256'][:12]}...)")
+
+
+def load_checkpoint(engine, directory: str, config_dict: dict, layout: Layout,
+                    tokenizer: dict | None = None, tag: str | None = None) -> tuple[str, TrainState] | None:
+    """Load checkpoint `tag` of `directory` (default: the one `latest` names; collective). None when
+    `directory` holds none yet. A checkpoint made by another model, tokenizer or an incompatible parallel
+    layout is an error naming what differs (check_compatible), raised before DeepSpeed reads anything."""
+    if tag is None:
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"--load {directory}: no such directory")
+        tag = latest_tag(directory)
+        if tag is None:
+            return None
+    path = os.path.join(directory, tag)
+    meta = read_meta(directory, tag)
+    check_compatible(path, meta, config_dict, layout, tokenizer)
     loaded, _ = engine.load_checkpoint(directory, tag=tag)
     if loaded is None:
-        raise RuntimeError(f"--load {path}: DeepSpeed could not load this checkpoint")
+        raise ValueError(f"--load {path}: DeepSpeed could not load this checkpoint")
     rng_path = os.path.join(path, _rng_file(dist.get_rank()))
     if os.path.isfile(rng_path):  # absent when resuming on more ranks than saved (ZeRO-0): keep the seeds
         set_rng_state(torch.load(rng_path, weights_only=False))

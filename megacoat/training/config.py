@@ -34,6 +34,7 @@ class TrainingConfig:
     profile_dir: str | None = None  # torch.profiler trace + top operators of iterations (start, end]
     profile_step_start: int = 10
     profile_step_end: int = 12
+    debug: bool = False  # show an error's traceback instead of its one `error:` line
 
     def __post_init__(self):
         for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval", "eval_interval"):

@@ -3,8 +3,18 @@ against them (a user file that disagrees with the flags is an error, not a silen
 from __future__ import annotations
 
 import json
+import logging
 
 from megacoat.config import MegacoatConfig
+
+UNTESTED_OPTIMIZER_WARNING = "You are using ZeRO with an untested optimizer"
+
+
+def quiet_tested_optimizer_warning(record: logging.LogRecord) -> bool:
+    """A filter for DeepSpeed's logger: drops its "untested optimizer" warning, which it gives for every client
+    optimizer under ZeRO. megacoat only hands it AdamW or CoatAdamW, both tested under ZeRO-1/2 here
+    (tests/optim/test_coat_adamw_deepspeed.py, tests/training/test_checkpoint_resume.py)."""
+    return UNTESTED_OPTIMIZER_WARNING not in record.getMessage()
 
 
 def use_bf16(cfg: MegacoatConfig, on_cuda: bool) -> bool:

@@ -14,6 +14,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def skip_shm_comm_op() -> None:
+    """Keep DeepSpeed from JIT-compiling its CPU shared-memory all-reduce (`deepspeed_shm_comm_op`, about a
+    minute of silence on the first run of a machine): its communication backend builds it at start-up, but
+    only DeepSpeed's `inference_all_reduce` uses it; training's collectives go through torch.distributed
+    (gloo on CPU). Without the op that function falls back to torch.distributed too."""
+    import importlib
+
+    # By module name: the package `deepspeed.comm` re-exports `torch` itself under the same attribute.
+    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(ds_comm_torch, "build_shm_op"):
+        ds_comm_torch.build_shm_op = lambda: None
+
+
 def init_distributed() -> torch.device:
     """Join (or, run as plain `python`, create) the default process group; return this rank's device."""
     import deepspeed
@@ -25,6 +38,8 @@ def init_distributed() -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if on_cuda:
         torch.cuda.set_device(local_rank)
+    else:
+        skip_shm_comm_op()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo", auto_mpi_discovery=False,
                                    verbose=False)

@@ -18,8 +18,10 @@ from megacoat.data.config import parse_data_path
 from megacoat.fp8.linear import invalidate_fp8_weight_caches
 from megacoat.parallel import initialize_parallel_state
 from megacoat.parallel.grad_norm import global_grad_norm
-from megacoat.training.checkpointing import Layout, TrainState, file_identity, load_checkpoint, save_checkpoint
-from megacoat.training.deepspeed_config import build_deepspeed_config
+from megacoat.training.banner import startup_banner
+from megacoat.training.checkpointing import (Layout, TrainState, check_compatible, file_identity, load_checkpoint,
+                                             read_meta, resolve_load, save_checkpoint)
+from megacoat.training.deepspeed_config import build_deepspeed_config, quiet_tested_optimizer_warning
 from megacoat.training.distributed import all_reduce_mean, init_distributed, is_main_process
 from megacoat.training.flops import flops_per_token, peak_flops
 from megacoat.training.logger import TrainingLogger
@@ -88,6 +90,7 @@ class Trainer:
         from deepspeed.utils import logger as ds_logger
 
         ds_logger.setLevel(logging.WARNING)  # megacoat prints its own log; DeepSpeed's INFO lines drown it
+        ds_logger.addFilter(quiet_tested_optimizer_warning)
         check_data_paths(cfg)
         self.device = init_distributed()
         self.world_size = dist.get_world_size()
@@ -103,30 +106,29 @@ class Trainer:
         self.cfg = cfg
         self.ds_config = build_deepspeed_config(cfg, self.dp_size, on_cuda=self.device.type == "cuda")
         self.grad_accum = self.ds_config["gradient_accumulation_steps"]
-
-        model = build_model(cfg, self.device, self.parallel)
-        self.logger.info(f"model: {cfg.model.num_parameters() / 1e6:.2f}M parameters, {cfg.model.num_layers} layers, "
-                         f"hidden {cfg.model.hidden_size}; world size {self.world_size}, micro-batch "
-                         f"{t.micro_batch_size}, global batch {t.global_batch_size}, gradient accumulation "
-                         f"{self.grad_accum}; ZeRO-{cfg.parallel.zero_stage}; bf16 {self.ds_config['bf16']['enabled']}")
-        p = self.parallel
-        self.logger.info(f"parallel: TP {p.tp_size} x PP {p.pp_size} x DP {p.dp_size}"
-                         + (", sequence parallel" if p.sequence_parallel else ""))
-        self.engine, self.scheduler = build_engine(cfg, model, self.ds_config, self.device, self.parallel)
-
-        self.train_ds, self.valid_ds, _ = build_data(cfg)
         self.layout = Layout(world_size=self.world_size, data_parallel_size=self.dp_size,
                              tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
                              pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
                              zero_stage=cfg.parallel.zero_stage, fp8_optimizer=cfg.optim.fp8_optimizer)
         self.tokenizer_identity = file_identity(cfg.data.tokenizer_model)
+
+        # What can be checked without the model is checked before it is built: the checkpoint --load names
+        # (its metadata against the flags) and the data (shards opened and validated, token ids, splits).
+        self.resume = self.check_load(t.load, t.save)
+        self.train_ds, self.valid_ds, _ = build_data(cfg)
+        self.logger.info(startup_banner(cfg, self.parallel, self.world_size, self.grad_accum,
+                                        self.ds_config["bf16"]["enabled"], self.device.type == "cuda"))
+
+        model = build_model(cfg, self.device, self.parallel)
+        self.engine, self.scheduler = build_engine(cfg, model, self.ds_config, self.device, self.parallel)
         # Plain fp32 data parallelism is the one engine that would apply a non-finite step (stability.py).
         self.plain_fp32 = not cfg.parallel.zero_stage and not self.ds_config["bf16"]["enabled"]
         self.guard = StabilityGuard(t.max_skipped_steps)
         self.profiler = StepProfiler(t.profile_dir, t.profile_step_start, t.profile_step_end, dist.get_rank())
         self.state = TrainState()
+        if self.resume:
+            self.load_checkpoint(*self.resume)
         if t.load:
-            self.load_checkpoint(t.load)
             self.logger.truncate_after(self.state.iteration)
         self.exit = ExitConditions(self.device, t.exit_interval, t.exit_duration_in_mins)
         self.flops_per_token = flops_per_token(cfg.model)
@@ -214,12 +216,22 @@ class Trainer:
                                self.tokenizer_identity, self.cfg.training.keep_last)
         self.logger.info(f"saved checkpoint {path}")
 
-    def load_checkpoint(self, directory: str) -> None:
-        loaded = load_checkpoint(self.engine, directory, self.cfg.to_dict(), self.layout, self.tokenizer_identity)
-        if loaded is None:
-            self.logger.info(f"--load {directory}: no checkpoint there yet, starting from scratch")
-            return
-        path, self.state = loaded
+    def check_load(self, load: str | None, save: str | None) -> tuple[str, str] | None:
+        """(directory, tag) of the checkpoint --load names, its metadata checked against the flags; None to
+        start from scratch (no --load, or the first run of a job whose --load is its --save directory)."""
+        if not load:
+            return None
+        resume = resolve_load(load, save)
+        if resume is None:
+            self.logger.info(f"--load {load}: no checkpoint yet in this --save directory, starting from scratch")
+            return None
+        path = os.path.join(*resume)
+        check_compatible(path, read_meta(*resume), self.cfg.to_dict(), self.layout, self.tokenizer_identity)
+        return resume
+
+    def load_checkpoint(self, directory: str, tag: str) -> None:
+        path, self.state = load_checkpoint(self.engine, directory, self.cfg.to_dict(), self.layout,
+                                           self.tokenizer_identity, tag=tag)
         self.logger.info(f"resumed from {path} at iteration {self.state.iteration}")
 
     # --- the loop ---------------------------------------------------------------------------------------------

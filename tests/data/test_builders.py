@@ -1,9 +1,11 @@
 """From DataConfig to datasets: --data-path parsing and blending, --split, mock data, clear errors."""
+import os
+
 import numpy as np
 import pytest
 
 from megacoat.data.blended_dataset import blend_indices
-from megacoat.data.builders import build_train_valid_test_datasets, split_ranges
+from megacoat.data.builders import build_train_valid_test_datasets, check_token_ids, split_ranges
 from megacoat.data.config import DataConfig, parse_data_path
 from megacoat.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 from tests.data.test_gpt_dataset import make_indexed
@@ -79,8 +81,53 @@ def test_requested_split_without_data_is_an_error(two_corpora):
     a, _ = two_corpora
     with pytest.raises(ValueError, match="gives valid no data"):
         build_train_valid_test_datasets(DataConfig(data_path=[a], split="100,0,0"), 16, 10, 5, 0, seed=0)
-    with pytest.raises(ValueError, match="test split .* fewer than one sample"):
+    with pytest.raises(ValueError, match="test split of .* gets none of its 200 documents"):
         build_train_valid_test_datasets(DataConfig(data_path=[a], split="10000,0,1"), 16, 10, 0, 5, seed=0)
+    short_tail = make_indexed(os.path.join(os.path.dirname(a), "tail"), [50] * 9 + [3]).prefix
+    with pytest.raises(ValueError, match="test split .* 3 tokens in 1 documents, fewer than one sample"):
+        build_train_valid_test_datasets(DataConfig(data_path=[short_tail], split="9,0,1"), 16, 10, 0, 5, seed=0)
+
+
+def test_small_data_with_the_default_split_names_the_flag(tmp_path):
+    """10 documents: 969,30,1 rounds the valid split to none of them."""
+    small = make_indexed(tmp_path / "small", [50] * 10).prefix
+    with pytest.raises(ValueError, match=r"--split 969,30,1: the valid split of .* gets none of its 10 documents; "
+                                         r"give it a larger share \(e.g. --split 90,10,0\), or --eval-iters 0"):
+        build_train_valid_test_datasets(DataConfig(data_path=[small]), 16, 10, 5, 0, seed=0)
+    train, valid, _ = build_train_valid_test_datasets(DataConfig(data_path=[small], split="90,10,0"), 16, 10, 5, 0,
+                                                      seed=0)
+    assert len(train) == 10 and len(valid) == 5
+
+
+def test_token_ids_beyond_the_vocabulary_name_the_flag(tmp_path):
+    prefix = make_indexed(tmp_path / "d", [20, 30]).prefix  # ids up to 1000 + 29
+    cfg = DataConfig(data_path=[prefix], split="1,1,0", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"--vocab-size 1000 is too small for .*d.bin: its largest token id is "
+                                         r"1029; pass --vocab-size 1030 or more"):
+        build_train_valid_test_datasets(cfg, 8, 4, 0, 0, seed=0, vocab_size=1000)
+    assert build_train_valid_test_datasets(cfg, 8, 4, 0, 0, seed=0, vocab_size=1030)[0] is not None
+    cached = [n for n in os.listdir(tmp_path / "cache" / "index") if n.startswith("max_token_id-")]
+    assert len(cached) == 1
+
+
+def test_largest_token_id_is_read_once_per_shard(tmp_path, monkeypatch):
+    prefix = make_indexed(tmp_path / "d", [20, 30]).prefix
+    calls = []
+    original = IndexedDataset.max_token_id
+    monkeypatch.setattr(IndexedDataset, "max_token_id", lambda self: calls.append(1) or original(self))
+    cache = str(tmp_path / "cache")
+    for _ in range(3):
+        check_token_ids(IndexedDataset(prefix), 2000, cache)
+    assert len(calls) == 1
+    make_indexed(tmp_path / "d", [20, 31])  # rewritten: another size, so the cached value is not reused
+    with pytest.raises(ValueError, match="largest token id is 1030"):
+        check_token_ids(IndexedDataset(prefix), 1030, cache)
+    assert len(calls) == 2
+    # uint8 ids are all below a vocabulary of 256 or more: nothing to read
+    with IndexedDatasetWriter(str(tmp_path / "u8"), np.uint8) as w:
+        w.add_document(np.arange(256))
+    check_token_ids(IndexedDataset(str(tmp_path / "u8")), 256, cache)
+    assert len(calls) == 2
 
 
 def test_mock_and_missing_data():

@@ -147,3 +147,17 @@ def test_pickles_by_path(good):
     import pickle
     ds = pickle.loads(pickle.dumps(IndexedDataset(good)))
     assert ds[3].tolist() == [65000, 0, 9, 9]
+
+
+def test_max_token_id_over_chunks(tmp_path, monkeypatch):
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 5000, int(n)) for n in rng.integers(0, 50, 40)]
+    docs[17][-1:] = 60000  # the largest id, near the end of one document
+    with IndexedDatasetWriter(str(tmp_path / "d"), np.uint16) as w:
+        for doc in docs:
+            w.add_document(doc)
+    ds = IndexedDataset(str(tmp_path / "d"))
+    assert ds.max_token_id() == 60000 == max(int(d.max()) for d in docs if len(d))
+    with IndexedDatasetWriter(str(tmp_path / "e"), np.uint16):
+        pass
+    assert IndexedDataset(str(tmp_path / "e")).max_token_id() == -1

@@ -31,3 +31,22 @@ def test_bad_arguments(tmp_path, train_tokenizer):
         train_tokenizer.main([str(tmp_path), "--output", str(tmp_path / "x.model"), "--model-type", "wordpiece"])
     with pytest.raises(FileNotFoundError, match="no input files"):
         train_tokenizer.main([str(tmp_path), "--output", str(tmp_path / "x.model")])
+
+
+def test_small_input_warns_and_prints_the_vocabulary_it_made(tmp_path, train_tokenizer, capsys):
+    src = tmp_path / "tiny.txt"
+    src.write_text("alpha beta gamma delta\n" * 20)
+    out = tmp_path / "tiny.model"
+    assert train_tokenizer.main([str(src), "--vocab-size", "32000", "--output", str(out)]) == 0
+    produced = SentencePieceTokenizer(str(out)).vocab_size
+    assert produced < 32000
+    captured = capsys.readouterr()
+    assert f"vocab {produced}," in captured.out
+    assert (f"warning: produced a vocabulary of {produced} pieces, not the --vocab-size 32000 asked for"
+            in captured.err)
+
+
+def test_no_warning_when_the_vocabulary_is_as_asked(tmp_path, train_tokenizer, documents, capsys):
+    src = write_jsonl(tmp_path / "a.jsonl", documents)
+    assert train_tokenizer.main([src, "--vocab-size", "300", "--output", str(tmp_path / "t.model")]) == 0
+    assert "warning" not in capsys.readouterr().err

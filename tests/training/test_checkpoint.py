@@ -144,3 +144,53 @@ def test_other_tokenizer_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="trained with tokenizer"):
         ckpt.load_checkpoint(FakeEngine(), str(d), CONFIG, LAYOUT, ckpt.file_identity(str(tok_b)))
     assert ckpt.load_checkpoint(FakeEngine(), str(d), CONFIG, LAYOUT, ckpt.file_identity(str(tok_a)))
+
+
+# --- what --load names ----------------------------------------------------------------------------------------
+def test_load_names_the_save_directory_or_one_checkpoint(tmp_path):
+    save(tmp_path, 4)
+    save(tmp_path, 8)
+    assert ckpt.resolve_load(str(tmp_path)) == (str(tmp_path), "iter_0000008")  # `latest`
+    for form in (tmp_path / "iter_0000004", f"{tmp_path / 'iter_0000004'}/"):
+        assert ckpt.resolve_load(str(form)) == (str(tmp_path), "iter_0000004")  # DeepSpeed's tag
+    engine = FakeEngine()
+    path, state = ckpt.load_checkpoint(engine, str(tmp_path), CONFIG, LAYOUT, tag="iter_0000004")
+    assert path.endswith("iter_0000004") and state.iteration == 4
+
+
+def test_load_without_a_checkpoint_is_an_error_unless_it_is_the_save_directory(tmp_path):
+    empty, other, missing = tmp_path / "empty", tmp_path / "other", tmp_path / "missing"
+    empty.mkdir(), other.mkdir()
+    (other / "notes.txt").write_text("x")
+    for d in (empty, other):
+        with pytest.raises(FileNotFoundError, match="no checkpoint in this directory"):
+            ckpt.resolve_load(str(d))
+        with pytest.raises(FileNotFoundError, match="no checkpoint in this directory"):
+            ckpt.resolve_load(str(d), save=str(tmp_path / "elsewhere"))
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        ckpt.resolve_load(str(missing))
+    # The first run of a job that saves and resumes in one directory: from scratch, by intent.
+    assert ckpt.resolve_load(str(empty), save=str(empty)) is None
+    assert ckpt.resolve_load(str(missing), save=f"{missing}/") is None
+
+
+def test_an_interrupted_save_named_directly_is_not_a_checkpoint(tmp_path):
+    save(tmp_path, 4)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path, 8, fail_after_write=True)
+    with pytest.raises(FileNotFoundError, match="not a complete megacoat checkpoint"):
+        ckpt.resolve_load(str(tmp_path / ".tmp-iter_0000008"))
+    (tmp_path / "iter_0000009").mkdir()  # a foreign or hand-made directory
+    with pytest.raises(FileNotFoundError, match="not a complete megacoat checkpoint"):
+        ckpt.resolve_load(str(tmp_path / "iter_0000009"))
+
+
+def test_other_coat_adamw_state_format_is_refused_before_loading(tmp_path):
+    optim = {"fp8_optimizer": True, "fp8_m_dtype": "e4m3", "fp8_v_dtype": "e4m3", "fp8_group_size": 128,
+             "fp8_expand": True}
+    layout = Layout(**{**LAYOUT.__dict__, "fp8_optimizer": True})
+    ckpt.save_checkpoint(FakeEngine(), str(tmp_path), TrainState(1, 8), {**CONFIG, "optim": optim}, layout)
+    meta = ckpt.read_meta(str(tmp_path), "iter_0000001")
+    ckpt.check_compatible(str(tmp_path), meta, {**CONFIG, "optim": optim}, layout)
+    with pytest.raises(ValueError, match=r"CoatAdamW state .* \{'fp8_v_dtype': \('e4m3', 'e5m2'\)\}"):
+        ckpt.check_compatible(str(tmp_path), meta, {**CONFIG, "optim": {**optim, "fp8_v_dtype": "e5m2"}}, layout)

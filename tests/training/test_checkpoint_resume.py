@@ -88,3 +88,23 @@ def test_sigkill_at_any_moment_leaves_a_loadable_latest(tmp_path):
     assert f"resumed from {ckpt / tag}" in second.stdout
     assert [i for i, _ in losses(log)] == list(range(1, 31))
     assert not [n for n in os.listdir(ckpt) if n.startswith(".tmp-")]
+
+
+def test_load_takes_the_save_directory_or_one_iteration(tmp_path):
+    """`--load DIR` resumes from the checkpoint DIR/latest names, `--load DIR/iter_0000004` from iteration 4
+    (DeepSpeed's tag); both continue with the uninterrupted run's losses, bit for bit. The first run of a job
+    whose --load is its own --save directory starts from scratch and says so in one line."""
+    argv = ["--train-iters", str(ITERS), "--zero-stage", "0", "--fp32"]
+    run(tmp_path, argv, tmp_path / "full.json")
+    full = losses(tmp_path / "full.json")
+    ckpt = tmp_path / "ckpt"
+    first = run(tmp_path, argv + ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2",
+                                  "--exit-interval", "6"], tmp_path / "first.json")
+    assert f"--load {ckpt}: no checkpoint yet in this --save directory, starting from scratch" in first.stdout
+    assert same_sequence(losses(tmp_path / "first.json"), full[:6])
+    assert (ckpt / "latest").read_text() == "iter_0000006"
+    for load, start in ((ckpt, 6), (ckpt / "iter_0000004", 4)):
+        log = tmp_path / f"from_{start}.json"
+        proc = run(tmp_path, argv + ["--load", str(load)], log)
+        assert f"resumed from {ckpt / f'iter_{start:07d}'} at iteration {start}" in proc.stdout
+        assert same_sequence(losses(log), full[start:]), (start, losses(log), full)

@@ -33,3 +33,16 @@ def test_user_config_that_contradicts_flags_is_an_error(tmp_path):
     cfg = parse_config(["--zero-stage", "2", "--deepspeed_config", str(path)])
     ds = build_deepspeed_config(cfg, 1, on_cuda=False)
     assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True}
+
+
+def test_the_untested_optimizer_warning_is_dropped_and_nothing_else():
+    import logging
+
+    from megacoat.training.deepspeed_config import quiet_tested_optimizer_warning
+
+    def record(msg):
+        return logging.LogRecord("DeepSpeed", logging.WARNING, __file__, 1, msg, None, None)
+
+    assert not quiet_tested_optimizer_warning(
+        record("**** You are using ZeRO with an untested optimizer, proceed with caution *****"))
+    assert quiet_tested_optimizer_warning(record("some other warning"))

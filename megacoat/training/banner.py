@@ -1,0 +1,55 @@
+"""The start-up banner: what this run trains and how (model, precision, FP8, optimizer, parallel layout,
+batch), in one block that rank 0 prints before the model is built."""
+from __future__ import annotations
+
+from megacoat.config import MegacoatConfig
+from megacoat.parallel import ParallelState
+
+
+def _precision(bf16: bool, on_cuda: bool, precision: str) -> str:
+    dtype = "bf16 weights and activations, fp32 master weights in the optimizer" if bf16 else \
+        "fp32 weights and activations"
+    why = f"--{precision}" if precision != "auto" else ("the default on CUDA" if on_cuda else "the default on CPU")
+    return f"{dtype} ({why})"
+
+
+def _fp8(cfg: MegacoatConfig, bf16: bool) -> str:
+    f = cfg.fp8
+    if not f.enabled:
+        return f"off (transformer blocks in {'bf16' if bf16 else 'fp32'}; --fp8-activations or --coat-fp8 turn it on)"
+    gemms = f"FP8 GEMMs (E4M3 inputs and weights, per-tensor scales; gradients {f.grad_dtype.upper()})"
+    if f.mode == "fp8-linear":
+        return f"fp8-linear: {gemms}; norms, SwiGLU and attention in high precision"
+    return (f"coat: {gemms}; RMSNorm and SwiGLU in E4M3 with 1x{f.group_size} group scales, FP8 tensors saved "
+            f"for backward")
+
+
+def _optimizer(cfg: MegacoatConfig) -> str:
+    o = cfg.optim
+    hyper = f"lr {o.lr:g} (min {o.min_lr:g}, {o.lr_decay_style} decay, {o.lr_warmup_iters} warm-up iterations), " \
+            f"weight decay {o.weight_decay:g}, clip {o.clip_grad:g}"
+    if not o.fp8_optimizer:
+        return f"AdamW, fp32 moments; {hyper}"
+    expansion = "on" if o.fp8_expand else "off (--fp8-no-expansion)"
+    return (f"CoatAdamW: first moment {o.fp8_m_dtype.upper()}, second moment {o.fp8_v_dtype.upper()}, one scale "
+            f"per group of {o.fp8_group_size}, dynamic range expansion {expansion}; {hyper}")
+
+
+def startup_banner(cfg: MegacoatConfig, state: ParallelState, world_size: int, grad_accum: int, bf16: bool,
+                   on_cuda: bool) -> str:
+    m, t = cfg.model, cfg.training
+    groups = m.num_query_groups or m.num_attention_heads
+    rows = [
+        ("model", f"{m.num_parameters() / 1e6:.2f}M parameters: {m.num_layers} layers, hidden {m.hidden_size}, FFN "
+                  f"{m.ffn_hidden_size}, {m.num_attention_heads} heads ({groups} query groups), sequence "
+                  f"{m.seq_length}, vocabulary {m.vocab_size}"),
+        ("precision", _precision(bf16, on_cuda, t.precision)),
+        ("FP8", _fp8(cfg, bf16)),
+        ("optimizer", _optimizer(cfg)),
+        ("parallel", f"TP {state.tp_size} x PP {state.pp_size} x DP {state.dp_size}"
+                     + (", sequence parallel" if state.sequence_parallel else "")
+                     + f"; ZeRO-{cfg.parallel.zero_stage}; world size {world_size}"),
+        ("batch", f"micro-batch {t.micro_batch_size}, global batch {t.global_batch_size} (gradient accumulation "
+                  f"{grad_accum}), {t.train_iters} iterations of {t.global_batch_size * m.seq_length} tokens"),
+    ]
+    return "\n".join(["megacoat run:"] + [f"  {k}: {v}" for k, v in rows])

@@ -1,0 +1,33 @@
+"""The start-up banner states precision, the FP8 activation mode, the optimizer and its moment formats, the
+ZeRO stage and the parallel layout."""
+from megacoat.arguments import parse_config
+from megacoat.parallel import ParallelState
+from megacoat.training.banner import startup_banner
+
+
+def test_coat_run_on_cuda_with_bf16():
+    cfg = parse_config(["--coat-fp8", "--fp8-v-dtype", "e5m2", "--fp8-group-size", "64", "--fp8-no-expansion",
+                        "--zero-stage", "2", "--global-batch-size", "32"])
+    text = startup_banner(cfg, ParallelState(dp_size=2), world_size=2, grad_accum=2, bf16=True, on_cuda=True)
+    lines = text.splitlines()
+    assert lines[0] == "megacoat run:" and len(lines) == 7
+    assert "precision: bf16 weights and activations, fp32 master weights in the optimizer (the default on CUDA)" in text
+    assert "FP8: coat: FP8 GEMMs (E4M3 inputs and weights, per-tensor scales; gradients E5M2); RMSNorm and SwiGLU " \
+           "in E4M3 with 1x64 group scales" in text
+    assert "optimizer: CoatAdamW: first moment E4M3, second moment E5M2, one scale per group of 64, dynamic range " \
+           "expansion off (--fp8-no-expansion)" in text
+    assert "parallel: TP 1 x PP 1 x DP 2; ZeRO-2; world size 2" in text
+    assert "global batch 32 (gradient accumulation 2)" in text
+
+
+def test_plain_run_on_cpu():
+    cfg = parse_config(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "0"])
+    state = ParallelState(tp_size=2, sequence_parallel=True)
+    text = startup_banner(cfg, state, world_size=2, grad_accum=2, bf16=False, on_cuda=False)
+    assert "precision: fp32 weights and activations (the default on CPU)" in text
+    assert "FP8: off (transformer blocks in fp32" in text
+    assert "optimizer: AdamW, fp32 moments; lr 0.001" in text
+    assert "parallel: TP 2 x PP 1 x DP 1, sequence parallel; ZeRO-0; world size 2" in text
+    fp8_linear = startup_banner(parse_config(["--fp8-activations", "fp8-linear", "--bf16"]), ParallelState(), 1, 2,
+                                bf16=True, on_cuda=True)
+    assert "FP8: fp8-linear: FP8 GEMMs" in fp8_linear and "(--bf16)" in fp8_linear
