@@ -51,10 +51,11 @@ class Layout:
     fp8_optimizer: bool
 
     def incompatibilities(self, saved: dict) -> list[str]:
-        """Reasons DeepSpeed cannot load a checkpoint saved with `saved` into this layout."""
+        """Reasons DeepSpeed cannot load a checkpoint saved with `saved` into this layout as it is (the loader then
+        goes through the layout-free form; the optimizer is compared separately, reshard.optimizer_changes)."""
         now = self.__dict__
         bad = [f"{k}: saved {saved[k]}, now {now[k]}" for k in
-               ("tensor_model_parallel_size", "pipeline_model_parallel_size", "zero_stage", "fp8_optimizer")
+               ("tensor_model_parallel_size", "pipeline_model_parallel_size", "zero_stage")
                if k in saved and saved[k] != now[k]]
         # ZeRO partitions the optimizer state over the data-parallel ranks; DeepSpeed cannot re-partition
         # ZeRO-1/2 states for another DP size. ZeRO-0 state is whole on every rank: any DP size loads it.
@@ -196,10 +197,19 @@ def _model_diff(saved: dict, now: dict) -> dict:
 
 
 def load_checkpoint(engine, directory: str, config_dict: dict, layout: Layout,
-                    tokenizer: dict | None = None) -> tuple[str, TrainState] | None:
+                    tokenizer: dict | None = None, *, tp_rank: int = 0, finetune: bool = False,
+                    convert_optimizer: bool = False) -> tuple[str, TrainState] | None:
     """Load the checkpoint `latest` names (collective). None when `directory` holds none yet. A checkpoint
-    made by another model, tokenizer or an incompatible parallel layout is an error naming what differs,
-    raised before DeepSpeed reads anything."""
+    made by another model or tokenizer is an error naming what differs, raised before anything is read.
+
+    DeepSpeed loads its own files when the layout and the optimizer are the ones that saved them. Otherwise, and
+    for a layout-free checkpoint (tools/convert_checkpoint.py, tools/convert_from_hf.py), every rank takes its
+    slices of the layout-free form (training/reshard.py). Another optimizer (AdamW <-> CoatAdamW, other
+    CoatAdamW formats or group size) needs `convert_optimizer` (--override-optimizer-state convert).
+    `finetune` (--finetune): weights only; iteration, data position, optimizer and LR schedule start at zero."""
+    from megacoat.checkpoint.layout_free import is_layout_free
+    from megacoat.training import reshard
+
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"--load {directory}: no such directory")
     tag = latest_tag(directory)
@@ -209,20 +219,34 @@ def load_checkpoint(engine, directory: str, config_dict: dict, layout: Layout,
     with open(os.path.join(path, META_FILE)) as f:
         meta = json.load(f)
     saved_model, now_model = meta["megacoat_config"]["model"], config_dict["model"]
-    if saved_model != now_model:
-        raise ValueError(f"--load {path}: the checkpoint's model differs from the flags "
-                         f"(field: (saved, now)): {_model_diff(saved_model, now_model)}")
-    bad = layout.incompatibilities(meta["layout"])
-    if bad:
-        raise ValueError(f"--load {path}: incompatible parallel layout: " + "; ".join(bad))
+    # Fine-tuning may train at another sequence length; the initialisation's std does not matter to loaded weights.
+    ignored = ("seq_length", "init_std") if finetune else ()
+    diff = {k: v for k, v in _model_diff(saved_model, now_model).items() if k not in ignored}
+    if diff:
+        raise ValueError(f"--load {path}: the checkpoint's model differs from the flags (field: (saved, now)): {diff}")
     if meta.get("tokenizer") and tokenizer and meta["tokenizer"]["sha256"] != tokenizer["sha256"]:
         raise ValueError(f"--load {path}: the checkpoint was trained with tokenizer {meta['tokenizer']['path']} "
                          f"(sha256 {meta['tokenizer']['sha256'][:12]}...), not {tokenizer['path']} "
                          f"(sha256 {tokenizer['sha256'][:12]}...)")
-    loaded, _ = engine.load_checkpoint(directory, tag=tag)
-    if loaded is None:
-        raise RuntimeError(f"--load {path}: DeepSpeed could not load this checkpoint")
-    rng_path = os.path.join(path, _rng_file(dist.get_rank()))
-    if os.path.isfile(rng_path):  # absent when resuming on more ranks than saved (ZeRO-0): keep the seeds
-        set_rng_state(torch.load(rng_path, weights_only=False))
+    layout_free = is_layout_free(meta)
+    changed = [] if finetune or (layout_free and not meta.get("optimizer")) else \
+        reshard.optimizer_changes(meta["megacoat_config"]["optim"], config_dict["optim"])
+    if changed and not convert_optimizer:
+        raise ValueError(f"--load {path}: the checkpoint's optimizer state is not this run's: " + "; ".join(changed)
+                         + ". Pass --override-optimizer-state convert to convert it (moments kept as fp32 and "
+                         "re-quantized), or --finetune to start the optimizer afresh")
+    if not layout_free and not finetune and not changed and not layout.incompatibilities(meta["layout"]):
+        loaded, _ = engine.load_checkpoint(directory, tag=tag)
+        if loaded is None:
+            raise RuntimeError(f"--load {path}: DeepSpeed could not load this checkpoint")
+        rng_path = os.path.join(path, _rng_file(dist.get_rank()))
+        if os.path.isfile(rng_path):  # absent when resuming on more ranks than saved (ZeRO-0): keep the seeds
+            set_rng_state(torch.load(rng_path, weights_only=False))
+        return path, TrainState(meta["iteration"], meta["consumed_samples"], meta.get("skipped_steps", 0))
+    if not layout_free:
+        path = reshard.ensure_layout_free(path, with_state=not finetune)
+    meta = reshard.load_layout_free(engine, path, tp_rank, saved_model["num_layers"],
+                                    layout.tensor_model_parallel_size, finetune)
+    if finetune:
+        return path, TrainState()
     return path, TrainState(meta["iteration"], meta["consumed_samples"], meta.get("skipped_steps", 0))

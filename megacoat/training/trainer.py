@@ -19,6 +19,7 @@ from megacoat.fp8.linear import invalidate_fp8_weight_caches
 from megacoat.parallel import initialize_parallel_state
 from megacoat.parallel.grad_norm import global_grad_norm
 from megacoat.training.checkpointing import Layout, TrainState, file_identity, load_checkpoint, save_checkpoint
+from megacoat.training.reshard import describe_resume
 from megacoat.training.deepspeed_config import build_deepspeed_config
 from megacoat.training.distributed import all_reduce_mean, init_distributed, is_main_process
 from megacoat.training.flops import flops_per_token, peak_flops
@@ -215,12 +216,19 @@ class Trainer:
         self.logger.info(f"saved checkpoint {path}")
 
     def load_checkpoint(self, directory: str) -> None:
-        loaded = load_checkpoint(self.engine, directory, self.cfg.to_dict(), self.layout, self.tokenizer_identity)
+        t = self.cfg.training
+        loaded = load_checkpoint(self.engine, directory, self.cfg.to_dict(), self.layout, self.tokenizer_identity,
+                                 tp_rank=self.parallel.tp_rank, finetune=t.finetune,
+                                 convert_optimizer=t.override_optimizer_state == "convert")
         if loaded is None:
             self.logger.info(f"--load {directory}: no checkpoint there yet, starting from scratch")
             return
         path, self.state = loaded
-        self.logger.info(f"resumed from {path} at iteration {self.state.iteration}")
+        invalidate_fp8_weight_caches()
+        for line in describe_resume(path, self.cfg.to_dict(), self.layout, t.finetune):
+            self.logger.info(line)
+        self.logger.info(f"{'fine-tuning from' if t.finetune else 'resumed from'} {path} "
+                         f"at iteration {self.state.iteration}")
 
     # --- the loop ---------------------------------------------------------------------------------------------
     def train(self) -> dict:
