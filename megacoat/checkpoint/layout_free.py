@@ -22,10 +22,10 @@ import shutil
 
 import torch
 
+from megacoat.checkpoint.paths import META_FILE
 from megacoat.checkpoint.sharding import tensor_parallel_dim
 
 LAYOUT_FREE = "layout-free"
-META_FILE = "megacoat.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
