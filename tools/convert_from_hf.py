@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         out = convert(args.hf_dir, args.output)
         with open(os.path.join(out, "megacoat.json")) as f:
             cfg = ModelConfig(**json.load(f)["megacoat_config"]["model"])
-    except (FileNotFoundError, ValueError, KeyError) as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {out}; train from it with: pretrain_gpt.py --load {args.output} --finetune "

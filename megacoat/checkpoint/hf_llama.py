@@ -82,6 +82,11 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
 
 def model_config_from_hf(c: dict) -> ModelConfig:
     """The megacoat ModelConfig of an HF Llama config.json; features megacoat's GPT lacks are errors."""
+    required = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                "max_position_embeddings", "vocab_size", "rms_norm_eps")
+    missing = [k for k in required if k not in c]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}")
     if c.get("model_type") != "llama":
         raise ValueError(f"model_type is {c.get('model_type')!r}; only Llama checkpoints convert")
     for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("rope_scaling", None)):
@@ -90,7 +95,10 @@ def model_config_from_hf(c: dict) -> ModelConfig:
     heads = c["num_attention_heads"]
     if c.get("head_dim", c["hidden_size"] // heads) != c["hidden_size"] // heads:
         raise ValueError(f"head_dim {c['head_dim']} != hidden_size / num_attention_heads; not supported")
-    theta = c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    rope = c.get("rope_parameters") or {}  # transformers >= 5 keeps rope_theta here
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type {rope['rope_type']!r} is not supported by megacoat's GPT (needs 'default')")
+    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
     return ModelConfig(num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
                        ffn_hidden_size=c["intermediate_size"], num_attention_heads=heads,
                        num_query_groups=c.get("num_key_value_heads") or heads,
