@@ -230,7 +230,7 @@ def load_checkpoint(engine, directory: str, config_dict: dict, layout: Layout,
                          f"(sha256 {tokenizer['sha256'][:12]}...)")
     layout_free = is_layout_free(meta)
     changed = [] if finetune or (layout_free and not meta.get("optimizer")) else \
-        reshard.optimizer_changes(meta["megacoat_config"]["optim"], config_dict["optim"])
+        reshard.optimizer_changes(meta["megacoat_config"].get("optim", {}), config_dict.get("optim", {}))
     if changed and not convert_optimizer:
         raise ValueError(f"--load {path}: the checkpoint's optimizer state is not this run's: " + "; ".join(changed)
                          + ". Pass --override-optimizer-state convert to convert it (moments kept as fp32 and "

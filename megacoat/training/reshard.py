@@ -24,12 +24,13 @@ FP8_STATE_SETTINGS = ("fp8_m_dtype", "fp8_v_dtype", "fp8_group_size", "fp8_expan
 
 def optimizer_changes(saved_optim: dict, now_optim: dict) -> list[str]:
     """What differs between the optimizer state a checkpoint holds and the one this run keeps."""
-    if saved_optim.get("fp8_optimizer") != now_optim["fp8_optimizer"]:
-        return [f"fp8_optimizer: saved {saved_optim.get('fp8_optimizer')}, now {now_optim['fp8_optimizer']}"]
-    if not now_optim["fp8_optimizer"]:
+    saved, now = saved_optim.get("fp8_optimizer"), now_optim.get("fp8_optimizer")
+    if saved != now:
+        return [f"fp8_optimizer: saved {saved}, now {now}"]
+    if not now:
         return []
     return [f"{k}: saved {saved_optim[k]!r}, now {now_optim[k]!r}" for k in FP8_STATE_SETTINGS
-            if k in saved_optim and saved_optim[k] != now_optim[k]]
+            if k in saved_optim and k in now_optim and saved_optim[k] != now_optim[k]]
 
 
 def convert_command(path: str) -> str:
@@ -87,7 +88,7 @@ def describe_resume(path: str, config_dict: dict, layout, finetune: bool = False
     if moved:
         lines.append("checkpoint layout changed: " + ", ".join(moved))
     changed = [] if finetune or not meta.get("optimizer", True) else \
-        optimizer_changes(meta["megacoat_config"]["optim"], config_dict["optim"])
+        optimizer_changes(meta["megacoat_config"].get("optim", {}), config_dict.get("optim", {}))
     if changed:
         lines.append("optimizer state converted: " + "; ".join(changed))
     saved_gb = meta["megacoat_config"]["training"]["global_batch_size"]
