@@ -121,9 +121,6 @@ def _zero0_names(model_sd: dict) -> list[str]:
 
 def _read_zero0(path: str, model_sd: dict, tp: int, num_layers: int, col: _Collector, with_state: bool) -> None:
     module = model_sd["module"]
-    if module is None:
-        raise ValueError(f"{path}: a pipeline-parallel ZeRO-0 checkpoint keeps its optimizer state by position only; "
-                         "convert it with --finetune (weights only), or save the run with --zero-stage 1")
     names = _zero0_names(model_sd)
     for name in names:
         plain = plain_name(name, num_layers)
@@ -168,20 +165,23 @@ def read_checkpoint(tag_dir: str, with_state: bool = True) -> FullCheckpoint:
         meta = json.load(f)
     layout, model = meta["layout"], meta["megacoat_config"]["model"]
     tp_size, pp_size = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
-    dp_size, zero = layout["data_parallel_size"], layout["zero_stage"]
+    dp_size = layout["data_parallel_size"]
     num_layers = model["num_layers"]
     col = _Collector(tp_size)
     files = _model_files(tag_dir, tp_size * pp_size)
-    if zero == 0 and pp_size > 1:
-        _pipeline_layer_weights(tag_dir, num_layers, model["tie_embeddings"], col)
+    # Flat fp32 partitions exist under ZeRO-1/2 and under DeepSpeed's BF16_Optimizer (bf16 pipelines at ZeRO-0).
+    partitioned = os.path.isfile(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    if not partitioned and pp_size > 1:
         if with_state:
-            _read_zero0(files[0], {"module": None}, 0, num_layers, col, True)  # raises the clear error
-    for mp, path in enumerate(files):
-        if zero == 0 and pp_size > 1:
-            break
+            raise ValueError(f"{tag_dir}: a pipeline-parallel ZeRO-0 checkpoint keeps its optimizer state by "
+                             "position only: convert it weights only (--weights-only, or --load with --finetune)")
+        _pipeline_layer_weights(tag_dir, num_layers, model["tie_embeddings"], col)
+    for mp, path in enumerate(files if partitioned or pp_size == 1 else []):
         model_sd = _load(path)
         tp = mp % tp_size
-        if zero:
+        if partitioned:
+            if not model_sd.get("param_shapes"):
+                raise ValueError(f"{path}: no param_shapes beside the ZeRO partitions; cannot place them")
             _read_zero(tag_dir, mp, tp, dp_size, model_sd["param_shapes"], num_layers, col)
         else:
             _read_zero0(path, model_sd, tp, num_layers, col, with_state)

@@ -244,7 +244,7 @@ def load_checkpoint(engine, directory: str, config_dict: dict, layout: Layout,
             set_rng_state(torch.load(rng_path, weights_only=False))
         return path, TrainState(meta["iteration"], meta["consumed_samples"], meta.get("skipped_steps", 0))
     if not layout_free:
-        path = reshard.ensure_layout_free(path, with_state=not finetune)
+        path = reshard.ensure_layout_free(path, need_state=not finetune)
     meta = reshard.load_layout_free(engine, path, tp_rank, saved_model["num_layers"],
                                     layout.tensor_model_parallel_size, finetune)
     if finetune:

@@ -37,15 +37,28 @@ def convert_command(path: str) -> str:
     return (f"python tools/convert_checkpoint.py --load {path} --output OUT (then --load OUT)")
 
 
-def ensure_layout_free(path: str, with_state: bool) -> str:
-    """The layout-free form of the DeepSpeed checkpoint at `path` (collective): made by rank 0 if absent."""
+def ensure_layout_free(path: str, need_state: bool) -> str:
+    """The layout-free form of the DeepSpeed checkpoint at `path` (collective): made by rank 0 if absent, with
+    the optimizer state (weights only where that cannot be read and `need_state` is false)."""
+    import json
+
     target = os.path.join(path, LAYOUT_FREE_DIR)
     error = [None]
-    if dist.get_rank() == 0 and not os.path.isfile(os.path.join(target, META_FILE)):
+    if dist.get_rank() == 0:
         from megacoat.checkpoint.from_deepspeed import to_layout_free
 
+        meta = None
+        if os.path.isfile(os.path.join(target, META_FILE)):
+            with open(os.path.join(target, META_FILE)) as f:
+                meta = json.load(f)
         try:
-            to_layout_free(path, target, with_state=with_state)
+            if meta is None or (need_state and meta.get("optimizer") is None):
+                try:
+                    to_layout_free(path, target, with_state=True)
+                except ValueError:
+                    if need_state:
+                        raise
+                    to_layout_free(path, target, with_state=False)
         except (OSError, ValueError) as e:
             error[0] = f"{e}"
     dist.broadcast_object_list(error, src=0)
@@ -93,7 +106,7 @@ def describe_resume(path: str, config_dict: dict, layout, finetune: bool = False
         lines.append("optimizer state converted: " + "; ".join(changed))
     saved_gb = meta["megacoat_config"]["training"]["global_batch_size"]
     now_gb = config_dict["training"]["global_batch_size"]
-    if saved_gb != now_gb:
+    if saved_gb != now_gb and not finetune:
         lines.append(f"global batch changed: saved {saved_gb}, now {now_gb} (the data position continues at the "
                      f"consumed sample count)")
     return lines

@@ -8,31 +8,38 @@ import torch
 from tests.training.checkpoint_runs import losses, run
 
 ITERS = 12
-BASE = ["--train-iters", str(ITERS), "--fp32", "--zero-stage", "1"]
+BASE = ["--train-iters", str(ITERS), "--fp32"]
 CONVERT = ["--override-optimizer-state", "convert"]
 # (flags of the segment, iteration it stops at)
-SEGMENTS = [([], 4), (["--fp8-optimizer"], 8), (["--fp8-optimizer", "--fp8-group-size", "32", "--fp8-v-dtype", "e5m2"], 10),
-            ([], 12)]
+# The third segment also moves to ZeRO-0, where the optimizer's state is per model parameter, not per partition.
+SEGMENTS = [([], 4), (["--fp8-optimizer"], 8),
+            (["--fp8-optimizer", "--fp8-group-size", "32", "--fp8-v-dtype", "e5m2", "--zero-stage", "0"], 10), ([], 12)]
 
 
 def saved_step(ckpt, iteration) -> int:
-    sd = torch.load(ckpt / f"iter_{iteration:07d}" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
-    return int(sd["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["step"])
+    tag = ckpt / f"iter_{iteration:07d}"
+    if (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file():
+        sd = torch.load(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+        return int(sd["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["step"])
+    sd = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)  # ZeRO-0: the client optimizer's
+    return int(sd["optimizer"]["state"][0]["step"])
 
 
 @pytest.mark.slow
 def test_adamw_to_coat_to_other_coat_to_adamw(tmp_path):
-    run(tmp_path, BASE, tmp_path / "ref.json")
+    run(tmp_path, BASE + ["--zero-stage", "1"], tmp_path / "ref.json")
     ref = losses(tmp_path / "ref.json")
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
-    run(tmp_path, BASE + ["--save", str(ckpt), "--exit-interval", "4"], log)
-    refused = run(tmp_path, BASE + ["--fp8-optimizer", "--load", str(ckpt)], tmp_path / "bad.json", check=False)
+    run(tmp_path, BASE + ["--zero-stage", "1", "--save", str(ckpt), "--exit-interval", "4"], log)
+    refused = run(tmp_path, BASE + ["--zero-stage", "1", "--fp8-optimizer", "--load", str(ckpt)], tmp_path / "bad.json",
+                  check=False)
     assert refused.returncode != 0
     assert ("optimizer state is not this run's: fp8_optimizer: saved False, now True. Pass "
             "--override-optimizer-state convert") in refused.stderr
     for (flags, stop), (_, start) in zip(SEGMENTS[1:], SEGMENTS[:-1]):
         exit_at = ["--exit-interval", str(stop)] if stop < ITERS else []
-        proc = run(tmp_path, BASE + flags + CONVERT + ["--save", str(ckpt), "--load", str(ckpt)] + exit_at, log)
+        zero = [] if "--zero-stage" in flags else ["--zero-stage", "1"]
+        proc = run(tmp_path, BASE + zero + flags + CONVERT + ["--save", str(ckpt), "--load", str(ckpt)] + exit_at, log)
         assert "optimizer state converted: " in proc.stdout and f"at iteration {start}" in proc.stdout
         assert saved_step(ckpt, stop) == stop  # the step count carried over every conversion
     got = losses(log)
