@@ -6,6 +6,7 @@ Layout of `--save DIR`:
     DIR/iter_0000100/          one complete checkpoint: DeepSpeed's files, megacoat.json, rng_rank00000.pt, ...
     DIR/latest                 the tag of the newest complete checkpoint (DeepSpeed's convention)
     DIR/.tmp-iter_0000200/     a save in progress (or killed mid-way): never read, removed by the next save
+    DIR/iter_0000100/layout_free/   made on a --load by another layout or optimizer (training/reshard.py)
 
 A save writes everything into the temporary tag, all ranks barrier, then rank 0 renames it into place and
 replaces `latest` (write-temp, fsync, os.replace). A kill at any moment therefore leaves `latest` naming a
