@@ -9,7 +9,7 @@ Exactness: dequantize -> quantize -> dequantize returns the same fp32 moments bi
 same (the largest code of a group maps back to its amax, so scale and k are recomputed identically; only the sign
 of a zero code may flip). Over other group boundaries (another ZeRO partition or TP shard) or settings the moments
 carry one FP8 quantization error: relative u = F.eps / 2 for values in the normal range ((1 + u)^(1/k) - 1 with
-expansion exponent k), absolute half a subnormal step of the group's scale below it (megacoat.fp8.expansion).
+expansion exponent k), absolute half a subnormal step of the group's scale below it (the quantizer contract of megacoat.ops.coat_adamw_ref).
 
 Per-element state keys this module does not know (a tensor with one entry per parameter element) are carried as
 fp32 under their own name and handed back to an optimizer of the same kind.
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from megacoat.fp8.formats import get_format
 from megacoat.ops.coat_adamw_ref import dequantize_moment_ref, quantize_moment_ref
-from megacoat.ops.coat_adamw_tables import num_groups
+from megacoat.ops.numerics import num_groups
 from megacoat.optim.coat_adamw import STATE_CONFIG_KEYS, STATE_KEYS
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -93,7 +94,7 @@ def state_from_fp32(fp32: dict[str, torch.Tensor], step: int, group: dict, param
         gs = group["group_size"]
         for key in MOMENTS:
             flat = plain.pop(key).reshape(-1).to(param.device, torch.float32)
-            fmt = group[MOMENT_FORMAT_KEY[key]]
+            fmt = get_format(group[MOMENT_FORMAT_KEY[key]]).dtype
             pieces = [quantize_moment_ref(flat[s:s + _SLICE], fmt, gs, group["expand"])
                       for s in range(0, max(n, 1), _SLICE)]
             state[key] = torch.cat([p[0] for p in pieces])
