@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None,
                    help="save every N iterations (default: with --save, at the end only)")
     g.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints under --save")
+    g.add_argument("--finetune", action="store_true",
+                   help="--load only the weights: iteration, data position, optimizer and LR schedule start at zero")
+    g.add_argument("--override-optimizer-state", choices=("convert",), default=None,
+                   help="convert: --load a checkpoint of another optimizer (AdamW <-> --fp8-optimizer, other "
+                        "--fp8-m-dtype/--fp8-v-dtype/--fp8-group-size/--fp8-no-expansion) by converting its state")
     g.add_argument("--exit-interval", type=int, default=None, help="save and exit when iteration %% N == 0")
     g.add_argument("--profile-dir", default=None,
                    help="torch.profiler over iterations (--profile-step-start, --profile-step-end]: a Chrome trace "
@@ -198,7 +203,8 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         max_skipped_steps=args.max_skipped_steps, tensorboard_dir=args.tensorboard_dir,
         wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
         compile=args.compile, profile_dir=args.profile_dir, profile_step_start=args.profile_step_start,
-        profile_step_end=args.profile_step_end, debug=args.debug)
+        profile_step_end=args.profile_step_end, debug=args.debug, finetune=args.finetune,
+        override_optimizer_state=args.override_optimizer_state)
     if data.mock_data and data.data_path:
         raise ValueError("--mock-data and --data-path are exclusive")
     return MegacoatConfig(model=model, optim=optim, data=data, fp8=fp8, parallel=parallel, training=training)

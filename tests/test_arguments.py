@@ -25,9 +25,16 @@ def test_defaults_build_a_config():
     (["--bf16", "--fp32"], "--fp32"),
     (["--no-such-flag"], "--no-such-flag"),
     (["--save-interval", "5"], "--save"),
+    (["--finetune"], "--finetune needs --load"),
+    (["--override-optimizer-state", "reset"], "--override-optimizer-state"),
 ])
 def test_bad_flags_name_the_flag(capsys, argv, flag):
     assert flag in _error(capsys, argv)
+
+
+def test_checkpoint_conversion_flags_reach_the_config():
+    t = parse_config(["--load", "ckpt", "--finetune", "--override-optimizer-state", "convert"]).training
+    assert t.finetune and t.override_optimizer_state == "convert"
 
 
 def test_compile_composes_with_every_fp8_mode():

@@ -6,11 +6,11 @@ Llama format: config.json + model.safetensors (+ tokenizer.model when the run ha
     python tools/convert_to_hf.py --load checkpoints/run1/iter_0001000 --output hf/run1 --dtype fp32
 
 Two things differ between the formats besides names:
-- Rotary convention: megacoat rotates interleaved pairs (x[2i], x[2i+1]) per head (Meta's original Llama);
-  HF rotates halves (x[i], x[i + d/2]) (`rotate_half`). Rows of wq/wk are permuted per head to match, as
-  HF's own convert_llama_weights_to_hf `permute` does; wv/wo are unchanged.
+- Rotary convention: rows of wq/wk are permuted per head from megacoat's interleaved pairs to HF's halves
+  (megacoat.checkpoint.hf_llama, shared with tools/convert_from_hf.py).
 - Tensor/pipeline shards: weights are gathered from DeepSpeed's per-rank files (column-parallel weights
-  and the vocabulary concatenated on dim 0, row-parallel ones on dim 1, norms replicated).
+  and the vocabulary concatenated on dim 0, row-parallel ones on dim 1, norms replicated). A layout-free
+  checkpoint (tools/convert_checkpoint.py) is read as it is.
 """
 from __future__ import annotations
 
@@ -26,42 +26,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megacoat.checkpoint.hf_llama import hf_config, to_hf_state_dict  # noqa: E402
+from megacoat.checkpoint.layout_free import WEIGHTS_FILE, is_layout_free  # noqa: E402
+from megacoat.checkpoint.paths import META_FILE, resolve_tag_dir  # noqa: E402
+from megacoat.checkpoint.sharding import merge_tensor_parallel, plain_name  # noqa: E402
 from megacoat.model.config import ModelConfig  # noqa: E402
-
-META_FILE = "megacoat.json"
-COLUMN = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
-ROW = ("attention.wo", "feed_forward.w2")
-VOCAB = ("tok_embeddings.weight", "output.weight")
-
-
-def resolve_tag_dir(path: str) -> str:
-    """A checkpoint directory (`--save DIR`, follows `latest`) or one tag directory inside it."""
-    if os.path.isfile(os.path.join(path, META_FILE)):
-        return path
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            tag_dir = os.path.join(path, f.read().strip())
-        if os.path.isfile(os.path.join(tag_dir, META_FILE)):
-            return tag_dir
-    raise FileNotFoundError(f"{path}: not a megacoat checkpoint (no {META_FILE}, no 'latest' naming one)")
 
 
 def _load(path: str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def _pipeline_key(layer: int, key: str, num_layers: int, tied: bool) -> str | None:
-    """The plain GPT's name for `key` of PipelineModule layer `layer`
-    ([embedding] [block 0..L-1] [final norm] [head]); None for the tied head (a copy of the embedding)."""
-    if layer == 0:
-        return "tok_embeddings.weight"
-    if layer <= num_layers:
-        assert key.startswith("block."), key
-        return f"layers.{layer - 1}.{key[len('block.'):]}"
-    if layer == num_layers + 1:
-        return "norm.weight"
-    return None if tied else "output.weight"
 
 
 def read_shards(tag_dir: str, cfg: ModelConfig) -> list[dict[str, torch.Tensor]]:
@@ -71,10 +44,8 @@ def read_shards(tag_dir: str, cfg: ModelConfig) -> list[dict[str, torch.Tensor]]
         shards: dict[int, dict] = {}
         for path in layer_files:
             layer, tp = map(int, re.search(r"layer_(\d+)-model_(\d+)-model_states", path).groups())
-            for key, value in _load(path).items():
-                name = _pipeline_key(layer, key, cfg.num_layers, cfg.tie_embeddings)
-                if name is not None:
-                    shards.setdefault(tp, {})[name] = value
+            for key, value in _load(path).items():  # a tied head's file repeats the embedding: same tensor
+                shards.setdefault(tp, {})[plain_name(f"{layer}.{key}", cfg.num_layers)] = value
         return [shards[r] for r in sorted(shards)]
     files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
     if not files:
@@ -83,30 +54,18 @@ def read_shards(tag_dir: str, cfg: ModelConfig) -> list[dict[str, torch.Tensor]]
     return [_load(path)["module"] for path in files]
 
 
-def merge_tensor_parallel(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    if len(shards) == 1:
-        return dict(shards[0])
-    out = {}
-    for name, first in shards[0].items():
-        pieces = [s[name] for s in shards]
-        if name in VOCAB or any(f".{c}." in f".{name}" for c in COLUMN):
-            out[name] = torch.cat(pieces, 0)
-        elif any(f".{r}." in f".{name}" for r in ROW):
-            out[name] = torch.cat(pieces, 1)
-        else:  # norms: replicated on every TP rank
-            if not all(torch.equal(first, p) for p in pieces[1:]):
-                raise ValueError(f"{name}: replicated parameter differs between tensor-parallel ranks")
-            out[name] = first
-    return out
-
-
 def load_megacoat_checkpoint(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
     """(model config, full state dict with the plain GPT's names, megacoat.json) of a checkpoint."""
     tag_dir = resolve_tag_dir(path)
     with open(os.path.join(tag_dir, META_FILE)) as f:
         meta = json.load(f)
     cfg = ModelConfig(**meta["megacoat_config"]["model"])
-    state = merge_tensor_parallel(read_shards(tag_dir, cfg))
+    if is_layout_free(meta):  # tools/convert_checkpoint.py, tools/convert_from_hf.py: full fp32 tensors
+        from safetensors.torch import load_file
+
+        state = load_file(os.path.join(tag_dir, WEIGHTS_FILE))
+    else:
+        state = merge_tensor_parallel(read_shards(tag_dir, cfg))
     if cfg.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     expected = set(expected_keys(cfg))
@@ -137,45 +96,6 @@ def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
             "attention.wq.weight": (h, h), "attention.wk.weight": (kv, h), "attention.wv.weight": (kv, h),
             "attention.wo.weight": (h, h), "feed_forward.w1.weight": (f, h), "feed_forward.w3.weight": (f, h),
             "feed_forward.w2.weight": (h, f)}[last]
-
-
-def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder each head's output rows from pairs (2i, 2i+1) to halves (i, i + d/2)."""
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def to_hf_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
-    out = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
-    if not cfg.tie_embeddings:  # tied: HF re-ties lm_head to the embedding (config.tie_word_embeddings)
-        out["lm_head.weight"] = state["output.weight"]
-    for i in range(cfg.num_layers):
-        m, h = f"layers.{i}.", f"model.layers.{i}."
-        out[h + "self_attn.q_proj.weight"] = interleaved_to_half(state[m + "attention.wq.weight"],
-                                                                 cfg.num_attention_heads)
-        out[h + "self_attn.k_proj.weight"] = interleaved_to_half(state[m + "attention.wk.weight"],
-                                                                 cfg.num_query_groups)
-        out[h + "self_attn.v_proj.weight"] = state[m + "attention.wv.weight"]
-        out[h + "self_attn.o_proj.weight"] = state[m + "attention.wo.weight"]
-        out[h + "mlp.gate_proj.weight"] = state[m + "feed_forward.w1.weight"]
-        out[h + "mlp.up_proj.weight"] = state[m + "feed_forward.w3.weight"]
-        out[h + "mlp.down_proj.weight"] = state[m + "feed_forward.w2.weight"]
-        out[h + "input_layernorm.weight"] = state[m + "attention_norm.weight"]
-        out[h + "post_attention_layernorm.weight"] = state[m + "ffn_norm.weight"]
-    return {k: v.detach().to(dtype).contiguous() for k, v in out.items()}
-
-
-def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_query_groups, "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "rope_scaling": None, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
-        "torch_dtype": {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype], "use_cache": True,
-    }
 
 
 def convert(load: str, output: str, dtype: torch.dtype = torch.bfloat16) -> str:

@@ -6,6 +6,7 @@ Layout of `--save DIR`:
     DIR/iter_0000100/          one complete checkpoint: DeepSpeed's files, megacoat.json, rng_rank00000.pt, ...
     DIR/latest                 the tag of the newest complete checkpoint (DeepSpeed's convention)
     DIR/.tmp-iter_0000200/     a save in progress (or killed mid-way): never read, removed by the next save
+    DIR/iter_0000100/layout_free/   made on a --load by another layout or optimizer (training/reshard.py)
 
 A save writes everything into the temporary tag, all ranks barrier, then rank 0 renames it into place and
 replaces `latest` (write-temp, fsync, os.replace). A kill at any moment therefore leaves `latest` naming a
@@ -51,10 +52,11 @@ class Layout:
     fp8_optimizer: bool
 
     def incompatibilities(self, saved: dict) -> list[str]:
-        """Reasons DeepSpeed cannot load a checkpoint saved with `saved` into this layout."""
+        """Reasons DeepSpeed cannot load a checkpoint saved with `saved` into this layout as it is (the loader then
+        goes through the layout-free form; the optimizer is compared separately, reshard.optimizer_changes)."""
         now = self.__dict__
         bad = [f"{k}: saved {saved[k]}, now {now[k]}" for k in
-               ("tensor_model_parallel_size", "pipeline_model_parallel_size", "zero_stage", "fp8_optimizer")
+               ("tensor_model_parallel_size", "pipeline_model_parallel_size", "zero_stage")
                if k in saved and saved[k] != now[k]]
         # ZeRO partitions the optimizer state over the data-parallel ranks; DeepSpeed cannot re-partition
         # ZeRO-1/2 states for another DP size. ZeRO-0 state is whole on every rank: any DP size loads it.
@@ -235,40 +237,53 @@ def read_meta(directory: str, tag: str) -> dict:
         raise ValueError(f"--load {os.path.join(directory, tag)}: {path} is not valid JSON ({e})") from None
 
 
-# CoatAdamW's state is stored in these formats; another value cannot read it (AdamW vs CoatAdamW is the
-# layout's fp8_optimizer).
-OPTIMIZER_STATE_KEYS = ("fp8_m_dtype", "fp8_v_dtype", "fp8_group_size", "fp8_expand")
-
-
-def check_compatible(path: str, meta: dict, config_dict: dict, layout: Layout,
-                     tokenizer: dict | None = None) -> None:
-    """Refuse a checkpoint made by another model, optimizer state format, tokenizer or an incompatible
-    parallel layout, naming what differs. Reads only megacoat.json: runs before the model is built."""
+def check_compatible(path: str, meta: dict, config_dict: dict, layout: Layout, tokenizer: dict | None = None,
+                     *, finetune: bool = False, convert_optimizer: bool = False) -> None:
+    """Refuse a checkpoint made by another model or tokenizer, or holding another optimizer's state without
+    `convert_optimizer`, naming what differs. Reads only megacoat.json: runs before the model is built. Another
+    parallel layout is no error: load_checkpoint reshards through the layout-free form."""
     saved_model, now_model = meta["megacoat_config"]["model"], config_dict["model"]
-    if saved_model != now_model:
-        raise ValueError(f"--load {path}: the checkpoint's model differs from the flags "
-                         f"(field: (saved, now)): {_model_diff(saved_model, now_model)}")
-    bad = layout.incompatibilities(meta["layout"])
-    if bad:
-        raise ValueError(f"--load {path}: incompatible parallel layout: " + "; ".join(bad))
-    saved_optim, now_optim = meta["megacoat_config"].get("optim", {}), config_dict.get("optim", {})
-    if saved_optim.get("fp8_optimizer") and now_optim.get("fp8_optimizer"):
-        diff = {k: (saved_optim[k], now_optim[k]) for k in OPTIMIZER_STATE_KEYS
-                if k in saved_optim and saved_optim[k] != now_optim[k]}
-        if diff:
-            raise ValueError(f"--load {path}: the checkpoint's CoatAdamW state was stored in another format "
-                             f"(field: (saved, now)): {diff}")
+    # Fine-tuning may train at another sequence length; the initialisation's std does not matter to loaded weights.
+    ignored = ("seq_length", "init_std") if finetune else ()
+    diff = {k: v for k, v in _model_diff(saved_model, now_model).items() if k not in ignored}
+    if diff:
+        raise ValueError(f"--load {path}: the checkpoint's model differs from the flags (field: (saved, now)): {diff}")
+    changed = optimizer_changes_of(meta, config_dict, finetune)
+    if changed and not convert_optimizer:
+        raise ValueError(f"--load {path}: the checkpoint's optimizer state is not this run's: " + "; ".join(changed)
+                         + ". Pass --override-optimizer-state convert to convert it (moments kept as fp32 and "
+                         "re-quantized), or --finetune to start the optimizer afresh")
     if meta.get("tokenizer") and tokenizer and meta["tokenizer"]["sha256"] != tokenizer["sha256"]:
         raise ValueError(f"--load {path}: the checkpoint was trained with tokenizer {meta['tokenizer']['path']} "
                          f"(sha256 {meta['tokenizer']['sha256'][:12]}...), not {tokenizer['path']} "
                          f"(sha256 {tokenizer['sha256'][:12]}...)")
 
 
-def load_checkpoint(engine, directory: str, config_dict: dict, layout: Layout,
-                    tokenizer: dict | None = None, tag: str | None = None) -> tuple[str, TrainState] | None:
+def optimizer_changes_of(meta: dict, config_dict: dict, finetune: bool) -> list[str]:
+    """What differs between the optimizer state the checkpoint holds and this run's (empty when none is loaded)."""
+    from megacoat.checkpoint.layout_free import is_layout_free
+    from megacoat.training.reshard import optimizer_changes
+
+    if finetune or (is_layout_free(meta) and not meta.get("optimizer")):
+        return []
+    return optimizer_changes(meta["megacoat_config"].get("optim", {}), config_dict.get("optim", {}))
+
+
+def load_checkpoint(engine, directory: str, config_dict: dict, layout: Layout, tokenizer: dict | None = None,
+                    tag: str | None = None, *, tp_rank: int = 0, finetune: bool = False,
+                    convert_optimizer: bool = False) -> tuple[str, TrainState] | None:
     """Load checkpoint `tag` of `directory` (default: the one `latest` names; collective). None when
-    `directory` holds none yet. A checkpoint made by another model, tokenizer or an incompatible parallel
-    layout is an error naming what differs (check_compatible), raised before DeepSpeed reads anything."""
+    `directory` holds none yet. A checkpoint made by another model or tokenizer is an error naming what differs
+    (check_compatible), raised before anything is read.
+
+    DeepSpeed loads its own files when the layout and the optimizer are the ones that saved them. Otherwise, and
+    for a layout-free checkpoint (tools/convert_checkpoint.py, tools/convert_from_hf.py), every rank takes its
+    slices of the layout-free form (training/reshard.py). Another optimizer (AdamW <-> CoatAdamW, other
+    CoatAdamW formats or group size) needs `convert_optimizer` (--override-optimizer-state convert).
+    `finetune` (--finetune): weights only; iteration, data position, optimizer and LR schedule start at zero."""
+    from megacoat.checkpoint.layout_free import is_layout_free
+    from megacoat.training import reshard
+
     if tag is None:
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"--load {directory}: no such directory")
@@ -277,11 +292,22 @@ def load_checkpoint(engine, directory: str, config_dict: dict, layout: Layout,
             return None
     path = os.path.join(directory, tag)
     meta = read_meta(directory, tag)
-    check_compatible(path, meta, config_dict, layout, tokenizer)
-    loaded, _ = engine.load_checkpoint(directory, tag=tag)
-    if loaded is None:
-        raise ValueError(f"--load {path}: DeepSpeed could not load this checkpoint")
-    rng_path = os.path.join(path, _rng_file(dist.get_rank()))
-    if os.path.isfile(rng_path):  # absent when resuming on more ranks than saved (ZeRO-0): keep the seeds
-        set_rng_state(torch.load(rng_path, weights_only=False))
+    check_compatible(path, meta, config_dict, layout, tokenizer, finetune=finetune,
+                     convert_optimizer=convert_optimizer)
+    layout_free = is_layout_free(meta)
+    changed = optimizer_changes_of(meta, config_dict, finetune)
+    if not layout_free and not finetune and not changed and not layout.incompatibilities(meta["layout"]):
+        loaded, _ = engine.load_checkpoint(directory, tag=tag)
+        if loaded is None:
+            raise ValueError(f"--load {path}: DeepSpeed could not load this checkpoint")
+        rng_path = os.path.join(path, _rng_file(dist.get_rank()))
+        if os.path.isfile(rng_path):  # absent when resuming on more ranks than saved (ZeRO-0): keep the seeds
+            set_rng_state(torch.load(rng_path, weights_only=False))
+        return path, TrainState(meta["iteration"], meta["consumed_samples"], meta.get("skipped_steps", 0))
+    if not layout_free:
+        path = reshard.ensure_layout_free(path, need_state=not finetune)
+    meta = reshard.load_layout_free(engine, path, tp_rank, meta["megacoat_config"]["model"]["num_layers"],
+                                    layout.tensor_model_parallel_size, finetune)
+    if finetune:
+        return path, TrainState()
     return path, TrainState(meta["iteration"], meta["consumed_samples"], meta.get("skipped_steps", 0))

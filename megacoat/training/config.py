@@ -35,6 +35,10 @@ class TrainingConfig:
     profile_step_start: int = 10
     profile_step_end: int = 12
     debug: bool = False  # show an error's traceback instead of its one `error:` line
+    # Loading another run's checkpoint: weights only, everything else from zero (Megatron's --finetune); convert
+    # an optimizer state of another kind or settings (AdamW <-> CoatAdamW) instead of refusing it.
+    finetune: bool = False
+    override_optimizer_state: str | None = None  # None or "convert"
 
     def __post_init__(self):
         for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval", "eval_interval"):
@@ -61,6 +65,10 @@ class TrainingConfig:
                              f"({self.profile_step_end}) <= --train-iters ({self.train_iters})")
         if self.keep_last is not None and self.save is None:
             raise ValueError("--keep-last needs --save DIR")
+        if self.finetune and self.load is None:
+            raise ValueError("--finetune needs --load DIR")
+        if self.override_optimizer_state not in (None, "convert"):
+            raise ValueError(f"--override-optimizer-state must be 'convert', got {self.override_optimizer_state!r}")
 
     def gradient_accumulation_steps(self, data_parallel_size: int) -> int:
         """Micro-batches per rank per step; the global batch must split evenly over the DP ranks."""

@@ -22,6 +22,7 @@ from megacoat.training.banner import startup_banner
 from megacoat.training.checkpointing import (Layout, TrainState, check_compatible, file_identity, load_checkpoint,
                                              read_meta, resolve_load, save_checkpoint)
 from megacoat.training.deepspeed_config import build_deepspeed_config, quiet_tested_optimizer_warning
+from megacoat.training.reshard import describe_resume
 from megacoat.training.distributed import all_reduce_mean, init_distributed, is_main_process
 from megacoat.training.flops import flops_per_token, peak_flops
 from megacoat.training.logger import TrainingLogger
@@ -225,14 +226,22 @@ class Trainer:
         if resume is None:
             self.logger.info(f"--load {load}: no checkpoint yet in this --save directory, starting from scratch")
             return None
-        path = os.path.join(*resume)
-        check_compatible(path, read_meta(*resume), self.cfg.to_dict(), self.layout, self.tokenizer_identity)
+        t = self.cfg.training
+        check_compatible(os.path.join(*resume), read_meta(*resume), self.cfg.to_dict(), self.layout,
+                         self.tokenizer_identity, finetune=t.finetune,
+                         convert_optimizer=t.override_optimizer_state == "convert")
         return resume
 
     def load_checkpoint(self, directory: str, tag: str) -> None:
+        t = self.cfg.training
         path, self.state = load_checkpoint(self.engine, directory, self.cfg.to_dict(), self.layout,
-                                           self.tokenizer_identity, tag=tag)
-        self.logger.info(f"resumed from {path} at iteration {self.state.iteration}")
+                                           self.tokenizer_identity, tag=tag, tp_rank=self.parallel.tp_rank,
+                                           finetune=t.finetune, convert_optimizer=t.override_optimizer_state == "convert")
+        invalidate_fp8_weight_caches()
+        for line in describe_resume(path, self.cfg.to_dict(), self.layout, t.finetune):
+            self.logger.info(line)
+        self.logger.info(f"{'fine-tuning from' if t.finetune else 'resumed from'} {path} "
+                         f"at iteration {self.state.iteration}")
 
     # --- the loop ---------------------------------------------------------------------------------------------
     def train(self) -> dict:

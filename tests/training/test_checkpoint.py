@@ -1,6 +1,6 @@
 """Checkpoint mechanics without a model: atomic save (a save that dies half-way leaves the previous
-checkpoint as `latest`), --keep-last pruning, RNG round trip, and the errors for a checkpoint of another
-model, tokenizer or parallel layout (raised before DeepSpeed reads anything)."""
+checkpoint as `latest`), --keep-last pruning, RNG round trip, the errors for a checkpoint of another model,
+tokenizer or optimizer (raised before DeepSpeed reads anything), and the detour another layout takes."""
 import json
 import os
 import random
@@ -115,15 +115,40 @@ def test_other_model_is_an_error_naming_the_field(tmp_path):
     (dict(tensor_model_parallel_size=2), "tensor_model_parallel_size: saved 1, now 2"),
     (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size: saved 1, now 2"),
     (dict(zero_stage=1), "zero_stage: saved 0, now 1"),
-    (dict(fp8_optimizer=True), "fp8_optimizer: saved False, now True"),
 ])
-def test_incompatible_layout_is_an_error_naming_what_differs(tmp_path, change, message):
+def test_another_layout_goes_through_the_layout_free_form(tmp_path, change, message):
+    """DeepSpeed is not asked to load another layout: the checkpoint is converted (training/reshard.py). The fake
+    engine's files are no DeepSpeed checkpoint, so the conversion fails, naming the command that converts it."""
     save(tmp_path, 1)
     now = Layout(**{**LAYOUT.__dict__, **change})
+    assert message in now.incompatibilities(LAYOUT.__dict__)
     engine = FakeEngine()
-    with pytest.raises(ValueError, match="incompatible parallel layout") as e:
+    with pytest.raises(ValueError, match="converting to the layout-free form failed") as e:
         ckpt.load_checkpoint(engine, str(tmp_path), CONFIG, now)
-    assert message in str(e.value) and engine.loaded is None  # refused before DeepSpeed touched anything
+    assert "python tools/convert_checkpoint.py --load" in str(e.value) and engine.loaded is None
+
+
+def test_another_optimizer_is_an_error_without_convert(tmp_path):
+    saved = {"model": CONFIG["model"], "optim": {"fp8_optimizer": False}}
+    ckpt.save_checkpoint(FakeEngine(), str(tmp_path), TrainState(1, 8), saved, LAYOUT)
+    now = {"model": CONFIG["model"], "optim": {"fp8_optimizer": True, "fp8_m_dtype": "e4m3", "fp8_v_dtype": "e4m3",
+                                                "fp8_group_size": 128, "fp8_expand": True}}
+    engine = FakeEngine()
+    with pytest.raises(ValueError, match=r"optimizer state is not this run's: fp8_optimizer: saved False, now True\. "
+                                         r"Pass --override-optimizer-state convert"):
+        ckpt.load_checkpoint(engine, str(tmp_path), now, LAYOUT)
+    assert engine.loaded is None
+
+
+def test_other_coat_settings_are_named():
+    from megacoat.training.reshard import optimizer_changes
+
+    coat = {"fp8_optimizer": True, "fp8_m_dtype": "e4m3", "fp8_v_dtype": "e4m3", "fp8_group_size": 128,
+            "fp8_expand": True}
+    assert optimizer_changes(coat, {**coat, "fp8_v_dtype": "e5m2", "fp8_group_size": 32}) == [
+        "fp8_v_dtype: saved 'e4m3', now 'e5m2'", "fp8_group_size: saved 128, now 32"]
+    assert optimizer_changes({**coat, "fp8_optimizer": False}, {**coat, "fp8_optimizer": False,
+                                                                "fp8_group_size": 32}) == []
 
 
 def test_zero_state_with_another_dp_size_is_refused_but_zero0_is_fine(tmp_path):

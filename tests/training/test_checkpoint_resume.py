@@ -47,17 +47,17 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, optimizer):
 
 
 @pytest.mark.slow
-def test_zero2_two_ranks_resume_bitwise_and_other_dp_size_is_refused(tmp_path):
+def test_zero2_two_ranks_resume_bitwise_and_another_dp_size_converts(tmp_path):
     argv = ["--train-iters", str(ITERS), "--zero-stage", "2", "--fp32"]
     run(tmp_path, argv, tmp_path / "full.json", ranks=2, port=29611)
     ckpt, log = _interrupted_then_resumed(tmp_path, argv, ranks=2, port=29612)
     assert same_sequence(losses(tmp_path / "full.json"), losses(log))
     assert sorted(n for n in os.listdir(ckpt / "iter_0000008") if n.startswith("rng_rank")) == \
         ["rng_rank00000.pt", "rng_rank00001.pt"]
-    # ZeRO-2 partitions the optimizer over 2 data-parallel ranks; one rank cannot take it.
-    proc = run(tmp_path, argv + ["--load", str(ckpt)], tmp_path / "bad.json", check=False)
-    assert proc.returncode != 0
-    assert "incompatible parallel layout" in proc.stderr and "data_parallel_size: saved 2, now 1" in proc.stderr
+    # ZeRO-2 partitions the optimizer over 2 data-parallel ranks: one rank takes it through the layout-free form
+    # (tests/training/test_checkpoint_reshard.py checks the losses that follow).
+    proc = run(tmp_path, argv + ["--load", str(ckpt), "--train-iters", str(ITERS + 1)], tmp_path / "one.json")
+    assert "checkpoint layout changed: data_parallel_size 2 -> 1" in proc.stdout
 
 
 def test_sigkill_at_any_moment_leaves_a_loadable_latest(tmp_path):
