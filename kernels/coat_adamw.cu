@@ -57,6 +57,21 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 template <typename T> __device__ __forceinline__ T zero_of() { return T(0); }
+
+// An fp32 master weight kept as its bf16 parameter plus a 16-bit remainder (megacoat/ops/param_remainder.py, the
+// contract): the bf16 is the master rounded to nearest, ties away from zero (high half + 1 when the low half, read
+// as int16, is negative), the remainder is the low half. Both directions are exact.
+__device__ __forceinline__ float join_master(__nv_bfloat16 p, int16_t rem) {
+  const uint32_t hi = static_cast<uint16_t>(__bfloat16_as_ushort(p) - (rem < 0 ? 1 : 0));
+  return __uint_as_float((hi << 16) | static_cast<uint16_t>(rem));
+}
+__device__ __forceinline__ void split_master(float x, __nv_bfloat16& p, int16_t& rem) {
+  const uint32_t bits = __float_as_uint(x);
+  uint16_t hi = static_cast<uint16_t>(bits >> 16);
+  rem = static_cast<int16_t>(bits & 0xffffu);
+  if (rem < 0 && (hi & 0x7fffu) != 0x7fffu) ++hi;  // a NaN never carries into the sign bit
+  p = __ushort_as_bfloat16(hi);
+}
 template <> __device__ __forceinline__ __nv_bfloat16 zero_of<__nv_bfloat16>() { return __ushort_as_bfloat16(0); }
 
 #ifdef COAT_ADAMW_VECTOR_PATH_ONLY  // static SASS counts only (bench_optimizer.py --sass): the hot path, no tails
@@ -371,16 +386,20 @@ __device__ __forceinline__ bool quantize(const float (&x)[VEC], const Moment& mo
   return finite;
 }
 
+// REM: the parameters are bf16 with a remainder each (a.rem_table), read and written as one exact fp32 master; the
+// update is the same float32 expression as for fp32 parameters (one explicit FMA, no contraction left to the
+// compiler), so the master is bit for bit the one an fp32 parameter would hold.
 // STEP slices are loaded together before any is computed: STEP = 2 keeps twice the bytes in flight per thread
 // (more registers, 2 blocks per SM), STEP = 1 halves the registers (4 blocks per SM). Both are built; the faster
 // on the H100/H200 is the default (benchmarks/bench_optimizer.py measures both).
-template <int G, typename PT, typename GT, int STEP>
+template <int G, typename PT, typename GT, int STEP, bool REM>
 __global__ void __launch_bounds__(kThreads, STEP == 2 ? 2 : 4) coat_adamw_kernel(const CoatAdamWArgs a) {
   constexpr int VEC = 8;  // 32 bytes of fp32 per thread per slice: per-group work is shared by 8 elements
   constexpr int L = G / VEC;
   constexpr int kChunk = kThreads * VEC * kUnroll;
   static_assert(L <= 32 && 32 % L == 0, "a group must sit inside one warp");
   static_assert(kUnroll % STEP == 0, "STEP divides the slices of a chunk");
+  static_assert(!REM || sizeof(PT) == 2, "remainders go with bf16 parameters");
 
   for (int64_t c = blockIdx.x; c < a.n_chunks; c += gridDim.x) {
     const int64_t t = a.chunk_table[2 * c];
@@ -394,11 +413,14 @@ __global__ void __launch_bounds__(kThreads, STEP == 2 ? 2 : 4) coat_adamw_kernel
                     reinterpret_cast<__nv_bfloat16*>(row[7]), a.v_max, a.inv_v_max, a.log2_range_v, a.v_e5m2};
     const int64_t n = row[8];
     // Vector accesses need every base aligned to its vector width (views into a flat buffer may not be).
-    const bool vector_ok = ((row[0] | row[1]) % 16 == 0) && ((row[2] | row[5]) % (VEC) == 0);
+    int16_t* r_ptr = REM ? reinterpret_cast<int16_t*>(a.rem_table[t]) : nullptr;
+    const bool vector_ok = ((row[0] | row[1] | reinterpret_cast<int64_t>(r_ptr)) % 16 == 0) &&
+                           ((row[2] | row[5]) % (VEC) == 0);
 
 #pragma unroll
     for (int u0 = 0; u0 < kUnroll; u0 += STEP) {
       PT p[STEP][VEC];
+      int16_t r[STEP][REM ? VEC : 1];
       GT g[STEP][VEC];
       uint8_t mq[STEP][VEC], vq[STEP][VEC];
       float ms[STEP], mk[STEP], vs[STEP], vk[STEP];
@@ -407,6 +429,7 @@ __global__ void __launch_bounds__(kThreads, STEP == 2 ? 2 : 4) coat_adamw_kernel
       for (int u = 0; u < STEP; ++u) {
         base[u] = chunk * kChunk + (int64_t)((u0 + u) * kThreads + threadIdx.x) * VEC;
         load_vec<PT, VEC>(p_ptr, base[u], n, vector_ok, p[u]);
+        if constexpr (REM) load_vec<int16_t, VEC>(r_ptr, base[u], n, vector_ok, r[u]);
         load_vec<GT, VEC>(g_ptr, base[u], n, vector_ok, g[u]);
         load_vec<uint8_t, VEC>(mm.q, base[u], n, vector_ok, mq[u]);
         load_vec<uint8_t, VEC>(vm.q, base[u], n, vector_ok, vq[u]);
@@ -430,10 +453,15 @@ __global__ void __launch_bounds__(kThreads, STEP == 2 ? 2 : 4) coat_adamw_kernel
           // sqrt.approx, a multiply by 1/sqrt(1-beta2^t) and __fdividef: ~1-2 ulp each (the tests allow it),
           // where IEEE sqrt and two IEEE divisions cost ~40 instructions per element.
           const float denom = fast_sqrt(v[j]) * a.inv_bc2_sqrt + a.eps;
-          const float pj = to_float<PT>(p[u][j]);
-          p[u][j] = from_float<PT>(pj * (1.0f - a.lr_wd) - a.step_size * __fdividef(m[j], denom));
+          float pj;
+          if constexpr (REM) pj = join_master(p[u][j], r[u][j]);
+          else pj = to_float<PT>(p[u][j]);
+          const float updated = fmaf(-a.step_size, __fdividef(m[j], denom), pj * (1.0f - a.lr_wd));
+          if constexpr (REM) split_master(updated, p[u][j], r[u][j]);
+          else p[u][j] = from_float<PT>(updated);
         }
         store_vec<PT, VEC>(p_ptr, base[u], n, vector_ok, p[u]);
+        if constexpr (REM) store_vec<int16_t, VEC>(r_ptr, base[u], n, vector_ok, r[u]);
         const int64_t group = base[u] / G;
         const bool leader = (threadIdx.x % L) == 0;
         const bool valid = base[u] < n;  // the group's first element exists (leader's view)
@@ -569,25 +597,26 @@ __global__ void __launch_bounds__(kThreads, BLOCKS) coat_adamw_kernel_v4(const C
   }
 }
 
-template <int G, typename PT, typename GT>
+template <int G, typename PT, typename GT, bool REM = false>
 cudaError_t launch_typed(const CoatAdamWArgs& a, int num_sms, cudaStream_t stream) {
   if (a.n_chunks == 0) return cudaSuccess;
+  if (REM && a.variant != kVariantV3 && a.variant != kVariantV3Interleaved) return cudaErrorNotSupported;
   // Blocks beyond the resident ones only queue; the rest of the chunks grid-stride (v3) or make longer runs (v4).
   const int per_sm = a.variant == kVariantV3 ? 4 : a.variant == kVariantV4 ? 3 : 2;
   const int64_t max_blocks = (int64_t)num_sms * per_sm;
   const int blocks = (int)(a.n_chunks < max_blocks ? a.n_chunks : max_blocks);
   switch (a.variant) {
     case kVariantV3:
-      coat_adamw_kernel<G, PT, GT, 1><<<blocks, kThreads, 0, stream>>>(a);
+      coat_adamw_kernel<G, PT, GT, 1, REM><<<blocks, kThreads, 0, stream>>>(a);
       break;
     case kVariantV3Interleaved:
-      coat_adamw_kernel<G, PT, GT, 2><<<blocks, kThreads, 0, stream>>>(a);
+      coat_adamw_kernel<G, PT, GT, 2, REM><<<blocks, kThreads, 0, stream>>>(a);
       break;
     case kVariantV4:
-      coat_adamw_kernel_v4<G, PT, GT, 3><<<blocks, kThreads, 0, stream>>>(a);
+      if constexpr (!REM) coat_adamw_kernel_v4<G, PT, GT, 3><<<blocks, kThreads, 0, stream>>>(a);
       break;
     case kVariantV4TwoBlocks:
-      coat_adamw_kernel_v4<G, PT, GT, 2><<<blocks, kThreads, 0, stream>>>(a);
+      if constexpr (!REM) coat_adamw_kernel_v4<G, PT, GT, 2><<<blocks, kThreads, 0, stream>>>(a);
       break;
     default:
       return cudaErrorInvalidValue;
@@ -597,6 +626,11 @@ cudaError_t launch_typed(const CoatAdamWArgs& a, int num_sms, cudaStream_t strea
 
 template <int G>
 cudaError_t launch_group(const CoatAdamWArgs& a, int num_sms, cudaStream_t stream) {
+  if (a.rem_table != nullptr) {  // bf16 parameters with fp32-master remainders
+    if (!a.param_bf16) return cudaErrorInvalidValue;
+    if (a.grad_bf16) return launch_typed<G, __nv_bfloat16, __nv_bfloat16, true>(a, num_sms, stream);
+    return launch_typed<G, __nv_bfloat16, float, true>(a, num_sms, stream);
+  }
 #ifdef COAT_ADAMW_COMPILE_CHECK  // CI's compile-only test: one fp32 and one bf16 instantiation cover every path
   if (a.param_bf16) return launch_typed<G, __nv_bfloat16, __nv_bfloat16>(a, num_sms, stream);
   return launch_typed<G, float, float>(a, num_sms, stream);

@@ -38,11 +38,17 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def coat_adamw_step(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, lr: float, beta1: float, beta2: float,
                     eps: float, weight_decay: float, step: int, group_size: int, expand: bool,
-                    nonfinite: torch.Tensor | None = None, backend: str = "auto") -> None:
-    """One fused AdamW step with FP8 moments over lists of tensors; see `coat_adamw_step_ref` for the contract."""
+                    nonfinite: torch.Tensor | None = None, backend: str = "auto", remainders=None) -> None:
+    """One fused AdamW step with FP8 moments over lists of tensors; see `coat_adamw_step_ref` for the contract.
+    `remainders` (bf16 parameters with fp32-master remainders) is taken by the CUDA and torch backends."""
     if not params:
         return
     kind = resolve_backend(backend, params[0].device)
+    extra = {}
+    if remainders is not None:
+        if kind == "triton":
+            raise ValueError("CoatAdamW with parameter remainders runs on the cuda or torch backend, not triton")
+        extra["remainders"] = remainders
     if kind == "cuda":
         from megacoat.ops.coat_adamw_cuda import coat_adamw_step_cuda as fn
     elif kind == "triton":
@@ -50,4 +56,4 @@ def coat_adamw_step(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, lr: 
     else:
         fn = coat_adamw_step_ref
     fn(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-       weight_decay=weight_decay, step=step, group_size=group_size, expand=expand, nonfinite=nonfinite)
+       weight_decay=weight_decay, step=step, group_size=group_size, expand=expand, nonfinite=nonfinite, **extra)

@@ -11,7 +11,7 @@ import torch
 
 from megacoat.fp8.formats import E5M2, get_format
 from megacoat.ops.coat_adamw_ref import K_MAX, K_MIN, adam_scalars
-from megacoat.ops.coat_adamw_tables import build_tables, check_lists, chunk_elems
+from megacoat.ops.coat_adamw_tables import build_remainder_table, build_tables, check_lists, chunk_elems
 
 _module = None
 
@@ -50,19 +50,21 @@ def load_extension(verbose: bool = False):
 
 def coat_adamw_step_cuda(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, lr: float, beta1: float,
                          beta2: float, eps: float, weight_decay: float, step: int, group_size: int, expand: bool,
-                         nonfinite: torch.Tensor | None = None, variant: str | None = None) -> None:
-    """`variant`: one of CUDA_VARIANTS (default: `cuda_variant()`); every variant computes the same step."""
-    kernel = cuda_variant(variant)
+                         nonfinite: torch.Tensor | None = None, variant: str | None = None, remainders=None) -> None:
+    """`variant`: one of CUDA_VARIANTS (default: `cuda_variant()`); every variant computes the same step.
+    `remainders` (bf16 parameters with fp32-master remainders) run in the v3 kernel whatever `variant` says."""
+    kernel = cuda_variant(variant) if remainders is None else CUDA_VARIANTS.index("v3")
     if not params:
         return
     if not params[0].is_cuda:
         raise ValueError("the CUDA backend needs CUDA tensors")
-    check_lists(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size)
+    check_lists(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size, remainders)
     ext = load_extension()
+    rem_table = None if remainders is None else build_remainder_table(remainders)
     ptr_table, chunk_table, _ = build_tables(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size)
     step_size, bc2_sqrt = adam_scalars(lr, beta1, beta2, step)
     fm, fv = get_format(m_q[0].dtype), get_format(v_q[0].dtype)
-    ext.coat_adamw_step(ptr_table, chunk_table, nonfinite, lr * weight_decay, step_size, beta1, beta2, bc2_sqrt,
+    ext.coat_adamw_step(ptr_table, chunk_table, nonfinite, rem_table, lr * weight_decay, step_size, beta1, beta2, bc2_sqrt,
                         eps, fm.max, fv.max, math.log2(fm.dynamic_range), math.log2(fv.dynamic_range), K_MIN,
                         K_MAX, fm == E5M2, fv == E5M2, bool(expand), params[0].dtype == torch.bfloat16,
                         grads[0].dtype == torch.bfloat16, group_size, kernel)

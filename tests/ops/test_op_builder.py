@@ -71,7 +71,7 @@ def test_cuda_kernel_compiles(tmp_path):
         pytest.skip("no cuobjdump to list the kernels")
     listing = subprocess.run([tool, "-res-usage", str(obj)], capture_output=True, text=True, check=True).stdout
     # kernel name, element types, STEP (v3) or blocks per SM (v4) of each G = 128 instantiation
-    found = set(re.findall(r"(coat_adamw_kernel(?:_v4)?)ILi128E(\w+?)Li(\d)EE", listing))
+    found = set(re.findall(r"(coat_adamw_kernel(?:_v4)?)ILi128E(\w+?)Li(\d)E(?:Lb0E)?E", listing))
     from megacoat.ops.coat_adamw_cuda import CUDA_VARIANTS
 
     variants = {("coat_adamw_kernel", "1"), ("coat_adamw_kernel", "2"), ("coat_adamw_kernel_v4", "3"),
@@ -79,6 +79,9 @@ def test_cuda_kernel_compiles(tmp_path):
     assert len(variants) == len(CUDA_VARIANTS)
     for types in ("ff", "13__nv_bfloat16S1_"):
         assert {(k, n) for k, t, n in found if t == types} == variants, sorted(found)
+    # bf16 parameters with fp32-master remainders (REM = true): v3 only, bf16 and fp32 gradients
+    with_remainders = set(re.findall(r"coat_adamw_kernelILi128E13__nv_bfloat16(\w+?)Li(\d)ELb1EE", listing))
+    assert with_remainders == {(g, s) for g in ("S1_", "f") for s in ("1", "2")}, sorted(with_remainders)
 
 
 @pytest.mark.slow
