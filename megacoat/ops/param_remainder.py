@@ -37,11 +37,14 @@ def split_fp32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def join_fp32(p: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """(bf16, int16 remainder) -> the fp32 they encode, bit for bit what `split_fp32` was given."""
+    """(bf16, int16 remainder) -> the fp32 they encode, bit for bit what `split_fp32` was given; p's shape (the
+    remainder may be flat, as CoatAdamW keeps it)."""
     if p.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
         raise TypeError(f"join_fp32 takes bfloat16 and int16, got {p.dtype} and {remainder.dtype}")
+    if p.numel() != remainder.numel():
+        raise ValueError(f"join_fp32: {p.numel()} parameters but {remainder.numel()} remainders")
     hi = p.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
-    rem = remainder.to(torch.int64)
+    rem = remainder.reshape(p.shape).to(torch.int64)
     hi = (hi - (rem < 0).to(torch.int64)) & 0xFFFF
     bits = (hi << 16) | (rem & 0xFFFF)
     bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
