@@ -49,13 +49,20 @@ class Layout:
     pipeline_model_parallel_size: int
     zero_stage: int
     fp8_optimizer: bool
+    # What DeepSpeed and CoatAdamW keep as master weights and gradients: another choice is another optimizer layout
+    # (a bf16 "fp32" partition plus remainders, or DeepSpeed's BF16_Optimizer under ZeRO-1 with fp32 gradients).
+    main_params_dtype: str = "fp32"
+    main_grads_dtype: str = "fp32"
 
     def incompatibilities(self, saved: dict) -> list[str]:
         """Reasons DeepSpeed cannot load a checkpoint saved with `saved` into this layout."""
         now = self.__dict__
         bad = [f"{k}: saved {saved[k]}, now {now[k]}" for k in
-               ("tensor_model_parallel_size", "pipeline_model_parallel_size", "zero_stage", "fp8_optimizer")
+               ("tensor_model_parallel_size", "pipeline_model_parallel_size", "zero_stage", "fp8_optimizer",
+                "main_params_dtype", "main_grads_dtype")
                if k in saved and saved[k] != now[k]]
+        if any(k in saved and saved[k] != now[k] for k in ("main_params_dtype", "main_grads_dtype")):
+            bad.append("resume with the --main-params-dtype / --main-grads-dtype the checkpoint was saved with")
         # ZeRO partitions the optimizer state over the data-parallel ranks; DeepSpeed cannot re-partition
         # ZeRO-1/2 states for another DP size. ZeRO-0 state is whole on every rank: any DP size loads it.
         if self.zero_stage and saved.get("data_parallel_size", self.data_parallel_size) != self.data_parallel_size:

@@ -118,7 +118,9 @@ class Trainer:
         self.layout = Layout(world_size=self.world_size, data_parallel_size=self.dp_size,
                              tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
                              pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
-                             zero_stage=cfg.parallel.zero_stage, fp8_optimizer=cfg.optim.fp8_optimizer)
+                             zero_stage=cfg.parallel.zero_stage, fp8_optimizer=cfg.optim.fp8_optimizer,
+                             main_params_dtype=cfg.optim.main_params_dtype,
+                             main_grads_dtype=self.ds_config.get("data_types", {}).get("grad_accum_dtype", "fp32"))
         self.tokenizer_identity = file_identity(cfg.data.tokenizer_model)
         # Plain fp32 data parallelism is the one engine that would apply a non-finite step (stability.py).
         self.plain_fp32 = not cfg.parallel.zero_stage and not self.ds_config["bf16"]["enabled"]
