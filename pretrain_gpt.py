@@ -21,11 +21,14 @@ def main(argv: list[str] | None = None) -> dict:
         check_data_paths(cfg)  # a missing shard or tokenizer file also stops before any work
     except FileNotFoundError as e:
         raise SystemExit(f"error: {e}") from None
+    from megacoat.training.checkpointing import CheckpointMismatchError
     from megacoat.training.stability import NonFiniteTrainingError
 
     try:
         return pretrain(cfg)
     except NonFiniteTrainingError as e:  # the guard's stop: a message, not a traceback; checkpoints intact
+        raise SystemExit(f"error: {e}") from None
+    except CheckpointMismatchError as e:  # --load names a checkpoint these flags cannot resume
         raise SystemExit(f"error: {e}") from None
 
 

@@ -33,6 +33,11 @@ LATEST_FILE = "latest"
 FORMAT_VERSION = 1
 
 
+class CheckpointMismatchError(ValueError):
+    """--load names a checkpoint these flags cannot resume (another model, layout or tokenizer): bad input, which
+    pretrain_gpt.py reports as one error line."""
+
+
 @dataclass
 class TrainState:
     iteration: int = 0
@@ -217,15 +222,16 @@ def load_checkpoint(engine, directory: str, config_dict: dict, layout: Layout,
         meta = json.load(f)
     saved_model, now_model = meta["megacoat_config"]["model"], config_dict["model"]
     if saved_model != now_model:
-        raise ValueError(f"--load {path}: the checkpoint's model differs from the flags "
-                         f"(field: (saved, now)): {_model_diff(saved_model, now_model)}")
+        raise CheckpointMismatchError(f"--load {path}: the checkpoint's model differs from the flags "
+                                      f"(field: (saved, now)): {_model_diff(saved_model, now_model)}")
     bad = layout.incompatibilities(meta["layout"])
     if bad:
-        raise ValueError(f"--load {path}: incompatible parallel layout: " + "; ".join(bad))
+        raise CheckpointMismatchError(f"--load {path}: incompatible parallel layout: " + "; ".join(bad))
     if meta.get("tokenizer") and tokenizer and meta["tokenizer"]["sha256"] != tokenizer["sha256"]:
-        raise ValueError(f"--load {path}: the checkpoint was trained with tokenizer {meta['tokenizer']['path']} "
-                         f"(sha256 {meta['tokenizer']['sha256'][:12]}...), not {tokenizer['path']} "
-                         f"(sha256 {tokenizer['sha256'][:12]}...)")
+        raise CheckpointMismatchError(
+            f"--load {path}: the checkpoint was trained with tokenizer {meta['tokenizer']['path']} "
+            f"(sha256 {meta['tokenizer']['sha256'][:12]}...), not {tokenizer['path']} "
+            f"(sha256 {tokenizer['sha256'][:12]}...)")
     loaded, _ = engine.load_checkpoint(directory, tag=tag)
     if loaded is None:
         raise RuntimeError(f"--load {path}: DeepSpeed could not load this checkpoint")
