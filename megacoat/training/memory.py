@@ -27,8 +27,9 @@ The head (final norm, logits, fp32 log-softmax, and the logits' gradient at the 
 per token on the last pipeline stage.
 
 Peak = weights + gradients + optimizer + the larger of: the activations of the micro-batches in flight (1; with
-1F1B pipelining the first stage holds `pp` micro-batches) + the head, or the step's gradient copy. Validated against torch.cuda.max_memory_allocated on an H100 within
-15% (see the GPU test); allocator fragmentation and DeepSpeed's communication buckets are not modelled.
+1F1B pipelining the first stage holds `pp` micro-batches) + the head, or the step's gradient copy. The GPU test in
+tests/tools/test_memory_estimator.py holds it to torch.cuda.max_memory_allocated within 15%; allocator
+fragmentation and DeepSpeed's communication buckets are not modelled.
 """
 from __future__ import annotations
 

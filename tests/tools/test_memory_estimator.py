@@ -100,17 +100,20 @@ GPU_MODEL = ["--num-layers", "8", "--hidden-size", "1024", "--ffn-hidden-size", 
 
 @pytest.mark.gpu
 def test_estimate_within_15_percent_of_measured_peak_on_gpu(tmp_path):
-    """Three real training runs (bf16 / fp8-linear / coat, AdamW, bf16, ZeRO-0, one GPU) side by side: the
-    estimate of each is within 15% of torch.cuda.max_memory_allocated after a few steps."""
+    """Four real training runs side by side on one GPU (bf16 / fp8-linear / coat with AdamW, and coat with CoatAdamW
+    and --main-params-dtype bf16-remainder; bf16, ZeRO-1 on one rank): the estimate of each is within 15% of
+    torch.cuda.max_memory_allocated after a few steps."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                MEGACOAT_CACHE=str(tmp_path / "cache"))
+    runs = {"bf16": ([], {}), "fp8-linear": (["--fp8-activations", "fp8-linear"], {}),
+            "coat": (["--fp8-activations", "coat"], {}),
+            "coat-remainder": (["--coat-fp8", "--main-params-dtype", "bf16-remainder"],
+                               dict(fp8_optimizer=True, main_params_dtype="bf16-remainder"))}
     procs = {}
-    for mode in ("bf16", "fp8-linear", "coat"):
+    for mode, (flags, _) in runs.items():
         argv = GPU_MODEL + ["--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "3",
-                            "--log-interval", "1", "--eval-iters", "0", "--mock-data", "--bf16",
-                            "--log-json", str(tmp_path / f"{mode}.json")]
-        if mode != "bf16":
-            argv += ["--fp8-activations", mode]
+                            "--log-interval", "1", "--eval-iters", "0", "--mock-data", "--bf16", "--zero-stage", "1",
+                            "--log-json", str(tmp_path / f"{mode}.json")] + flags
         procs[mode] = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py")] + argv, env=env,
                                        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     cfg = ModelConfig(num_layers=8, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16,
@@ -121,7 +124,7 @@ def test_estimate_within_15_percent_of_measured_peak_on_gpu(tmp_path):
         assert proc.returncode == 0, out[-3000:]
         records = [json.loads(x) for x in (tmp_path / f"{mode}.json").read_text().splitlines()]
         measured = max(r["max_memory_bytes"] for r in records if "max_memory_bytes" in r)
-        est = estimate_memory(cfg, mode, micro_batch_size=4)
+        est = estimate_memory(cfg, mode.split("-remainder")[0], micro_batch_size=4, zero_stage=1, **runs[mode][1])
         results[mode] = {"measured": measured, **est.as_dict(), "ratio": est.total / measured}
     out_dir = os.environ.get("MEGACOAT_RESULTS_DIR")
     if out_dir:
