@@ -173,6 +173,9 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         profile_step_end=args.profile_step_end)
     if precision == "fp32" and (optim.main_grads_dtype == "bf16" or optim.main_params_dtype == "bf16-remainder"):
         raise ValueError("--main-grads-dtype bf16 / --main-params-dtype bf16-remainder are bf16 training: drop --fp32")
+    if optim.main_grads_dtype == "fp32" and precision != "fp32" and parallel.zero_stage == 0:
+        raise ValueError("--main-grads-dtype fp32 in a bf16 run needs --zero-stage 1 or 2 (DeepSpeed accumulates bf16 "
+                         "gradients in fp32 only in its ZeRO optimizers)")
     if optim.main_params_dtype == "bf16-remainder":
         if parallel.zero_stage not in (1, 2):
             raise ValueError("--main-params-dtype bf16-remainder needs --zero-stage 1 or 2 (DeepSpeed leaves the master "
