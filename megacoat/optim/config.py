@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megacoat.ops.numerics import GROUP_SIZES
+
 DECAY_STYLES = ("constant", "linear", "cosine")
 FP8_MOMENT_DTYPES = ("e4m3", "e5m2")
 MAIN_GRADS_DTYPES = ("fp32", "bf16")
@@ -59,5 +61,6 @@ class OptimizerConfig:
             if self.main_grads_dtype == "fp32":
                 raise ValueError("--main-params-dtype bf16-remainder needs --main-grads-dtype bf16 (DeepSpeed hands "
                                  "the optimizer its gradients in the master weights' dtype)")
-        if self.fp8_group_size not in (16, 32, 64, 128, 256):
-            raise ValueError(f"--fp8-group-size must be one of 16/32/64/128/256, got {self.fp8_group_size}")
+        if self.fp8_group_size not in GROUP_SIZES:
+            raise ValueError(f"--fp8-group-size must be one of {'/'.join(map(str, GROUP_SIZES))}, "
+                             f"got {self.fp8_group_size}")

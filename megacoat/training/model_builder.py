@@ -6,14 +6,16 @@ import torch
 from torch import nn
 
 from megacoat.config import MegacoatConfig
+from megacoat.fp8.convert import convert_to_fp8
 from megacoat.model import GPT, cross_entropy_loss
 from megacoat.optim import WarmupDecayLR, build_optimizer, param_groups
 from megacoat.parallel import ParallelState, apply_tp
 
 
 def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState | None = None) -> nn.Module:
-    """The model this rank trains: the plain GPT, FP8-converted, sharded over TP (`apply_tp`) and, with
-    pipelining, wrapped as this stage's deepspeed PipelineModule (which moves only its layers to `device`)."""
+    """The model this rank trains: the plain GPT, FP8-converted (`convert_to_fp8`), then sharded over TP
+    (`apply_tp`) and, with pipelining, wrapped as this stage's deepspeed PipelineModule (which moves only its
+    layers to `device`)."""
     # Same seed on every rank: data-parallel replicas start identical (DeepSpeed also broadcasts rank 0's) and
     # every TP rank holds the same full weights before slicing its shard, so TP=N starts as TP=1 does.
     torch.manual_seed(cfg.training.seed)
@@ -22,13 +24,9 @@ def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState 
     # is built on the CPU and each stage moves only its own layers.
     with torch.device("cpu" if pipelined else device):
         model = GPT(cfg.model)
-    tp = state is not None and state.tp_size > 1
-    if cfg.fp8.enabled and not tp:
-        from megacoat.fp8.convert import convert_to_fp8
-
-        model = convert_to_fp8(model, cfg.fp8)
-    if tp:
-        model = apply_tp(model, state, cfg.fp8)  # FP8 modes run on the shards
+    model = convert_to_fp8(model, cfg.fp8)  # on the full model: apply_tp then shards the FP8 modules
+    if state is not None:
+        model = apply_tp(model, state)
     if cfg.training.compile:
         apply_compile(model)
     if pipelined:

@@ -23,7 +23,7 @@ def fresh_state(sizes, device, seed=0):
     for n in sizes:
         for j in range(2):
             x = torch.randn(n, generator=g) * (1e-3 if j == 0 else 1e-6)
-            q, s, k, _ = quantize_moment_ref(x.abs() if j else x, "e4m3", 128, True)
+            q, s, k, _ = quantize_moment_ref(x.abs() if j else x, torch.float8_e4m3fn, 128, True)
             for c, t in enumerate((q, s, k)):
                 state[3 * j + c].append(t.to(device))
     return master, state

@@ -62,6 +62,19 @@ def test_loading_another_main_params_dtype_is_a_clear_error(zero2_runs):
     assert "Traceback" not in out
 
 
+@pytest.mark.slow
+def test_fp32_main_grads_zero1_resume_is_bitwise(tmp_path):
+    """--main-grads-dtype fp32 under ZeRO-1 runs DeepSpeed's BF16_Optimizer (fp32 gradient buffer, fp32 master):
+    interrupted at iteration 4 and resumed, it reproduces the uninterrupted run bit for bit."""
+    argv = COAT_BF16 + ["--zero-stage", "1", "--main-grads-dtype", "fp32"]
+    run(tmp_path, argv, tmp_path / "full.json")
+    ckpt, log = tmp_path / "ckpt", tmp_path / "resumed.json"
+    run(tmp_path, argv + ["--save", str(ckpt), "--exit-interval", "4"], log)
+    second = run(tmp_path, argv + ["--save", str(ckpt), "--load", str(ckpt)], log)
+    assert "resumed from" in second.stdout
+    assert same_sequence(losses(tmp_path / "full.json"), losses(log))
+
+
 SHARE_SCRIPT = r"""
 import os, sys, torch, deepspeed
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
