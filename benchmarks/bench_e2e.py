@@ -32,6 +32,8 @@ MODES = {
     "coat": ["--coat-fp8"],
     # the same without the per-step FP8 weight copies (2 B per block-linear parameter): the memory-lean setting
     "coat-lean": ["--coat-fp8", "--fp8-weight-cache", "none"],
+    # no fp32 master: bf16 weights + CoatAdamW's int16 remainders (exact), bf16 main gradients (ZeRO-1/2 only)
+    "coat-remainder": ["--coat-fp8", "--main-params-dtype", "bf16-remainder", "--main-grads-dtype", "bf16"],
 }
 MODEL_1P3B = ["--num-layers", "24", "--hidden-size", "2048", "--ffn-hidden-size", "5632", "--num-attention-heads", "16",
               "--seq-length", "2048", "--vocab-size", "32000"]
@@ -125,10 +127,13 @@ def memory_model(argv: list[str]) -> dict:
     from megacoat.training.memory import estimate_memory
 
     cfg = parse_config(argv)
+    bf16 = cfg.training.precision != "fp32"
     est = estimate_memory(cfg.model, cfg.fp8.mode, micro_batch_size=cfg.training.micro_batch_size,
                           zero_stage=cfg.parallel.zero_stage, fp8_optimizer=cfg.optim.fp8_optimizer,
-                          fp8_group_size=cfg.optim.fp8_group_size, bf16=cfg.training.precision != "fp32",
-                          fp8_weight_cache=cfg.fp8.weight_cache)
+                          fp8_group_size=cfg.optim.fp8_group_size, bf16=bf16,
+                          fp8_weight_cache=cfg.fp8.weight_cache,
+                          main_grads_dtype=cfg.optim.main_grads_dtype or ("bf16" if bf16 else "fp32"),
+                          main_params_dtype=cfg.optim.main_params_dtype)
     return {k: v / 2**30 for k, v in est.as_dict().items()}
 
 
@@ -139,12 +144,14 @@ def compiled_modes(args) -> list[str]:
 
 
 def mode_flags(mode: str, args) -> list[str]:
-    return MODES[mode] + (["--compile"] if mode in compiled_modes(args) else [])
+    """The mode's flags and its precision: bf16, or fp32 for --tiny (a CPU check) unless the mode is bf16-only."""
+    bf16 = not getattr(args, "tiny", False) or "bf16-remainder" in MODES[mode]
+    return MODES[mode] + (["--compile"] if mode in compiled_modes(args) else []) + ["--bf16" if bf16 else "--fp32"]
 
 
 def speed(args) -> dict:
     model = MODEL_TINY if args.tiny else MODEL_1P3B
-    common = model + ["--bf16" if not args.tiny else "--fp32", "--mock-data", "--zero-stage", str(args.zero_stage), "--eval-iters", "0",
+    common = model + ["--mock-data", "--zero-stage", str(args.zero_stage), "--eval-iters", "0",
                            "--train-iters", str(args.iters), "--log-interval", str(args.log_interval)]
     out = {"environment": environment(), "model": " ".join(model),
            "zero_stage": args.zero_stage, "compiled_modes": compiled_modes(args), "equal_micro_batch": {}, "largest_micro_batch": {}}
@@ -187,7 +194,7 @@ def speed(args) -> dict:
 
 def convergence(args) -> dict:
     iters = int(float(args.tokens) // (args.global_batch_size * 1024))
-    common = MODEL_125M + ["--bf16", "--vocab-size", str(args.vocab_size), "--data-path", *args.data_path,
+    common = MODEL_125M + ["--vocab-size", str(args.vocab_size), "--data-path", *args.data_path,
                            "--tokenizer-model", args.tokenizer_model, "--split", "98,2,0",
                            "--micro-batch-size", str(args.micro_batch_size),
                            "--global-batch-size", str(args.global_batch_size), "--train-iters", str(iters),

@@ -200,6 +200,19 @@ def main(argv=None):
                               lambda ps: CoatAdamW(ps, group_size=G, expand=expand, backend="cuda", **hp),
                               n_params, args.chunks, args, coat_bytes, copy_gbps))
         print(rows[-1], flush=True)
+
+    # --main-params-dtype bf16-remainder as DeepSpeed runs it: bf16 partitions with bf16 gradients, the fp32 master
+    # as bf16 + int16 remainder; reads p, remainder, g (2 B each), m, v; writes p, remainder, m, v
+    def with_remainders(ps):
+        for q in ps:
+            grad = q.grad.bfloat16()
+            q.data = q.data.bfloat16()
+            q.grad = grad
+        return CoatAdamW(ps, group_size=G, backend="cuda", param_remainders=True, **hp)
+
+    rows.append(bench_one("CoatAdamW(cuda, bf16 + remainders)", with_remainders, n_params, args.chunks, args,
+                          2 + 2 + 2 + 1 + 1 + 2 + 2 + 1 + 1 + 2 * 2 * 6 / G, copy_gbps))
+    print(rows[-1], flush=True)
     base = rows[0]["step_ms"]
     for r in rows:
         r["speedup_vs_fused_adamw"] = round(base / r["step_ms"], 3)

@@ -12,7 +12,8 @@
 namespace {
 
 void coat_adamw_step(const torch::Tensor& ptr_table, const torch::Tensor& chunk_table,
-                     const c10::optional<torch::Tensor>& nonfinite, double lr_wd, double step_size, double beta1,
+                     const c10::optional<torch::Tensor>& nonfinite, const c10::optional<torch::Tensor>& rem_table,
+                     double lr_wd, double step_size, double beta1,
                      double beta2, double bc2_sqrt, double eps, double m_max, double v_max, double log2_range_m,
                      double log2_range_v, double k_min, double k_max, bool m_e5m2, bool v_e5m2, bool expand,
                      bool param_bf16, bool grad_bf16, int64_t group_size) {
@@ -31,12 +32,21 @@ void coat_adamw_step(const torch::Tensor& ptr_table, const torch::Tensor& chunk_
                 "coat_adamw: nonfinite must be a CUDA int32 tensor of one element");
     counter = nonfinite->data_ptr<int32_t>();
   }
+  const int64_t* remainders = nullptr;
+  if (rem_table.has_value()) {
+    TORCH_CHECK(rem_table->is_cuda() && rem_table->scalar_type() == torch::kInt64 && rem_table->dim() == 1 &&
+                    rem_table->size(0) == ptr_table.size(0) && rem_table->is_contiguous(),
+                "coat_adamw: remainder table must be a contiguous CUDA int64 [tensors]");
+    TORCH_CHECK(param_bf16, "coat_adamw: remainders go with bfloat16 parameters");
+    remainders = rem_table->data_ptr<int64_t>();
+  }
   const c10::cuda::CUDAGuard guard(ptr_table.device());
   CoatAdamWArgs a{};
   a.ptr_table = ptr_table.data_ptr<int64_t>();
   a.chunk_table = chunk_table.data_ptr<int32_t>();
   a.n_chunks = chunk_table.size(0);
   a.nonfinite = counter;
+  a.rem_table = remainders;
   a.lr_wd = static_cast<float>(lr_wd);
   a.step_size = static_cast<float>(step_size);
   a.beta1 = static_cast<float>(beta1);

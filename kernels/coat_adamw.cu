@@ -49,6 +49,21 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 template <typename T> __device__ __forceinline__ T zero_of() { return T(0); }
+
+// An fp32 master weight kept as its bf16 parameter plus a 16-bit remainder (megacoat/ops/param_remainder.py, the
+// contract): the bf16 is the master rounded to nearest, ties away from zero (high half + 1 when the low half, read
+// as int16, is negative), the remainder is the low half. Both directions are exact.
+__device__ __forceinline__ float join_master(__nv_bfloat16 p, int16_t rem) {
+  const uint32_t hi = static_cast<uint16_t>(__bfloat16_as_ushort(p) - (rem < 0 ? 1 : 0));
+  return __uint_as_float((hi << 16) | static_cast<uint16_t>(rem));
+}
+__device__ __forceinline__ void split_master(float x, __nv_bfloat16& p, int16_t& rem) {
+  const uint32_t bits = __float_as_uint(x);
+  uint16_t hi = static_cast<uint16_t>(bits >> 16);
+  rem = static_cast<int16_t>(bits & 0xffffu);
+  if (rem < 0 && (hi & 0x7fffu) != 0x7fffu) ++hi;  // a NaN never carries into the sign bit
+  p = __ushort_as_bfloat16(hi);
+}
 template <> __device__ __forceinline__ __nv_bfloat16 zero_of<__nv_bfloat16>() { return __ushort_as_bfloat16(0); }
 
 #ifdef COAT_ADAMW_VECTOR_PATH_ONLY  // static SASS counts only (bench_optimizer.py --sass): the hot path, no tails
@@ -226,12 +241,16 @@ __device__ __forceinline__ bool quantize(const float (&x)[VEC], const Moment& mo
 
 // 4 blocks of 256 threads per SM (launch bounds): each thread loads one slice (8 elements) at a time, so the
 // registers allow four resident blocks and their loads in flight.
-template <int G, typename PT, typename GT>
+// REM: the parameters are bf16 with a remainder each (a.rem_table), read and written as one exact fp32 master; the
+// update is the same float32 expression as for fp32 parameters (one explicit FMA, no contraction left to the
+// compiler), so the master is bit for bit the one an fp32 parameter would hold.
+template <int G, typename PT, typename GT, bool REM>
 __global__ void __launch_bounds__(kThreads, 4) coat_adamw_kernel(const CoatAdamWArgs a) {
   constexpr int VEC = 8;  // 32 bytes of fp32 per thread per slice: per-group work is shared by 8 elements
   constexpr int L = G / VEC;
   constexpr int kChunk = kThreads * VEC * kUnroll;
   static_assert(L <= 32 && 32 % L == 0, "a group must sit inside one warp");
+  static_assert(!REM || sizeof(PT) == 2, "remainders go with bf16 parameters");
 
   for (int64_t c = blockIdx.x; c < a.n_chunks; c += gridDim.x) {
     const int64_t t = a.chunk_table[2 * c];
@@ -245,15 +264,19 @@ __global__ void __launch_bounds__(kThreads, 4) coat_adamw_kernel(const CoatAdamW
                     reinterpret_cast<__nv_bfloat16*>(row[7]), a.v_max, a.inv_v_max, a.log2_range_v, a.v_e5m2};
     const int64_t n = row[8];
     // Vector accesses need every base aligned to its vector width (views into a flat buffer may not be).
-    const bool vector_ok = ((row[0] | row[1]) % 16 == 0) && ((row[2] | row[5]) % (VEC) == 0);
+    int16_t* r_ptr = REM ? reinterpret_cast<int16_t*>(a.rem_table[t]) : nullptr;
+    const bool vector_ok = ((row[0] | row[1] | reinterpret_cast<int64_t>(r_ptr)) % 16 == 0) &&
+                           ((row[2] | row[5]) % (VEC) == 0);
 
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       PT p[VEC];
+      int16_t r[REM ? VEC : 1];
       GT g[VEC];
       uint8_t mq[VEC], vq[VEC];
       const int64_t base = chunk * kChunk + (int64_t)(u * kThreads + threadIdx.x) * VEC;
       load_vec<PT, VEC>(p_ptr, base, n, vector_ok, p);
+      if constexpr (REM) load_vec<int16_t, VEC>(r_ptr, base, n, vector_ok, r);
       load_vec<GT, VEC>(g_ptr, base, n, vector_ok, g);
       load_vec<uint8_t, VEC>(mm.q, base, n, vector_ok, mq);
       load_vec<uint8_t, VEC>(vm.q, base, n, vector_ok, vq);
@@ -275,10 +298,15 @@ __global__ void __launch_bounds__(kThreads, 4) coat_adamw_kernel(const CoatAdamW
         // sqrt.approx, a multiply by 1/sqrt(1-beta2^t) and __fdividef: ~1-2 ulp each (the tests allow it),
         // where IEEE sqrt and two IEEE divisions cost ~40 instructions per element.
         const float denom = fast_sqrt(v[j]) * a.inv_bc2_sqrt + a.eps;
-        const float pj = to_float<PT>(p[j]);
-        p[j] = from_float<PT>(pj * (1.0f - a.lr_wd) - a.step_size * __fdividef(m[j], denom));
+        float pj;
+        if constexpr (REM) pj = join_master(p[j], r[j]);
+        else pj = to_float<PT>(p[j]);
+        const float updated = fmaf(-a.step_size, __fdividef(m[j], denom), pj * (1.0f - a.lr_wd));
+        if constexpr (REM) split_master(updated, p[j], r[j]);
+        else p[j] = from_float<PT>(updated);
       }
       store_vec<PT, VEC>(p_ptr, base, n, vector_ok, p);
+      if constexpr (REM) store_vec<int16_t, VEC>(r_ptr, base, n, vector_ok, r);
       const bool leader = (threadIdx.x % L) == 0;
       const bool m_ok = quantize<VEC, L>(m, mm, a, group, leader, valid, mq);
       const bool v_ok = quantize<VEC, L>(v, vm, a, group, leader, valid, vq);
@@ -290,18 +318,23 @@ __global__ void __launch_bounds__(kThreads, 4) coat_adamw_kernel(const CoatAdamW
   }
 }
 
-template <int G, typename PT, typename GT>
+template <int G, typename PT, typename GT, bool REM = false>
 cudaError_t launch_typed(const CoatAdamWArgs& a, int num_sms, cudaStream_t stream) {
   if (a.n_chunks == 0) return cudaSuccess;
   // Blocks beyond the resident ones (4 per SM) only queue; the rest of the chunks grid-stride.
   const int64_t max_blocks = (int64_t)num_sms * 4;
   const int blocks = (int)(a.n_chunks < max_blocks ? a.n_chunks : max_blocks);
-  coat_adamw_kernel<G, PT, GT><<<blocks, kThreads, 0, stream>>>(a);
+  coat_adamw_kernel<G, PT, GT, REM><<<blocks, kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
 template <int G>
 cudaError_t launch_group(const CoatAdamWArgs& a, int num_sms, cudaStream_t stream) {
+  if (a.rem_table != nullptr) {  // bf16 parameters with fp32-master remainders
+    if (!a.param_bf16) return cudaErrorInvalidValue;
+    if (a.grad_bf16) return launch_typed<G, __nv_bfloat16, __nv_bfloat16, true>(a, num_sms, stream);
+    return launch_typed<G, __nv_bfloat16, float, true>(a, num_sms, stream);
+  }
 #ifdef COAT_ADAMW_COMPILE_CHECK  // CI's compile-only test: one fp32 and one bf16 instantiation cover every path
   if (a.param_bf16) return launch_typed<G, __nv_bfloat16, __nv_bfloat16>(a, num_sms, stream);
   return launch_typed<G, float, float>(a, num_sms, stream);

@@ -11,6 +11,8 @@ struct CoatAdamWArgs {
   // int32 [chunks, 2]: tensor index, chunk index within that tensor.
   const int32_t* chunk_table;
   int64_t n_chunks;
+  // int64 [tensors] or nullptr: the int16 remainder of each bf16 parameter (its fp32 master's low half).
+  const int64_t* rem_table;
   int32_t* nonfinite;  // optional counter of non-finite moment groups (nullptr: not counted)
   float lr_wd, step_size, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps;
   float m_max, v_max, inv_m_max, inv_v_max, log2_range_m, log2_range_v, k_min, k_max;

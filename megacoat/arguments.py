@@ -9,7 +9,7 @@ from megacoat.config import MegacoatConfig
 from megacoat.data.config import DataConfig
 from megacoat.fp8.config import ACTIVATION_MODES, FP8_DTYPES, WEIGHT_CACHES, FP8Config
 from megacoat.model.config import ModelConfig
-from megacoat.optim.config import DECAY_STYLES, OptimizerConfig
+from megacoat.optim.config import DECAY_STYLES, MAIN_GRADS_DTYPES, MAIN_PARAMS_DTYPES, OptimizerConfig
 from megacoat.parallel.config import ParallelConfig
 from megacoat.training.config import TrainingConfig
 
@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=o.adam_beta2)
     g.add_argument("--adam-eps", type=float, default=o.adam_eps)
     g.add_argument("--clip-grad", type=float, default=o.clip_grad)
+    g.add_argument("--main-grads-dtype", choices=MAIN_GRADS_DTYPES, default=None,
+                   help="dtype gradients are accumulated over micro-batches, reduced over data-parallel ranks and "
+                        "read by the optimizer in (default: the run's precision, bf16 under --bf16)")
+    g.add_argument("--main-params-dtype", choices=MAIN_PARAMS_DTYPES, default=o.main_params_dtype,
+                   help="master weights: an fp32 copy, or bf16-remainder: none, CoatAdamW keeps the low 16 bits of "
+                        "each fp32 master beside the bf16 weight (exact; needs --fp8-optimizer, bf16, ZeRO-1/2)")
 
     g = p.add_argument_group("FP8 (COAT)")
     g.add_argument("--coat-fp8", action="store_true",
@@ -185,7 +191,8 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
         fp8_optimizer=args.fp8_optimizer or args.coat_fp8, fp8_m_dtype=args.fp8_m_dtype,
-        fp8_v_dtype=args.fp8_v_dtype, fp8_group_size=args.fp8_group_size, fp8_expand=not args.fp8_no_expansion)
+        fp8_v_dtype=args.fp8_v_dtype, fp8_group_size=args.fp8_group_size, fp8_expand=not args.fp8_no_expansion,
+        main_grads_dtype=args.main_grads_dtype, main_params_dtype=args.main_params_dtype)
     data = DataConfig(data_path=list(args.data_path), split=args.split, tokenizer_model=args.tokenizer_model,
                       cache_dir=args.data_cache_dir, num_workers=args.num_workers, mock_data=args.mock_data)
     fp8 = FP8Config(mode=fp8_activations, grad_dtype=args.fp8_grad_dtype, group_size=args.fp8_group_size,
@@ -205,6 +212,18 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         compile=args.compile, profile_dir=args.profile_dir, profile_step_start=args.profile_step_start,
         profile_step_end=args.profile_step_end, debug=args.debug, finetune=args.finetune,
         override_optimizer_state=args.override_optimizer_state)
+    if precision == "fp32" and (optim.main_grads_dtype == "bf16" or optim.main_params_dtype == "bf16-remainder"):
+        raise ValueError("--main-grads-dtype bf16 / --main-params-dtype bf16-remainder are bf16 training: drop --fp32")
+    if optim.main_grads_dtype == "fp32" and precision != "fp32" and parallel.zero_stage == 0:
+        raise ValueError("--main-grads-dtype fp32 in a bf16 run needs --zero-stage 1 or 2 (DeepSpeed accumulates bf16 "
+                         "gradients in fp32 only in its ZeRO optimizers)")
+    if optim.main_params_dtype == "bf16-remainder":
+        if parallel.zero_stage not in (1, 2):
+            raise ValueError("--main-params-dtype bf16-remainder needs --zero-stage 1 or 2 (DeepSpeed leaves the master "
+                             "weights to the optimizer only in its ZeRO-1/2 optimizer)")
+        if parallel.pipeline_model_parallel_size > 1:
+            raise ValueError("--main-params-dtype bf16-remainder is not supported with --pipeline-model-parallel-size "
+                             "> 1 (untested with DeepSpeed's pipeline engine)")
     if data.mock_data and data.data_path:
         raise ValueError("--mock-data and --data-path are exclusive")
     return MegacoatConfig(model=model, optim=optim, data=data, fp8=fp8, parallel=parallel, training=training)

@@ -4,6 +4,9 @@ activations in bf16, fp8-linear and coat modes (the model in megacoat/training/m
     python tools/memory_estimator.py --num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 \
         --num-attention-heads 32 --seq-length 4096 --vocab-size 32000 --micro-batch-size 1 \
         --data-parallel-size 8 --zero-stage 1            # prints all three modes, AdamW and CoatAdamW
+    python tools/memory_estimator.py ... --zero-stage 1 --main-params-dtype bf16-remainder   # CoatAdamW, no fp32 master
+
+"step" is the gradient copy the optimizer step makes (it replaces the activations at the peak, never adds to them).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megacoat.model.config import ModelConfig  # noqa: E402
-from megacoat.training.memory import MODES, estimate_memory  # noqa: E402
+from megacoat.training.memory import MAIN_GRADS_DTYPES, MAIN_PARAMS_DTYPES, MODES, estimate_memory  # noqa: E402
 
 GiB = 2**30
 
@@ -40,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-weight-cache", choices=["step", "none"], default="step")
     p.add_argument("--mode", choices=MODES, default=None, help="one activation mode (default: all three)")
     p.add_argument("--fp8-optimizer", action="store_true", help="CoatAdamW only (default: AdamW and CoatAdamW)")
+    p.add_argument("--main-grads-dtype", choices=MAIN_GRADS_DTYPES, default="bf16")
+    p.add_argument("--main-params-dtype", choices=MAIN_PARAMS_DTYPES, default="fp32",
+                   help="bf16-remainder: CoatAdamW's remainders instead of the fp32 master (CoatAdamW rows only)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -53,13 +59,15 @@ def main(argv: list[str] | None = None) -> int:
                           vocab_size=args.vocab_size, tie_embeddings=not args.untie_embeddings_and_output_weights)
         rows = []
         for mode in [args.mode] if args.mode else MODES:
-            for fp8_opt in [True] if args.fp8_optimizer else [False, True]:
+            only_coat = args.fp8_optimizer or args.main_params_dtype == "bf16-remainder"
+            for fp8_opt in [True] if only_coat else [False, True]:
                 est = estimate_memory(cfg, mode, micro_batch_size=args.micro_batch_size,
                                       data_parallel_size=args.data_parallel_size, zero_stage=args.zero_stage,
                                       tensor_parallel_size=args.tensor_model_parallel_size,
                                       pipeline_parallel_size=args.pipeline_model_parallel_size,
                                       fp8_optimizer=fp8_opt, fp8_group_size=args.fp8_group_size,
-                                      fp8_weight_cache=args.fp8_weight_cache)
+                                      fp8_weight_cache=args.fp8_weight_cache, main_grads_dtype=args.main_grads_dtype,
+                                      main_params_dtype=args.main_params_dtype)
                 rows.append({"mode": mode, "optimizer_class": "CoatAdamW" if fp8_opt else "AdamW", **est.as_dict()})
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -70,10 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cfg.num_parameters() / 1e9:.3f} B parameters; micro-batch {args.micro_batch_size} x {cfg.seq_length} "
           f"tokens; TP {args.tensor_model_parallel_size} PP {args.pipeline_model_parallel_size} "
           f"DP {args.data_parallel_size} ZeRO-{args.zero_stage}  (GiB per GPU)")
-    print(f"{'mode':<11} {'optimizer':<10} {'weights':>8} {'grads':>8} {'optim':>8} {'activ.':>8} {'total':>8}")
+    print(f"main grads {args.main_grads_dtype}, main params {args.main_params_dtype}")
+    print(f"{'mode':<11} {'optimizer':<10} {'weights':>8} {'grads':>8} {'optim':>8} {'activ.':>8} {'step':>8} "
+          f"{'total':>8}")
     for r in rows:
         print(f"{r['mode']:<11} {r['optimizer_class']:<10} " + " ".join(
-            f"{r[k] / GiB:>8.2f}" for k in ("weights", "gradients", "optimizer", "activations", "total")))
+            f"{r[k] / GiB:>8.2f}" for k in ("weights", "gradients", "optimizer", "activations", "step_gradients",
+                                            "total")))
     return 0
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from megacoat.ops.coat_adamw_ref import adam_scalars, coat_adamw_step_ref
-from megacoat.ops.coat_adamw_tables import build_tables, check_lists, chunk_elems
+from megacoat.ops.coat_adamw_tables import build_remainder_table, build_tables, check_lists, chunk_elems
 from megacoat.ops.numerics import K_MAX, K_MIN, fp8_max, log2_dynamic_range
 
 BACKENDS = ("auto", "cuda", "torch")
@@ -51,18 +51,19 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def coat_adamw_step_cuda(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, lr: float, beta1: float,
                          beta2: float, eps: float, weight_decay: float, step: int, group_size: int, expand: bool,
-                         nonfinite: torch.Tensor | None = None) -> None:
+                         nonfinite: torch.Tensor | None = None, remainders=None) -> None:
     """The CUDA kernel: one launch for the whole list of tensors; same signature and contract as the reference."""
     if not params:
         return
     if not params[0].is_cuda:
         raise ValueError("the CUDA backend needs CUDA tensors")
-    check_lists(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size)
+    check_lists(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size, remainders)
     ext = load_extension()
+    rem_table = None if remainders is None else build_remainder_table(remainders)
     ptr_table, chunk_table, _ = build_tables(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size)
     step_size, bc2_sqrt = adam_scalars(lr, beta1, beta2, step)
     dm, dv = m_q[0].dtype, v_q[0].dtype
-    ext.coat_adamw_step(ptr_table, chunk_table, nonfinite, lr * weight_decay, step_size, beta1, beta2, bc2_sqrt,
+    ext.coat_adamw_step(ptr_table, chunk_table, nonfinite, rem_table, lr * weight_decay, step_size, beta1, beta2, bc2_sqrt,
                         eps, fp8_max(dm), fp8_max(dv), log2_dynamic_range(dm), log2_dynamic_range(dv), K_MIN,
                         K_MAX, dm == torch.float8_e5m2, dv == torch.float8_e5m2, bool(expand),
                         params[0].dtype == torch.bfloat16, grads[0].dtype == torch.bfloat16, group_size)
@@ -70,10 +71,12 @@ def coat_adamw_step_cuda(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *,
 
 def coat_adamw_step(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, lr: float, beta1: float, beta2: float,
                     eps: float, weight_decay: float, step: int, group_size: int, expand: bool,
-                    nonfinite: torch.Tensor | None = None, backend: str = "auto") -> None:
-    """One fused AdamW step with FP8 moments over lists of tensors; see `coat_adamw_step_ref` for the contract."""
+                    nonfinite: torch.Tensor | None = None, backend: str = "auto", remainders=None) -> None:
+    """One fused AdamW step with FP8 moments over lists of tensors; see `coat_adamw_step_ref` for the contract
+    (`remainders`: bf16 parameters whose fp32 master's low halves are kept beside them)."""
     if not params:
         return
     fn = coat_adamw_step_cuda if resolve_backend(backend, params[0].device) == "cuda" else coat_adamw_step_ref
     fn(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-       weight_decay=weight_decay, step=step, group_size=group_size, expand=expand, nonfinite=nonfinite)
+       weight_decay=weight_decay, step=step, group_size=group_size, expand=expand, nonfinite=nonfinite,
+       remainders=remainders)

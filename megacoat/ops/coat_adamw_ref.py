@@ -20,7 +20,9 @@ Float32 sub-normals of |x| / amax and of (|q| / F.max)^(1/k) are flushed to zero
 approximations (.ftz) do: they lie below amax * 2^-126, far under what the group's FP8 codes resolve.
 
 Kernel and reference share one signature: lists of tensors (one launch for all of them in the kernel), updated in
-place.
+place. With `remainders` (one int16 tensor per bf16 parameter) the parameter and its remainder together are the
+fp32 master weight (`megacoat.ops.param_remainder`): the step reads that fp32 value exactly, updates it with the same
+float32 operations as an fp32 parameter, and writes both halves back, so the master is bit for bit the fp32 run's.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import torch
 
 from megacoat.ops.coat_adamw_tables import check_lists
 from megacoat.ops.numerics import AMAX_FLOOR, K_MAX, K_MIN, fp8_max, log2_dynamic_range, num_groups
+from megacoat.ops.param_remainder import join_fp32, split_fp32
 
 _SLICE = 1 << 20  # elements per slice of the reference step (a multiple of every group size)
 
@@ -103,16 +106,16 @@ def adam_scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[floa
 
 def coat_adamw_step_ref(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, lr: float, beta1: float,
                         beta2: float, eps: float, weight_decay: float, step: int, group_size: int, expand: bool,
-                        nonfinite: torch.Tensor | None = None) -> None:
+                        nonfinite: torch.Tensor | None = None, remainders=None) -> None:
     """One AdamW step (decoupled weight decay, bias correction, torch.optim.AdamW's formula) with FP8 moments.
 
     Per parameter: dequantize m and v, update them and the parameter in fp32, re-quantize. In place.
     `nonfinite` (int32 [1]), if given, is incremented by the number of non-finite moment groups (m and v counted
-    separately); those groups are stored with a NaN scale.
+    separately); those groups are stored with a NaN scale. `remainders`: see the module docstring.
     """
     if not params:
         return
-    check_lists(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size)
+    check_lists(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size, remainders)
     step_size, bc2_sqrt = adam_scalars(lr, beta1, beta2, step)
     gs = group_size
     bad = 0
@@ -124,13 +127,21 @@ def coat_adamw_step_ref(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, 
             e = min(s + _SLICE, n)
             gsl = slice(s // gs, num_groups(e, gs))
             pv, gv, mqv, vqv = (t[s:e] for t in flat)
+            rv = None if remainders is None else remainders[i].view(-1)[s:e]
             moments = ((mqv, m_scale[i][gsl], m_k[i][gsl]), (vqv, v_scale[i][gsl], v_k[i][gsl]))
             m, v = (dequantize_moment_ref(q, sc, k, gs) for q, sc, k in moments)
             g = gv.float()
             m = beta1 * m + (1.0 - beta1) * g
             v = beta2 * v + (1.0 - beta2) * (g * g)
             denom = torch.sqrt(v) / bc2_sqrt + eps
-            pv.copy_(pv.float() * (1.0 - lr * weight_decay) - step_size * (m / denom))
+            master = pv.float() if rv is None else join_fp32(pv, rv)
+            master = master * (1.0 - lr * weight_decay) - step_size * (m / denom)
+            if rv is None:
+                pv.copy_(master)
+            else:
+                hi, lo = split_fp32(master)
+                pv.copy_(hi)
+                rv.copy_(lo)
             for x, (q, sc, k) in zip((m, v), moments):
                 nq, ns, nk, nbad = quantize_moment_ref(x, q.dtype, gs, expand)
                 q.copy_(nq)

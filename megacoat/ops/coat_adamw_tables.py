@@ -24,8 +24,9 @@ def chunk_elems(group_size: int) -> int:
     return 4096
 
 
-def check_lists(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size: int) -> None:
-    """Clear errors for anything the kernels cannot take, instead of a wrong result."""
+def check_lists(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size: int, remainders=None) -> None:
+    """Clear errors for anything the kernels cannot take, instead of a wrong result. `remainders` (optional): one
+    int16 tensor per bf16 parameter, the low 16 bits of its fp32 master (megacoat.ops.param_remainder)."""
     check_group_size(group_size)
     lists = dict(params=params, grads=grads, m_q=m_q, m_scale=m_scale, m_k=m_k, v_q=v_q, v_scale=v_scale, v_k=v_k)
     if len({len(x) for x in lists.values()}) != 1:
@@ -44,6 +45,15 @@ def check_lists(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size:
                 raise ValueError(f"{name}: tensor on {t.device}, expected {device}")
             if not t.is_contiguous():
                 raise ValueError(f"{name}: tensors must be contiguous")
+    if remainders is not None:
+        if len(remainders) != len(params):
+            raise ValueError(f"remainders: {len(remainders)} tensors for {len(params)} parameters")
+        if params[0].dtype != torch.bfloat16:
+            raise TypeError(f"params: remainders go with bfloat16 parameters, got {params[0].dtype}")
+        for i, r in enumerate(remainders):
+            if r.dtype != torch.int16 or r.device != device or not r.is_contiguous() or r.numel() != params[i].numel():
+                raise ValueError(f"remainders[{i}]: need a contiguous int16 tensor of {params[i].numel()} elements on "
+                                 f"{device}, got {r.dtype} x {r.numel()} on {r.device}")
     for i, p in enumerate(params):
         n, ng = p.numel(), num_groups(p.numel(), group_size)
         if grads[i].numel() != n or m_q[i].numel() != n or v_q[i].numel() != n:
@@ -79,3 +89,13 @@ def build_tables(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size
     if table is None:
         table = _remember(_ptr_cache, pkey, torch.tensor(ptrs, dtype=torch.int64, device=device).view(-1, 9))
     return table, chunks, ce // group_size
+
+
+def build_remainder_table(remainders) -> torch.Tensor:
+    """int64 [T]: the remainder tensors' addresses, row t beside row t of the pointer table (cached likewise)."""
+    device = remainders[0].device
+    key = ("remainders", device, tuple(r.data_ptr() for r in remainders))
+    table = _ptr_cache.get(key)
+    if table is None:
+        table = _remember(_ptr_cache, key, torch.tensor(key[2], dtype=torch.int64, device=device))
+    return table

@@ -29,5 +29,6 @@ def build_optimizer(groups: list[dict], cfg: OptimizerConfig, device: torch.devi
         from megacoat.optim.coat_adamw import CoatAdamW
 
         return CoatAdamW(groups, m_dtype=cfg.fp8_m_dtype, v_dtype=cfg.fp8_v_dtype, group_size=cfg.fp8_group_size,
-                         expand=cfg.fp8_expand, **kwargs)
+                         expand=cfg.fp8_expand, param_remainders=cfg.main_params_dtype == "bf16-remainder",
+                         **kwargs)
     return torch.optim.AdamW(groups, fused=device.type == "cuda", **kwargs)

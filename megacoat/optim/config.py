@@ -7,6 +7,8 @@ from megacoat.ops.numerics import GROUP_SIZES
 
 DECAY_STYLES = ("constant", "linear", "cosine")
 FP8_MOMENT_DTYPES = ("e4m3", "e5m2")
+MAIN_GRADS_DTYPES = ("fp32", "bf16")
+MAIN_PARAMS_DTYPES = ("fp32", "bf16-remainder")
 
 
 @dataclass
@@ -27,6 +29,11 @@ class OptimizerConfig:
     fp8_v_dtype: str = "e4m3"
     fp8_group_size: int = 128
     fp8_expand: bool = True
+    # Megatron's names. Gradients: accumulated over micro-batches, reduced over data-parallel ranks and read by the
+    # optimizer in this dtype (None: the run's precision). Master weights: an fp32 copy, or none (bf16 parameters
+    # + CoatAdamW's int16 remainders, the same fp32 values in 2 bytes instead of 4).
+    main_grads_dtype: str | None = None
+    main_params_dtype: str = "fp32"
 
     def __post_init__(self):
         if self.lr_decay_style not in DECAY_STYLES:
@@ -43,6 +50,17 @@ class OptimizerConfig:
         for name in ("fp8_m_dtype", "fp8_v_dtype"):
             if getattr(self, name) not in FP8_MOMENT_DTYPES:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {FP8_MOMENT_DTYPES}")
+        if self.main_grads_dtype is not None and self.main_grads_dtype not in MAIN_GRADS_DTYPES:
+            raise ValueError(f"--main-grads-dtype must be one of {MAIN_GRADS_DTYPES}, got {self.main_grads_dtype!r}")
+        if self.main_params_dtype not in MAIN_PARAMS_DTYPES:
+            raise ValueError(f"--main-params-dtype must be one of {MAIN_PARAMS_DTYPES}, got {self.main_params_dtype!r}")
+        if self.main_params_dtype == "bf16-remainder":
+            if not self.fp8_optimizer:
+                raise ValueError("--main-params-dtype bf16-remainder keeps the remainders in CoatAdamW: add "
+                                 "--fp8-optimizer (or --coat-fp8)")
+            if self.main_grads_dtype == "fp32":
+                raise ValueError("--main-params-dtype bf16-remainder needs --main-grads-dtype bf16 (DeepSpeed hands "
+                                 "the optimizer its gradients in the master weights' dtype)")
         if self.fp8_group_size not in GROUP_SIZES:
             raise ValueError(f"--fp8-group-size must be one of {'/'.join(map(str, GROUP_SIZES))}, "
                              f"got {self.fp8_group_size}")

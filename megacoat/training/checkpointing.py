@@ -34,6 +34,11 @@ LATEST_FILE = "latest"
 FORMAT_VERSION = 1
 
 
+class CheckpointMismatchError(ValueError):
+    """--load names a checkpoint these flags cannot resume (another model, layout or tokenizer): bad input, which
+    pretrain_gpt.py reports as one error line."""
+
+
 @dataclass
 class TrainState:
     iteration: int = 0
@@ -50,6 +55,10 @@ class Layout:
     pipeline_model_parallel_size: int
     zero_stage: int
     fp8_optimizer: bool
+    # What DeepSpeed and CoatAdamW keep as master weights and gradients: another choice is another optimizer layout
+    # (a bf16 "fp32" partition plus remainders, or DeepSpeed's BF16_Optimizer under ZeRO-1 with fp32 gradients).
+    main_params_dtype: str = "fp32"
+    main_grads_dtype: str = "fp32"
 
     def incompatibilities(self, saved: dict) -> list[str]:
         """Reasons DeepSpeed cannot load a checkpoint saved with `saved` into this layout as it is (the loader then
@@ -247,10 +256,17 @@ def check_compatible(path: str, meta: dict, config_dict: dict, layout: Layout, t
     ignored = ("seq_length", "init_std") if finetune else ()
     diff = {k: v for k, v in _model_diff(saved_model, now_model).items() if k not in ignored}
     if diff:
-        raise ValueError(f"--load {path}: the checkpoint's model differs from the flags (field: (saved, now)): {diff}")
+        raise CheckpointMismatchError(f"--load {path}: the checkpoint's model differs from the flags "
+                                      f"(field: (saved, now)): {diff}")
+    saved_layout = meta.get("layout", {})
+    masters = [f"{k}: saved {saved_layout[k]}, now {getattr(layout, k)}" for k in ("main_params_dtype", "main_grads_dtype")
+               if k in saved_layout and saved_layout[k] != getattr(layout, k)]
+    if masters and not finetune:
+        raise CheckpointMismatchError(f"--load {path}: the checkpoint keeps its master weights and gradients otherwise "
+                                      f"({'; '.join(masters)}): resume with the flags it was saved with, or --finetune")
     changed = optimizer_changes_of(meta, config_dict, finetune)
     if changed and not convert_optimizer:
-        raise ValueError(f"--load {path}: the checkpoint's optimizer state is not this run's: " + "; ".join(changed)
+        raise CheckpointMismatchError(f"--load {path}: the checkpoint's optimizer state is not this run's: " + "; ".join(changed)
                          + ". Pass --override-optimizer-state convert to convert it (moments kept as fp32 and "
                          "re-quantized), or --finetune to start the optimizer afresh")
     if meta.get("tokenizer") and tokenizer and meta["tokenizer"]["sha256"] != tokenizer["sha256"]:

@@ -18,25 +18,53 @@ def quiet_tested_optimizer_warning(record: logging.LogRecord) -> bool:
 
 
 def use_bf16(cfg: MegacoatConfig, on_cuda: bool) -> bool:
+    """--bf16, or the default on CUDA, or asked for by --main-grads-dtype bf16 / --main-params-dtype bf16-remainder."""
     precision = cfg.training.precision
-    return precision == "bf16" or (precision == "auto" and on_cuda)
+    asked = cfg.optim.main_grads_dtype == "bf16" or cfg.optim.main_params_dtype == "bf16-remainder"
+    return precision == "bf16" or (precision == "auto" and (on_cuda or asked))
+
+
+def precision_settings(cfg: MegacoatConfig, bf16: bool) -> dict:
+    """DeepSpeed's keys for --main-grads-dtype and --main-params-dtype (bf16 runs; fp32 runs are fp32 throughout).
+
+    Gradients (DeepSpeed 0.19.8, ZeRO-1/2): with `data_types.grad_accum_dtype` bf16 the bf16 gradients are summed
+    in place over the micro-batches (ZeRO-1: autograd into param.grad; ZeRO-2: into this rank's partition buffer) and
+    reduced in bf16; fp32 makes both fp32 (ZeRO-1 then runs DeepSpeed's BF16_Optimizer, which keeps a full fp32
+    gradient buffer; ZeRO-2 an fp32 partition) and `communication_data_type` fp32 keeps the reduction in fp32.
+    Master weights: `bf16.bf16_master_weights_and_grads` makes the ZeRO optimizer's "fp32" partition bf16 and hands
+    the optimizer bf16 gradients; `bf16_optimizer_states` is DeepSpeed's switch that allows it without CPU offload
+    (it changes nothing for a client optimizer, whose state is its own: CoatAdamW keeps the remainders there).
+    """
+    if not bf16:
+        return {}
+    grads = cfg.optim.main_grads_dtype or "bf16"
+    out: dict = {"data_types": {"grad_accum_dtype": grads}}
+    if grads == "fp32":
+        out["communication_data_type"] = "fp32"
+    if cfg.optim.main_params_dtype == "bf16-remainder":
+        out["bf16"] = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    return out
 
 
 def build_deepspeed_config(cfg: MegacoatConfig, data_parallel_size: int, on_cuda: bool) -> dict:
     t = cfg.training
     gas = t.gradient_accumulation_steps(data_parallel_size)
+    bf16 = use_bf16(cfg, on_cuda)
     ds = {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": cfg.optim.clip_grad,
-        "bf16": {"enabled": use_bf16(cfg, on_cuda)},
+        "bf16": {"enabled": bf16},
         "zero_optimization": {"stage": cfg.parallel.zero_stage},
         # megacoat hands DeepSpeed its own optimizer object (AdamW or CoatAdamW): allow it under ZeRO.
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,  # megacoat logs; keep DeepSpeed's own step printing out of the way
         "wall_clock_breakdown": False,
     }
+    extra = precision_settings(cfg, bf16)
+    ds["bf16"].update(extra.pop("bf16", {}))
+    ds.update(extra)
     if cfg.parallel.pipeline_model_parallel_size > 1 and cfg.parallel.sequence_parallel:
         # DeepSpeed's pipeline splits each stage's output over the TP ranks and re-gathers it on the next stage,
         # assuming TP ranks hold the same activation; under sequence parallelism each holds its own shard.

@@ -1,13 +1,21 @@
 """Per-GPU memory estimate of a megacoat run: weights, gradients, optimizer states and activations, for the
 activation modes bf16 / fp8-linear / coat, AdamW or CoatAdamW, ZeRO-0/1/2 and TP/PP sizes.
 
-Model state, bytes per parameter (P parameters on this rank, D data-parallel ranks), as DeepSpeed holds it:
-    bf16 (DeepSpeed's bf16 optimizer, ZeRO-0): bf16 weights 2 + bf16 grads 2 + fp32 master 4 + fp32 grads 4
-    ZeRO-1: the fp32 master, fp32 grads and moments are partitioned (/D); ZeRO-2: the bf16 grads too
-    fp32 (CPU default): weights 4 + grads 4, no master copy
-    moments: AdamW 8 (two fp32); CoatAdamW 2 * (1 + 6/G) (FP8 + per-group fp32 scale + bf16 k; G = group size)
+Model state, bytes per parameter (P parameters on this rank, D data-parallel ranks), as DeepSpeed 0.19.8 holds it
+in a bf16 run (ZeRO-1 divides what is marked /D1 by D, ZeRO-2 also /D2):
+    weights: bf16 2
+    gradients, --main-grads-dtype bf16 (the default): the bf16 sums over micro-batches 2 /D2; inside the step
+        (`step_gradients`) the copy the optimizer reads: fp32 4 /D1 with an fp32 master (DeepSpeed converts this
+        rank's partition), or the flattened bf16 partition 2 /D1 with bf16-remainder
+    gradients, --main-grads-dtype fp32: ZeRO-1 (DeepSpeed's BF16_Optimizer) bf16 2 + a whole fp32 accumulation
+        buffer 4; ZeRO-2 an fp32 partition 4 /D2; the optimizer reads them as they are
+    master weights: fp32 4 /D1, or with --main-params-dtype bf16-remainder CoatAdamW's int16 remainders 2 /D1 (the
+        bf16 half is the model's own weight: megacoat/training/zero_master.py)
+    moments: AdamW 8 (two fp32); CoatAdamW 2 * (1 + 6/G) (FP8 + per-group fp32 scale + bf16 k; G = group size) /D1
+    fp32 run (CPU default): weights 4 + grads 4 /D2, no master copy
     FP8 modes: an E4M3 copy of every block linear in both layouts (the weight cache) + 2, unless
     --fp8-weight-cache none
+The "optimizer" part is master weights + moments: with CoatAdamW and bf16-remainder 2 + 2.09 = 4.09 B/param.
 
 Activations saved for backward, bytes per token per layer (h hidden, f FFN hidden, a heads). These are the
 saved-tensor totals of one TransformerBlock in bf16 with flash-style attention (no seq^2 term), read from
@@ -18,9 +26,10 @@ autograd's saved_tensors_hooks; tests/tools/test_memory_estimator.py re-measures
 The head (final norm, logits, fp32 log-softmax, and the logits' gradient at the start of backward): 8 h + 10 V
 per token on the last pipeline stage.
 
-Peak = model state + activations of the micro-batches in flight (1; with 1F1B pipelining the first stage
-holds `pp` micro-batches) + the head. Validated against torch.cuda.max_memory_allocated on an H100 within
-15% (see the GPU test); allocator fragmentation and DeepSpeed's communication buckets are not modelled.
+Peak = weights + gradients + optimizer + the larger of: the activations of the micro-batches in flight (1; with
+1F1B pipelining the first stage holds `pp` micro-batches) + the head, or the step's gradient copy. The GPU test in
+tests/tools/test_memory_estimator.py holds it to torch.cuda.max_memory_allocated within 15%; allocator
+fragmentation and DeepSpeed's communication buckets are not modelled.
 """
 from __future__ import annotations
 
@@ -29,6 +38,8 @@ from dataclasses import asdict, dataclass
 from megacoat.model.config import ModelConfig
 
 MODES = ("bf16", "fp8-linear", "coat")
+MAIN_GRADS_DTYPES = ("fp32", "bf16")
+MAIN_PARAMS_DTYPES = ("fp32", "bf16-remainder")
 ACTIVATION_BYTES = {  # per token per layer: (per h, per f, per head)
     "bf16": (24, 8, 0),
     "fp8-linear": (23, 7, 0),
@@ -38,14 +49,17 @@ ACTIVATION_BYTES = {  # per token per layer: (per h, per f, per head)
 
 @dataclass
 class MemoryEstimate:
+    """`gradients` live through forward and backward (the accumulated sums); `step_gradients` is the copy made
+    only inside the optimizer step, when the activations are gone. The peak is the larger of the two phases."""
     weights: int
     gradients: int
     optimizer: int
     activations: int
+    step_gradients: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations
+        return self.weights + self.gradients + self.optimizer + max(self.activations, self.step_gradients)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -65,10 +79,17 @@ def activation_bytes_per_token_per_layer(cfg: ModelConfig, mode: str) -> int:
 def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: int = 1, seq_length: int | None = None,
                     data_parallel_size: int = 1, zero_stage: int = 0, tensor_parallel_size: int = 1,
                     pipeline_parallel_size: int = 1, fp8_optimizer: bool = False, fp8_group_size: int = 128,
-                    bf16: bool = True, fp8_weight_cache: str = "step") -> MemoryEstimate:
+                    bf16: bool = True, fp8_weight_cache: str = "step", main_grads_dtype: str = "bf16",
+                    main_params_dtype: str = "fp32") -> MemoryEstimate:
     """Bytes on the busiest GPU (the first pipeline stage for activations, the last for the head)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if main_grads_dtype not in MAIN_GRADS_DTYPES or main_params_dtype not in MAIN_PARAMS_DTYPES:
+        raise ValueError(f"main_grads_dtype must be one of {MAIN_GRADS_DTYPES} and main_params_dtype one of "
+                         f"{MAIN_PARAMS_DTYPES}, got {main_grads_dtype!r}, {main_params_dtype!r}")
+    remainders = main_params_dtype == "bf16-remainder"
+    if remainders and not (bf16 and fp8_optimizer and zero_stage in (1, 2) and main_grads_dtype == "bf16"):
+        raise ValueError("main_params_dtype bf16-remainder needs bf16, CoatAdamW, ZeRO-1/2 and bf16 main gradients")
     if zero_stage not in (0, 1, 2):
         raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage}")
     for name, v in (("micro_batch_size", micro_batch_size), ("data_parallel_size", data_parallel_size),
@@ -87,11 +108,16 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
     moments = 2 * (1 + 6 / fp8_group_size) if fp8_optimizer else 8
     if bf16:
         weights = 2 * params
-        gradients = 2 * params / zero_div_grad + 4 * params / zero_div_master
-        optimizer = (4 + moments) * params / zero_div_master
+        step_gradients = 0.0
+        if main_grads_dtype == "fp32":
+            gradients = 4 * params / zero_div_grad if zero_stage == 2 else 6 * params
+        else:
+            gradients = 2 * params / zero_div_grad
+            step_gradients = (2 if remainders else 4) * params / zero_div_master
+        optimizer = ((2 if remainders else 4) + moments) * params / zero_div_master
     else:
         weights = 4 * params
-        gradients = 4 * params / zero_div_grad
+        gradients, step_gradients = 4 * params / zero_div_grad, 0.0
         optimizer = moments * params / zero_div_master
     if mode != "bf16" and fp8_weight_cache == "step":
         weights += 2 * block_linear_parameters(cfg) / (tp * pp)  # the E4M3 weight cache, W and W^T
@@ -104,4 +130,4 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
     activations = per_layer * tokens * layers_per_stage * in_flight + (head if pp == 1 else 0)
     if pp > 1:  # the last stage: one micro-batch of its layers plus the head, if that is the larger
         activations = max(activations, per_layer * tokens * layers_per_stage + head)
-    return MemoryEstimate(int(weights), int(gradients), int(optimizer), int(activations))
+    return MemoryEstimate(int(weights), int(gradients), int(optimizer), int(activations), int(step_gradients))

@@ -61,4 +61,8 @@ def build_engine(cfg: MegacoatConfig, model: nn.Module, ds_config: dict, device:
         model=model, optimizer=optimizer, config=ds_config, dist_init_required=False,
         mpu=None if pipelined or state is None else state.mpu,
         lr_scheduler=lambda opt: WarmupDecayLR(opt, cfg.optim, cfg.training.train_iters))
+    if cfg.optim.main_params_dtype == "bf16-remainder":
+        from megacoat.training.zero_master import share_master_partitions
+
+        share_master_partitions(engine.optimizer)  # DeepSpeed's bf16 "master" becomes the model's own slice
     return engine, scheduler

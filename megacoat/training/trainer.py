@@ -110,7 +110,9 @@ class Trainer:
         self.layout = Layout(world_size=self.world_size, data_parallel_size=self.dp_size,
                              tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
                              pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
-                             zero_stage=cfg.parallel.zero_stage, fp8_optimizer=cfg.optim.fp8_optimizer)
+                             zero_stage=cfg.parallel.zero_stage, fp8_optimizer=cfg.optim.fp8_optimizer,
+                             main_params_dtype=cfg.optim.main_params_dtype,
+                             main_grads_dtype=self.ds_config.get("data_types", {}).get("grad_accum_dtype", "fp32"))
         self.tokenizer_identity = file_identity(cfg.data.tokenizer_model)
 
         # What can be checked without the model is checked before it is built: the checkpoint --load names

@@ -60,7 +60,8 @@ def cuobjdump():
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
 def test_cuda_kernel_compiles(tmp_path):
-    """The kernel builds for sm_90 under torch's macros: one fp32 and one bf16 instantiation (COMPILE_CHECK)."""
+    """The kernel builds for sm_90 under torch's macros: one fp32 and one bf16 instantiation (COMPILE_CHECK) and the
+    two with remainders."""
     obj = tmp_path / "coat_adamw.o"
     cmd = [NVCC, "-c", "-std=c++17", "-O3", "-arch=sm_90", "-DCOAT_ADAMW_COMPILE_CHECK", *TORCH_NVCC_MACROS,
            str(kernels_dir() / "coat_adamw.cu"), "-o", str(obj)]
@@ -72,7 +73,9 @@ def test_cuda_kernel_compiles(tmp_path):
     listing = subprocess.run([tool, "-res-usage", str(obj)], capture_output=True, text=True, check=True).stdout
     rows = re.findall(r"coat_adamw_kernelILi128E(\w+?)EEv13CoatAdamWArgs:\s+REG:(\d+) STACK:\d+ SHARED:\d+ "
                       r"LOCAL:(\d+)", listing)
-    assert {t for t, _, _ in rows} == {"ff", "13__nv_bfloat16S1_"}, listing
+    # REM (Lb1E): bf16 parameters with fp32-master remainders, bf16 and fp32 gradients
+    assert {t for t, _, _ in rows} == {"ffLb0E", "13__nv_bfloat16S1_Lb0E", "13__nv_bfloat16S1_Lb1E",
+                                       "13__nv_bfloat16fLb1E"}, listing
     for types, regs, local in rows:
         # __launch_bounds__(256, 4): four resident blocks need <= 64 registers; no local memory (spills)
         assert int(regs) <= 64 and int(local) == 0, (types, regs, local)

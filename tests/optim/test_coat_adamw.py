@@ -151,3 +151,81 @@ def test_nonfinite_gradient_is_reported():
     opt.step()
     assert opt.nonfinite_groups() == 2 and opt.nonfinite_groups() == 0
     assert torch.isnan(opt.state[p]["exp_avg_scale"][1])
+
+
+# ------------------------------------------------ bf16 parameters with fp32-master remainders (param_remainders)
+
+def _bf16_mlp(seed=1):
+    return mlp(seed).to(torch.bfloat16)
+
+
+def test_remainders_train_bit_for_bit_like_an_fp32_master():
+    """A bf16 model trained with CoatAdamW(param_remainders=True) against the mixed-precision layout it replaces: an
+    fp32 master copy updated by CoatAdamW from the bf16 gradients, then rounded into the bf16 model (with the same
+    nearest-ties-away rounding the remainder format defines). Same losses, same master, same bf16 weights, bit for bit."""
+    from megacoat.ops.param_remainder import join_fp32, split_fp32
+
+    x, y = data()
+    a = _bf16_mlp()
+    oa = CoatAdamW(a.parameters(), **HP, param_remainders=True)
+    b = _bf16_mlp()
+    master = [torch.nn.Parameter(p.detach().float()) for p in b.parameters()]
+    ob = CoatAdamW(master, **HP)
+    for step in range(12):
+        losses = []
+        for model in (a, b):
+            loss = torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            losses.append(loss.item())
+        assert losses[0] == losses[1], (step, losses)
+        for mp, p in zip(master, b.parameters()):
+            mp.grad = p.grad.float()
+        oa.step()
+        ob.step()
+        with torch.no_grad():
+            for mp, p in zip(master, b.parameters()):
+                p.copy_(split_fp32(mp.detach())[0])
+        for pa, mp in zip(a.parameters(), master):
+            assert torch.equal(join_fp32(pa.detach(), oa.state[pa]["remainder"]).view(torch.int32),
+                               mp.detach().view(torch.int32))
+    assert losses[0] < 0.5 * torch.nn.functional.mse_loss(_bf16_mlp()(x.bfloat16()).float(), y).item()
+
+
+def test_remainder_state_is_at_most_4_1_bytes_per_param():
+    p = torch.nn.Parameter(torch.randn(1000, 1280, dtype=torch.bfloat16))
+    opt = CoatAdamW([p], **HP, param_remainders=True)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert opt.state[p]["remainder"].dtype == torch.int16
+    assert opt.state_bytes() / p.numel() == pytest.approx(2 + 2 + 12 / 128)
+    assert opt.state_bytes() / p.numel() <= 4.1
+
+
+def test_remainder_resume_bitwise_and_other_master_layout_is_a_clear_error():
+    x, y = data()
+    a = _bf16_mlp()
+    oa = CoatAdamW(a.parameters(), **HP, param_remainders=True)
+    xb = x.bfloat16()
+    train(a, oa, 3, xb, y.bfloat16())
+    buf = io.BytesIO()
+    torch.save({"model": a.state_dict(), "optim": oa.state_dict()}, buf)
+    train(a, oa, 4, xb, y.bfloat16())
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    b = _bf16_mlp(seed=7)
+    b.load_state_dict(ck["model"])
+    ob = CoatAdamW(b.parameters(), **HP, param_remainders=True)
+    ob.load_state_dict(ck["optim"])
+    train(b, ob, 4, xb, y.bfloat16())
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb) and torch.equal(oa.state[pa]["remainder"], ob.state[pb]["remainder"])
+    with pytest.raises(ValueError, match="--main-params-dtype bf16-remainder .* but this run has --main-params-dtype fp32"):
+        CoatAdamW(_bf16_mlp().parameters(), **HP).load_state_dict(ck["optim"])
+
+
+def test_remainders_need_bf16_parameters():
+    p = torch.nn.Parameter(torch.randn(10))
+    p.grad = torch.randn(10)
+    with pytest.raises(TypeError, match="bfloat16"):
+        CoatAdamW([p], param_remainders=True).step()

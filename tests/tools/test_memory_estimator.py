@@ -44,9 +44,15 @@ def test_model_state_matches_a_hand_count():
     cfg = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, vocab_size=1000)
     p = cfg.num_parameters()
     adamw = estimate_memory(cfg, "bf16", micro_batch_size=1)
-    assert adamw.weights == 2 * p and adamw.gradients == 6 * p and adamw.optimizer == 12 * p  # 20 B/param
+    # bf16 weights, bf16 gradient sums, fp32 master + moments; the fp32 gradient copy only inside the step
+    assert adamw.weights == 2 * p and adamw.gradients == 2 * p and adamw.optimizer == 12 * p
+    assert adamw.step_gradients == 4 * p
+    assert adamw.total == 16 * p + max(adamw.activations, 4 * p)
     coat = estimate_memory(cfg, "coat", fp8_optimizer=True)
     assert coat.optimizer == int(p * (4 + 2 * (1 + 6 / 128)))  # fp32 master + 2.094 B/param moments
+    lean = estimate_memory(cfg, "coat", fp8_optimizer=True, zero_stage=1, main_params_dtype="bf16-remainder")
+    assert lean.optimizer == int(p * (2 + 2 * (1 + 6 / 128)))  # remainders + moments: 4.09 B/param
+    assert lean.optimizer / p <= 4.1 and lean.step_gradients == 2 * p and lean.gradients == 2 * p
     linears = 2 * (4 * 128 * 128 + 3 * 128 * 256)
     assert coat.weights == 2 * p + 2 * linears  # + the E4M3 weight cache (W and W^T)
     assert estimate_memory(cfg, "coat", fp8_weight_cache="none").weights == 2 * p  # copies made per use
@@ -59,8 +65,16 @@ def test_zero_tp_pp_divide_what_they_should():
     z1 = estimate_memory(cfg, "bf16", micro_batch_size=2, data_parallel_size=4, zero_stage=1)
     z2 = estimate_memory(cfg, "bf16", micro_batch_size=2, data_parallel_size=4, zero_stage=2)
     p = cfg.num_parameters()
-    assert z1.optimizer == int(12 * p / 4) and z1.gradients == int(2 * p + 4 * p / 4)
-    assert z2.gradients == int(2 * p / 4 + 4 * p / 4) and z1.activations == base.activations
+    assert z1.optimizer == int(12 * p / 4) and z1.gradients == 2 * p and z1.step_gradients == int(4 * p / 4)
+    assert z2.gradients == int(2 * p / 4) and z2.step_gradients == int(4 * p / 4)
+    assert z1.activations == base.activations
+    # --main-grads-dtype fp32: ZeRO-1 runs DeepSpeed's BF16_Optimizer (bf16 grads + a whole fp32 buffer), ZeRO-2
+    # keeps an fp32 partition; the optimizer reads them without a copy
+    f1 = estimate_memory(cfg, "bf16", data_parallel_size=4, zero_stage=1, main_grads_dtype="fp32")
+    f2 = estimate_memory(cfg, "bf16", data_parallel_size=4, zero_stage=2, main_grads_dtype="fp32")
+    assert (f1.gradients, f1.step_gradients) == (6 * p, 0) and (f2.gradients, f2.step_gradients) == (p, 0)
+    with pytest.raises(ValueError, match="bf16-remainder needs"):
+        estimate_memory(cfg, "coat", fp8_optimizer=True, zero_stage=0, main_params_dtype="bf16-remainder")
     tp2 = estimate_memory(cfg, "bf16", micro_batch_size=2, tensor_parallel_size=2)
     assert tp2.weights == base.weights // 2 and tp2.activations < base.activations
     pp2 = estimate_memory(cfg, "bf16", micro_batch_size=2, pipeline_parallel_size=2)
@@ -86,17 +100,20 @@ GPU_MODEL = ["--num-layers", "8", "--hidden-size", "1024", "--ffn-hidden-size", 
 
 @pytest.mark.gpu
 def test_estimate_within_15_percent_of_measured_peak_on_gpu(tmp_path):
-    """Three real training runs (bf16 / fp8-linear / coat, AdamW, bf16, ZeRO-0, one GPU) side by side: the
-    estimate of each is within 15% of torch.cuda.max_memory_allocated after a few steps."""
+    """Four real training runs side by side on one GPU (bf16 / fp8-linear / coat with AdamW, and coat with CoatAdamW
+    and --main-params-dtype bf16-remainder; bf16, ZeRO-1 on one rank): the estimate of each is within 15% of
+    torch.cuda.max_memory_allocated after a few steps."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                MEGACOAT_CACHE=str(tmp_path / "cache"))
+    runs = {"bf16": ([], {}), "fp8-linear": (["--fp8-activations", "fp8-linear"], {}),
+            "coat": (["--fp8-activations", "coat"], {}),
+            "coat-remainder": (["--coat-fp8", "--main-params-dtype", "bf16-remainder"],
+                               dict(fp8_optimizer=True, main_params_dtype="bf16-remainder"))}
     procs = {}
-    for mode in ("bf16", "fp8-linear", "coat"):
+    for mode, (flags, _) in runs.items():
         argv = GPU_MODEL + ["--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "3",
-                            "--log-interval", "1", "--eval-iters", "0", "--mock-data", "--bf16",
-                            "--log-json", str(tmp_path / f"{mode}.json")]
-        if mode != "bf16":
-            argv += ["--fp8-activations", mode]
+                            "--log-interval", "1", "--eval-iters", "0", "--mock-data", "--bf16", "--zero-stage", "1",
+                            "--log-json", str(tmp_path / f"{mode}.json")] + flags
         procs[mode] = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py")] + argv, env=env,
                                        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     cfg = ModelConfig(num_layers=8, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16,
@@ -107,7 +124,7 @@ def test_estimate_within_15_percent_of_measured_peak_on_gpu(tmp_path):
         assert proc.returncode == 0, out[-3000:]
         records = [json.loads(x) for x in (tmp_path / f"{mode}.json").read_text().splitlines()]
         measured = max(r["max_memory_bytes"] for r in records if "max_memory_bytes" in r)
-        est = estimate_memory(cfg, mode, micro_batch_size=4)
+        est = estimate_memory(cfg, mode.split("-remainder")[0], micro_batch_size=4, zero_stage=1, **runs[mode][1])
         results[mode] = {"measured": measured, **est.as_dict(), "ratio": est.total / measured}
     out_dir = os.environ.get("MEGACOAT_RESULTS_DIR")
     if out_dir:

@@ -46,3 +46,16 @@ def test_the_untested_optimizer_warning_is_dropped_and_nothing_else():
     assert not quiet_tested_optimizer_warning(
         record("**** You are using ZeRO with an untested optimizer, proceed with caution *****"))
     assert quiet_tested_optimizer_warning(record("some other warning"))
+
+
+def test_main_grads_and_params_dtypes_become_deepspeed_settings():
+    ds = build_deepspeed_config(parse_config(["--bf16"]), 1, on_cuda=True)
+    assert ds["data_types"] == {"grad_accum_dtype": "bf16"} and "communication_data_type" not in ds
+    assert "bf16_master_weights_and_grads" not in ds["bf16"]
+    ds = build_deepspeed_config(parse_config(["--bf16", "--main-grads-dtype", "fp32"]), 1, on_cuda=True)
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"} and ds["communication_data_type"] == "fp32"
+    cfg = parse_config(["--fp8-optimizer", "--main-params-dtype", "bf16-remainder", "--zero-stage", "2"])
+    ds = build_deepspeed_config(cfg, 1, on_cuda=False)  # asks for bf16 even where auto would be fp32
+    assert ds["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    assert ds["data_types"] == {"grad_accum_dtype": "bf16"}
+    assert "data_types" not in build_deepspeed_config(parse_config(["--fp32"]), 1, on_cuda=False)
