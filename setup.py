@@ -37,5 +37,7 @@ setup(
     extras_require={
         "dev": ["pytest", "pytest-timeout", "matplotlib", "tensorboard", "safetensors"],
         "wandb": ["wandb"],
+        # benchmark-only: bench_e2e.py's torchao-float8 mode (the peer FP8 training, measured in the same run)
+        "bench": ["torchao>=0.18"],
     },
 )

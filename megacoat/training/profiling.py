@@ -7,7 +7,10 @@ Each rank writes into the folder:
                           that a benchmark can keep beside its throughput. Also the window's `device` summary
                           (`device_summary`): GPU-busy fraction (time the GPU runs kernels, copies or memsets,
                           over the window's wall time: well below 1 means the host does not keep the GPU fed),
-                          kernel launches and host synchronisations per step.
+                          kernel launches and host synchronisations per step, and where the GPU sat idle:
+                          its idle time split by the training phase the host was in (`annotate_engine` names
+                          the DeepSpeed engine's forward, backward and step in the trace; the rest is the
+                          loop's own work: data, logging, bookkeeping).
 
 The window starts and ends with the GPU drained (a synchronize on both sides), so its wall time holds exactly
 its steps. The profiler's own per-operator bookkeeping slows the host a little, so a host-bound step reads a
@@ -19,8 +22,12 @@ import json
 import os
 import time
 
+import functools
+
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
+
+PHASE_PREFIX = "megacoat."  # record_function names of the training phases (annotate_engine, plain loops)
 
 
 class StepProfiler:
@@ -90,13 +97,7 @@ HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 def busy_us(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals: time during which at least one of them runs (kernels on
     several streams overlap; counting each would exceed the wall time)."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
+    return sum(b - a for a, b in merged(intervals))
 
 
 def device_summary(events: list[dict], wall_us: float, steps: int, own_waits: int = 0) -> dict:
@@ -109,7 +110,53 @@ def device_summary(events: list[dict], wall_us: float, steps: int, own_waits: in
     kernels = sum(1 for e in events if e.get("cat") == "kernel")
     waits = sum(1 for e in events if e.get("cat") == "cuda_runtime" and e.get("name") in HOST_WAITS)
     busy = busy_us(device)
+    phases = [(e["name"], e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+              if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(PHASE_PREFIX)]
     return {"wall_us": wall_us, "steps": steps,
             "gpu_busy_us": busy if device else None,
             "gpu_busy_fraction": busy / wall_us if device and wall_us > 0 else None,
-            "kernels_per_step": kernels / steps, "host_waits_per_step": max(waits - own_waits, 0) / steps}
+            "kernels_per_step": kernels / steps, "host_waits_per_step": max(waits - own_waits, 0) / steps,
+            "gpu_idle_ms_per_step_by_phase": {name: us / 1e3 / steps
+                                              for name, us in idle_by_phase(device, phases).items()}}
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def idle_by_phase(device: list[tuple[float, float]], phases: list[tuple[str, float, float]]) -> dict[str, float]:
+    """The GPU's idle time between its first and last activity, split by the host phase it overlaps (name ->
+    microseconds; "other" where no phase was open: the loop's own work). Phases do not nest."""
+    busy = merged(device)
+    gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(busy, busy[1:])]
+    out: dict[str, float] = {}
+    for g0, g1 in gaps:
+        left = g1 - g0
+        for name, p0, p1 in phases:
+            overlap = min(g1, p1) - max(g0, p0)
+            if overlap > 0:
+                out[name] = out.get(name, 0.0) + overlap
+                left -= overlap
+        if left > 0:
+            out["other"] = out.get("other", 0.0) + left
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def annotate_engine(engine) -> None:
+    """Name the engine's forward, backward and step in profiler traces (megacoat.forward/backward/step), so
+    the device summary can say in which phase the GPU waited for the host. record_function costs a few
+    microseconds per call; the trainer applies this only when it profiles."""
+    for name in ("forward", "backward", "step"):
+        method = getattr(engine, name)
+
+        @functools.wraps(method)
+        def annotated(*args, _method=method, _label=PHASE_PREFIX + name, **kwargs):
+            with record_function(_label):
+                return _method(*args, **kwargs)
+        setattr(engine, name, annotated)

@@ -24,7 +24,7 @@ from megacoat.training.distributed import all_reduce_mean, init_distributed, is_
 from megacoat.training.flops import flops_per_token, peak_flops
 from megacoat.training.logger import TrainingLogger
 from megacoat.training.model_builder import ModelConverter, build_engine, build_model
-from megacoat.training.profiling import StepProfiler
+from megacoat.training.profiling import StepProfiler, annotate_engine
 from megacoat.training.signals import ExitConditions
 from megacoat.training.stability import StabilityGuard, clear_skip_flag, nan_injection_iterations, skip_fp32_step
 
@@ -114,6 +114,8 @@ class Trainer:
         self.logger.info(f"parallel: TP {p.tp_size} x PP {p.pp_size} x DP {p.dp_size}"
                          + (", sequence parallel" if p.sequence_parallel else ""))
         self.engine, self.scheduler = build_engine(cfg, model, self.ds_config, self.device, self.parallel)
+        if t.profile_dir:
+            annotate_engine(self.engine)  # the profiled window's idle time, split by phase (profiling.py)
 
         self.train_ds, self.valid_ds, _ = build_data(cfg, self.dp_size)
         self.layout = Layout(world_size=self.world_size, data_parallel_size=self.dp_size,
