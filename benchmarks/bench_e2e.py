@@ -30,10 +30,12 @@ invocation. The JSON (device, versions, command) is rewritten after every run, s
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.util
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -97,10 +99,11 @@ def environment() -> dict:
 
 
 def run_pretrain(argv: list[str], timeout: int, profile_steps: tuple[int, int] | None = None,
-                 script: str = "pretrain_gpt.py") -> dict:
+                 script: str = "pretrain_gpt.py", trace_to: str | None = None) -> dict:
     """One training process (pretrain_gpt.py or a launcher with its flags); returns its JSON-log records, or
     the reason it failed ('oom' or text). profile_steps (start, end): torch.profiler over iterations
-    (start, end], whose summary (top operators, GPU-busy fraction) is returned under "profile"."""
+    (start, end], whose summary (top operators, GPU-busy fraction) is returned under "profile"; trace_to: where
+    to keep its Chrome trace, gzipped."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
         cmd = [sys.executable, os.path.join(ROOT, script), *argv, "--log-json", log]
@@ -117,6 +120,11 @@ def run_pretrain(argv: list[str], timeout: int, profile_steps: tuple[int, int] |
             return failure(proc.stdout[-4000:] + proc.stderr[-4000:], argv)
         records = [json.loads(line) for line in open(log)]
         profile = top_operators(os.path.join(tmp, "profile", "top_ops_rank0.json")) if profile_steps else None
+        trace = os.path.join(tmp, "profile", "trace_rank0.json")
+        if trace_to and os.path.exists(trace):
+            os.makedirs(os.path.dirname(os.path.abspath(trace_to)), exist_ok=True)
+            with open(trace, "rb") as src, gzip.open(trace_to, "wb") as dst:
+                shutil.copyfileobj(src, dst)
     train = [r for r in records if "loss" in r]
     return {
         "ok": True, "argv": argv, "script": script, "wall_s": time.perf_counter() - t0, "profile": profile,
@@ -239,7 +247,9 @@ def speed_run(spec: str, common: list[str], mbs: int, args, profile: bool) -> di
     extra = PROFILED_STEPS if profile else 0
     argv = common + flags + ["--micro-batch-size", str(mbs), "--global-batch-size", str(mbs * args.grad_accum),
                              "--train-iters", str(timed_end + extra)]
-    res = run_pretrain(argv, args.timeout, (timed_end, timed_end + extra) if profile else None, script)
+    name = f"{spec.replace('+', '_')}_mb{mbs}_zero{args.zero_stage}.json.gz"  # plain characters: copied back as is
+    trace = os.path.join(args.traces, name) if profile and args.traces else None
+    res = run_pretrain(argv, args.timeout, (timed_end, timed_end + extra) if profile else None, script, trace)
     if res["ok"]:
         res["window"] = timed_window(res["records"], args.warmup, timed_end)
         if script == "pretrain_gpt.py":
@@ -357,6 +367,8 @@ def main() -> None:
     s.add_argument("--profile", action="store_true",
                    help=f"the first repeat of each point runs {PROFILED_STEPS} more iterations under torch.profiler "
                         "(not timed): GPU-busy fraction, kernels per step and layer, top operators")
+    s.add_argument("--traces", default=None, metavar="DIR",
+                   help="with --profile, keep each profiled run's Chrome trace as DIR/<mode>_mb<N>_zero<S>.json.gz")
     c = sub.add_parser("convergence")
     c.add_argument("--data-path", nargs="+", required=True)
     c.add_argument("--tokenizer-model", required=True)

@@ -1,8 +1,9 @@
 """The training loop's own host work: between two log lines, megacoat's trainer reads nothing back from the
-device (no `.item()`, `float(t)`, `.tolist()`, `if t:` ...). On a GPU each such read drains the queue: the GPU
+device (no `.item()`, `float(t)`, `.tolist()`, `if t:` ...) and nothing synchronizes the device (DeepSpeed's
+throughput timer would, twice per micro-batch). On a GPU each such read or synchronize drains the queue: the GPU
 then idles while the host catches up with the next launches, which is what makes small micro-batches
-host-bound. On the CPU the reads cost nothing, but they are the same Python calls, so counting them here guards
-the GPU path. The run is the benchmarks' configuration (bf16, ZeRO-1) in its own process (it initialises
+host-bound. On the CPU they cost nothing, but they are the same Python calls, so counting them here guards the
+GPU path. The run is the benchmarks' configuration (bf16, ZeRO-1) in its own process (it initialises
 torch.distributed), with every read attributed to the first caller outside torch."""
 import json
 import subprocess
@@ -13,6 +14,7 @@ from tests.training.checkpoint_runs import ROOT, TINY, env
 RECORDER = r"""
 import collections, json, sys
 import torch
+from deepspeed.accelerator import get_accelerator
 import megacoat.training.trainer as trainer
 from megacoat.arguments import parse_config
 
@@ -39,6 +41,16 @@ def recording(name):
 
 for name in READS:
     setattr(torch.Tensor, name, recording(name))
+accelerator = type(get_accelerator())
+device_synchronize = accelerator.synchronize
+
+
+def synchronize(self, *args, **kwargs):
+    reads[step["iteration"]].append("synchronize@" + caller())
+    return device_synchronize(self, *args, **kwargs)
+
+
+accelerator.synchronize = synchronize
 train_step = trainer.Trainer.train_step
 
 
@@ -68,6 +80,8 @@ def test_steps_between_log_lines_read_nothing_back_from_the_device(tmp_path):
     assert ours.get(3) and ours.get(6), ours  # the recorder sees the log's reads: this test can fail
     quiet = {it: rs for it, rs in ours.items() if it % 3}
     assert not any(quiet.values()), quiet
+    syncs = {it: [r for r in rs if r.startswith("synchronize@")] for it, rs in reads.items() if it % 3}
+    assert not any(syncs.values()), syncs
     # What DeepSpeed's ZeRO-1 bf16 step reads by itself (its overflow check and clipping), for the record.
     deepspeed = [r for r in reads.get(2, []) if "/deepspeed/" in r]
     print(f"DeepSpeed's reads in a step: {len(deepspeed)}: {sorted(set(deepspeed))}")
