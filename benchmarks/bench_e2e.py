@@ -252,6 +252,8 @@ def speed_run(spec: str, common: list[str], mbs: int, args, profile: bool) -> di
     res = run_pretrain(argv, args.timeout, (timed_end, timed_end + extra) if profile else None, script, trace)
     if res["ok"]:
         res["window"] = timed_window(res["records"], args.warmup, timed_end)
+        if res["window"] is None:
+            res.update(ok=False, error=f"the log does not cover the timed iterations ({args.warmup}, {timed_end}]")
         if script == "pretrain_gpt.py":
             res["memory_model_gib"] = memory_model(argv)
     print(spec, mbs, {k: res.get(k) for k in ("max_memory_gib", "error")},

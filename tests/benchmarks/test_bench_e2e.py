@@ -3,6 +3,7 @@ launchers: the plain Llama loop (refuses what it does not do) and torchao's conv
 float8). The GPU figures themselves come from benchmarks/device_run.sh."""
 import argparse
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -82,3 +83,22 @@ def test_torchao_converts_the_block_linears_and_keeps_the_head():
     tokens = torch.randint(0, 256, (2, 32))
     model(tokens, tokens).backward()  # trains (torchao emulates the FP8 GEMMs without CUDA)
     assert model.layers[0].attention.wq.weight.grad is not None
+
+
+@pytest.mark.slow
+def test_speed_on_a_tiny_model_writes_each_point_with_its_profile(tmp_path):
+    out = tmp_path / "speed.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_e2e.py"), "speed", "--tiny",
+                           "--micro-batch-size", "2", "--modes", "bf16", "plain-llama", "--baseline", "bf16",
+                           "--warmup", "2", "--iters", "4", "--log-interval", "2", "--repeats", "2", "--profile",
+                           "--timeout", "500", "--out", str(out)],
+                          capture_output=True, text=True, timeout=1500, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["method"]["timed_iterations"] == 4 and result["environment"]["command"]
+    for mode in ("bf16", "plain-llama"):
+        point = result["points"]["2"][mode]
+        assert point["ok"] and point["repeats"] == 2 and len(point["runs"]) == 2, point
+        assert point["tokens_per_s"] > 0 and point["speedup_vs_baseline"] > 0
+        assert point["profile"]["device"]["steps"] == 3 and point["profile"]["device"]["wall_us"] > 0
+    assert result["points"]["2"]["bf16"]["speedup_vs_baseline"] == 1
