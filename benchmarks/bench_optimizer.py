@@ -1,4 +1,4 @@
-"""Optimizer step: torch.optim.AdamW(fused=True) (fp32 moments) against CoatAdamW (FP8 moments) per backend.
+"""Optimizer step: torch.optim.AdamW(fused=True) (fp32 moments) against CoatAdamW's CUDA kernel (FP8 moments).
 
 The parameters are flat fp32 buffers of odd lengths, as DeepSpeed ZeRO-1/2 hands them to the optimizer (fp32
 gradients). For each optimizer: median step time (CUDA events, after warm-up), the bytes the step must move at the
@@ -7,10 +7,9 @@ copy measured in the same run; optimizer-state bytes per parameter and torch.cud
 
     python benchmarks/bench_optimizer.py [--params 1e9] [--chunks 8] [--out benchmarks/results/bench_optimizer.json]
 
-Every kernel variant (kernels/coat_adamw.cu, megacoat/ops/coat_adamw_triton.py) is timed in the same run
-(--cuda-variants, --triton-variants). Without a GPU, `--sass` compiles them for sm_90 and writes, per variant, what
-can be judged statically (registers, spills, instructions per element, loads and stores by width) to
-benchmarks/results/bench_optimizer_sass.json; put Triton 3.6 (the device's) first on PYTHONPATH for its counts.
+CoatAdamW runs with and without dynamic range expansion. Without a GPU, `--sass` compiles kernels/coat_adamw.cu for
+sm_90 and writes what can be judged statically (registers, spills, instructions per element, loads and stores by
+width) to benchmarks/results/bench_optimizer_sass.json.
 """
 from __future__ import annotations
 
@@ -26,8 +25,6 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megacoat.ops.coat_adamw_cuda import CUDA_VARIANTS, VARIANT_ENV  # noqa: E402
-from megacoat.ops.coat_adamw_triton import TRITON_VARIANT_ENV, TRITON_VARIANTS  # noqa: E402
 from megacoat.optim.coat_adamw import CoatAdamW  # noqa: E402
 
 
@@ -101,22 +98,17 @@ def bench_one(name: str, make_opt, n_params: int, chunks: int, args, bytes_per_p
 _STATIC_FLAGS = ["-std=c++17", "-O3", "-arch=sm_90a", "-DCOAT_ADAMW_COMPILE_CHECK", "-D__CUDA_NO_HALF_OPERATORS__",
                  "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
                  "-D__CUDA_NO_HALF2_OPERATORS__"]
-# kernel name and last template argument (v3: STEP, v4: blocks per SM) -> variant
-_KERNELS = {("coat_adamw_kernel", "1"): "v3", ("coat_adamw_kernel", "2"): "v3-interleaved",
-            ("coat_adamw_kernel_v4", "3"): "v4", ("coat_adamw_kernel_v4", "2"): "v4-2blocks"}
-
-
 _BUILDS = {"full": [], "hot_path": ["-DCOAT_ADAMW_VECTOR_PATH_ONLY"],
            "expand_path": ["-DCOAT_ADAMW_VECTOR_PATH_ONLY", "-DCOAT_ADAMW_EXPAND_PATH_ONLY"]}
 
 
-def sass_of_variants(build: str) -> dict:
-    """{(variant, param dtype): figures} for the G = 128 kernels. Builds: "full" (the extension's code); "hot_path"
+def sass_of_kernel(build: str) -> dict:
+    """{param dtype: figures} for the G = 128 kernel. Builds: "full" (the extension's code); "hot_path"
     without the masked tail path (COAT_ADAMW_VECTOR_PATH_ONLY): whole aligned chunks; "expand_path" also without the
     k == 1 shortcuts, which the compiler builds as a second copy of the code: what is left is one straight path
     through a chunk with expansion on, so its static count is close to the dynamic one (loop and per-group
-    branches aside). Every variant handles 16 elements a thread per chunk. Code after the last EXIT (slow paths of
-    IEEE division, taken only for extreme operands) is not counted."""
+    branches aside). A thread handles 16 elements per chunk. Code after the last EXIT (slow paths of IEEE
+    division, taken only for extreme operands) is not counted."""
     import collections
     import re
     import tempfile
@@ -136,7 +128,7 @@ def sass_of_variants(build: str) -> dict:
         spills[name] = (int(re.search(r"Used (\d+) registers", body).group(1)), int(st), int(ld))
     out = {}
     for name, text in re.findall(r"Function : (\w+)\n(.*?)(?=Function :|\Z)", sass, re.S):
-        kernel, types, last = re.search(r"(coat_adamw_kernel(?:_v4)?)ILi128E(\w+?)Li(\d)EE", name).groups()
+        types = re.search(r"coat_adamw_kernelILi128E(\w+?)EEv", name).group(1)
         lines = text.splitlines()
         exits = [i for i, line in enumerate(lines) if re.search(r"\bEXIT\b", line)]
         lines = lines[: exits[-1] + 1] if exits else lines
@@ -145,38 +137,12 @@ def sass_of_variants(build: str) -> dict:
         mem = collections.Counter(op for op in ops
                                   if re.match(r"(LD|ST|RED)", op) and not op.startswith(("LDC", "LDS")))
         regs, spill_st, spill_ld = spills[name]
-        per_thread = 16  # elements a thread handles per chunk, every variant
-        out[(_KERNELS[(kernel, last)], "bf16" if "bfloat16" in types else "fp32")] = dict(
+        per_thread = 16  # elements a thread handles per chunk
+        out["bf16" if "bfloat16" in types else "fp32"] = dict(
             registers=regs, spill_store_bytes=spill_st, spill_load_bytes=spill_ld, instructions=len(ops),
             instructions_per_element=round(len(ops) / per_thread, 1),
             mix_per_element={k: round(v / per_thread, 2) for k, v in mix.most_common()},
             memory_ops=dict(sorted(mem.items())))
-    return out
-
-
-def triton_sass_of_variants() -> dict:
-    """{variant: figures} of the Triton kernel for sm_90 (G = 128, fp32 p and g, E4M3 moments, aligned), compiled
-    by the Triton on the path (the device runs 3.6: put it first on PYTHONPATH for counts that match the device)."""
-    import inspect
-
-    import triton.language as tl
-
-    from benchmarks.kernel_sass import compile_sm90, sass_stats
-    from megacoat.ops import coat_adamw_triton as kt
-
-    fn = kt._coat_adamw_kernel
-    out = {}
-    for variant in TRITON_VARIANTS:
-        warps, hw = kt.triton_variant(variant)
-        const = dict(M_MBITS=3, V_MBITS=3, P_DT=tl.float32, G_DT=tl.float32, M_DT=tl.float8e4nv, V_DT=tl.float8e4nv,
-                     G=128, GPC=32, EXPAND=True, COUNT=True, K_LO=0.0625, K_HI=64.0, ALIGNED=True, HW=hw)
-        sig = {"ptr_table": "*i64", "chunk_table": "*i32", "nonfinite_ptr": "*i32"}
-        sig.update({k: "fp32" for k in inspect.signature(fn.fn).parameters if k not in sig and k not in const})
-        st = sass_stats(compile_sm90(fn, sig, const, warps), elements=4096)
-        st.pop("_sass")
-        out[variant] = dict(registers=st["registers"], spill_bytes=st["stack_local_bytes"], num_warps=warps,
-                            instructions_per_element=round(st["instructions_per_element"], 1),
-                            mix_per_element={k: round(v, 2) for k, v in st["mix_per_element"].items()})
     return out
 
 
@@ -186,25 +152,16 @@ def static_sass(args):
 
     result = dict(benchmark="bench_optimizer --sass", command=" ".join([sys.executable] + sys.argv), arch="sm_90a",
                   nvcc=run("nvcc", "--version").splitlines()[-1], git_commit=run("git", "rev-parse", "HEAD"),
-                  date_utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), group_size=128, variants={})
+                  date_utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), group_size=128, kernels={})
     for build in _BUILDS:
-        rows = sass_of_variants(build)
-        for (variant, dtype), row in sorted(rows.items(), key=lambda kv: CUDA_VARIANTS.index(kv[0][0])):
-            result["variants"].setdefault(f"{variant} {dtype}", {})[build] = row
-    import triton
-
-    result["triton"] = triton.__version__
-    result["triton_variants"] = triton_sass_of_variants()
+        for dtype, row in sorted(sass_of_kernel(build).items()):
+            result["kernels"].setdefault(f"coat_adamw {dtype}", {})[build] = row
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"Triton {triton.__version__}, sm_90, G = 128, fp32 p/g, E4M3 moments (static counts include masked tails)")
-    for variant, r in result["triton_variants"].items():
-        print(f"  triton {variant:12s} warps {r['num_warps']:2d} regs {r['registers']:3d} spill {r['spill_bytes']:3d} "
-              f"instr/elem {r['instructions_per_element']:6.1f}")
-    print(f"{'variant':22s} {'build':11s} {'regs':>4s} {'spill B':>8s} {'instr/elem':>10s}  "
+    print(f"{'kernel':22s} {'build':11s} {'regs':>4s} {'spill B':>8s} {'instr/elem':>10s}  "
           "memory instructions (whole kernel)")
-    for key, builds in result["variants"].items():
+    for key, builds in result["kernels"].items():
         for build, r in builds.items():
             print(f"{key:22s} {build:11s} {r['registers']:4d} {r['spill_store_bytes']:4d}/{r['spill_load_bytes']:<3d} "
                   f"{r['instructions_per_element']:10.1f}  {r['memory_ops']}")
@@ -217,11 +174,8 @@ def main(argv=None):
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--backends", default="cuda,triton")
-    ap.add_argument("--cuda-variants", default=",".join(CUDA_VARIANTS), help="CUDA kernel variants to time")
-    ap.add_argument("--triton-variants", default=",".join(TRITON_VARIANTS), help="Triton kernel variants to time")
     ap.add_argument("--sass", action="store_true",
-                    help="no GPU needed: static SASS of every CUDA and Triton kernel variant (sm_90), saved to --out "
+                    help="no GPU needed: static SASS of the CUDA kernel (sm_90), saved to --out "
                          "(default benchmarks/results/bench_optimizer_sass.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="default benchmarks/results/bench_optimizer.json")
@@ -241,23 +195,11 @@ def main(argv=None):
                           n_params, args.chunks, args, 28.0, copy_gbps))
     # CoatAdamW: read p, g (fp32), m, v (FP8) and per group 2 x (fp32 scale + bf16 k); write p, m, v, scales, k
     coat_bytes = 4 + 4 + 1 + 1 + 4 + 1 + 1 + 2 * 2 * 6 / G
-    for backend in args.backends.split(","):
-        # Every kernel variant (CUDA: kernels/coat_adamw.h, Triton: TRITON_VARIANTS) in this one run, so old and new
-        # compare on one device.
-        env, variants = {"cuda": (VARIANT_ENV, args.cuda_variants),
-                         "triton": (TRITON_VARIANT_ENV, args.triton_variants)}.get(backend, (None, None))
-        for variant in variants.split(",") if variants else (None,):
-            if env is not None:
-                os.environ[env] = variant
-            for expand in (True, False):
-                tag = f", {variant}" if variant else ""
-                name = f"CoatAdamW({backend}, expand={expand}{tag})"
-                rows.append(bench_one(name, lambda ps: CoatAdamW(ps, group_size=G, expand=expand, backend=backend,
-                                                                 **hp),
-                                      n_params, args.chunks, args, coat_bytes, copy_gbps))
-                print(rows[-1], flush=True)
-        if env is not None:
-            os.environ.pop(env, None)
+    for expand in (True, False):
+        rows.append(bench_one(f"CoatAdamW(cuda, expand={expand})",
+                              lambda ps: CoatAdamW(ps, group_size=G, expand=expand, backend="cuda", **hp),
+                              n_params, args.chunks, args, coat_bytes, copy_gbps))
+        print(rows[-1], flush=True)
     base = rows[0]["step_ms"]
     for r in rows:
         r["speedup_vs_fused_adamw"] = round(base / r["step_ms"], 3)
@@ -273,10 +215,10 @@ def main(argv=None):
         json.dump(result, f, indent=1)
     print(f"\ndevice {result['device']}, copy {copy_gbps:.0f} GB/s, {n_params / 1e9:.2f} B params in {args.chunks} "
           f"flat partitions, G={G}")
-    print(f"{'optimizer':54s} {'ms':>8s} {'B/param':>8s} {'GB/s':>8s} {'of copy':>8s} {'state B/p':>9s} "
+    print(f"{'optimizer':40s} {'ms':>8s} {'B/param':>8s} {'GB/s':>8s} {'of copy':>8s} {'state B/p':>9s} "
           f"{'vs fused':>8s} {'peak GB':>8s}")
     for r in rows:
-        print(f"{r['optimizer']:54s} {r['step_ms']:8.2f} {r['bytes_per_param_moved']:8.2f} {r['achieved_gbps']:8.0f} "
+        print(f"{r['optimizer']:40s} {r['step_ms']:8.2f} {r['bytes_per_param_moved']:8.2f} {r['achieved_gbps']:8.0f} "
               f"{r['fraction_of_copy_bw']:8.2f} {r['state_bytes_per_param']:9.3f} {r['speedup_vs_fused_adamw']:8.2f} "
               f"{r['max_memory_allocated_gb']:8.2f}")
 

@@ -7,8 +7,8 @@
 # Results go to $OUT (at most 8 files come back: the JSON/PNG results plus one logs.tgz with every command's
 # output); copy them into benchmarks/results/ afterwards. Each command has its own time limit, so one that hangs
 # or fails leaves the others' results intact. Groups, in the order a session should take them:
-#   kernels     (~8 min, 1 GPU) GPU tests (pytest -m gpu) but CoatAdamW's, bench_quant             issues 4, 6
-#   optimizer   (~9 min, 1 GPU) CoatAdamW's GPU tests (every CUDA/Triton variant), bench_optimizer    issue 5
+#   kernels     (~8 min, 1 GPU) GPU tests (pytest -m gpu) but CoatAdamW's, bench_quant         issues 6, 16
+#   optimizer   (~6 min, 1 GPU) CoatAdamW's GPU tests (the CUDA kernel), bench_optimizer          issues 5, 16
 #   layers      (~8 min, 1 GPU) bench_layer: new vs legacy fp8-linear (--ab), then compiled FP8 modes    issue 6
 #   mlp         (~6 min, 1 GPU) bench_mlp_block, with the last measured kernels (739ce90) beside the new
 #               ones when .baseline/739ce90 is carried (the device copy has no .git); make it with
@@ -73,7 +73,7 @@ kernels)
     step bench_quant 180 python3 benchmarks/bench_quant.py --out "$OUT/bench_quant.json"
     ;;
 optimizer)
-    # The extension builds once (~1.5 min for every variant); the tests then run each variant against the reference.
+    # The extension builds once (~1 min); the tests then run the kernel against the reference.
     step gpu_tests_optimizer 400 python3 -m pytest -m gpu -q --no-header -p no:cacheprovider \
         tests/ops/test_op_builder.py tests/ops/test_coat_adamw.py tests/optim
     cp "$LOGS/gpu_tests_optimizer.txt" "$OUT/gpu_tests_optimizer.txt"

@@ -3,7 +3,8 @@ dynamic range expansion (the COAT paper's Table/Figure on moment quantization, c
 
 The moments come from a short training run of the default model (GPT(ModelConfig()), torch AdamW) on the
 default corpus (Python stdlib sources, megacoat.data.prepare_default_corpus). Each parameter's moment is
-quantized as the optimizer stores it: flattened, 1xG groups, the last group shorter. Error = sum((x^-x)^2) /
+quantized as CoatAdamW stores it (its reference quantizer, megacoat.ops.coat_adamw_ref): flattened, 1xG groups,
+the last group shorter. Error = sum((x^-x)^2) /
 sum(x^2) over all parameters; also the error this causes in Adam's update direction m / (sqrt(v) + eps).
 CPU is fine (~12 min on 2 cores):
     python benchmarks/fp8_quant_error.py [--steps 200] [--out benchmarks/results/fp8_quant_error]
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from megacoat.data import GPTDataset, IndexedDataset, prepare_default_corpus
-from megacoat.fp8 import expand_quantize, quantize_per_group
+from megacoat.ops.coat_adamw_ref import dequantize_moment_ref, quantize_moment_ref
 from megacoat.model.config import ModelConfig
 from megacoat.model.gpt import GPT
 
@@ -49,6 +50,9 @@ def train(steps: int, batch: int, snapshots: list[int], seed: int = 0):
             yield step, loss.item(), opt
 
 
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
 def rel_err(x: torch.Tensor, xh: torch.Tensor) -> float:
     return float((xh.double() - x.double()).square().sum() / x.double().square().sum())
 
@@ -61,11 +65,12 @@ def measure(opt) -> dict:
     update = m_all / (v_all.sqrt() + EPS)
     for fmt in ("e4m3", "e5m2"):
         for expand in (False, True):
-            q = (lambda x: expand_quantize(x, fmt, G)) if expand else (lambda x: quantize_per_group(x, fmt, G))
-            mh = torch.cat([q(m).dequantize() for m in ms])
-            vh = torch.cat([q(v).dequantize() for v in vs])
+            dtype = FP8[fmt]
+            stored = {id(x): quantize_moment_ref(x, dtype, G, expand)[:3] for x in ms + vs}
+            mh = torch.cat([dequantize_moment_ref(*stored[id(m)], G) for m in ms])
+            vh = torch.cat([dequantize_moment_ref(*stored[id(v)], G) for v in vs])
             key = f"{fmt}{'_expand' if expand else ''}"
-            ks = [q(x).k.float() for x in ms + vs] if expand else None
+            ks = [stored[id(x)][2].float() for x in ms + vs] if expand else None
             out[key] = {
                 "m_rel_mse": rel_err(m_all, mh), "v_rel_mse": rel_err(v_all, vh),
                 # What Adam applies: the update direction with both moments quantized the same way.

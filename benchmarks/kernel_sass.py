@@ -5,9 +5,10 @@ on an H100/H200 ~33 T lane-instructions/s, so 80% of a 3-4 TB/s copy needs <= ~4
 element. Counting them here lets a kernel change be judged before device time is spent on it; the device run
 still decides. Triton's own cuobjdump/nvdisasm are used (the CPU machine's CUDA has neither).
 
-    python benchmarks/kernel_sass.py megacoat.ops.quantize_per_group:_quantize_per_group_kernel \\
-        --sig x_ptr=*fp32,q_ptr=*fp8e4nv,scale_ptr=*fp32,cols=i32,n_groups=i32,blocks_per_row=i32 \\
-        --const FP8_MAX=448.0,G=128,BLOCK_G=32 --warps 4 --elements 4096 [--dump]
+    python benchmarks/kernel_sass.py megacoat.ops.cast_transpose:_cast_transpose_kernel \\
+        --sig x_ptr=*bf16:16,amax_ptr=*bf16,scale_ptr=*fp32,out_ptr=*fp8e4nv:16,outt_ptr=*fp8e4nv:16,M=i32:16,\\
+N=i32:16,fmax=fp32,amax_floor=fp32 --const FROM_AMAX=True,ROWWISE=True,TRANSPOSE=True,BM=64,BN=64 \\
+        --warps 4 --elements 4096 [--dump]
 
 Prints registers, spills, shared memory, the static instruction count and its breakdown (MUFU, FP32, integer,
 memory, conversions, shuffles), and per element when --elements (elements one program handles) is given.

@@ -15,7 +15,7 @@ void coat_adamw_step(const torch::Tensor& ptr_table, const torch::Tensor& chunk_
                      const c10::optional<torch::Tensor>& nonfinite, double lr_wd, double step_size, double beta1,
                      double beta2, double bc2_sqrt, double eps, double m_max, double v_max, double log2_range_m,
                      double log2_range_v, double k_min, double k_max, bool m_e5m2, bool v_e5m2, bool expand,
-                     bool param_bf16, bool grad_bf16, int64_t group_size, int64_t variant) {
+                     bool param_bf16, bool grad_bf16, int64_t group_size) {
   TORCH_CHECK(ptr_table.is_cuda() && chunk_table.is_cuda(), "coat_adamw: tables must be CUDA tensors");
   TORCH_CHECK(ptr_table.scalar_type() == torch::kInt64 && ptr_table.dim() == 2 && ptr_table.size(1) == 9 &&
                   ptr_table.is_contiguous(),
@@ -25,8 +25,6 @@ void coat_adamw_step(const torch::Tensor& ptr_table, const torch::Tensor& chunk_
               "coat_adamw: chunk table must be a contiguous int32 [chunks, 2]");
   TORCH_CHECK(group_size == 16 || group_size == 32 || group_size == 64 || group_size == 128 || group_size == 256,
               "coat_adamw: group_size must be 16, 32, 64, 128 or 256, got ", group_size);
-  TORCH_CHECK(variant >= 0 && variant < kNumVariants, "coat_adamw: kernel variant must be in [0, ", kNumVariants,
-              "), got ", variant);
   int32_t* counter = nullptr;
   if (nonfinite.has_value()) {
     TORCH_CHECK(nonfinite->is_cuda() && nonfinite->scalar_type() == torch::kInt32 && nonfinite->numel() == 1,
@@ -51,8 +49,6 @@ void coat_adamw_step(const torch::Tensor& ptr_table, const torch::Tensor& chunk_
   a.v_max = static_cast<float>(v_max);
   a.inv_m_max = static_cast<float>(1.0 / m_max);
   a.inv_v_max = static_cast<float>(1.0 / v_max);
-  a.log2_m_max = static_cast<float>(std::log2(m_max));
-  a.log2_v_max = static_cast<float>(std::log2(v_max));
   a.log2_range_m = static_cast<float>(log2_range_m);
   a.log2_range_v = static_cast<float>(log2_range_v);
   a.k_min = static_cast<float>(k_min);
@@ -63,7 +59,6 @@ void coat_adamw_step(const torch::Tensor& ptr_table, const torch::Tensor& chunk_
   a.param_bf16 = param_bf16;
   a.grad_bf16 = grad_bf16;
   a.group_size = static_cast<int>(group_size);
-  a.variant = static_cast<int>(variant);
   int num_sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, ptr_table.get_device()));
   const cudaError_t err = coat_adamw_launch(a, num_sms, c10::cuda::getCurrentCUDAStream());
@@ -76,5 +71,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("coat_adamw_step", &coat_adamw_step, "CoatAdamW fused step over a list of tensors (see coat_adamw.h)");
   m.def("chunk_elems", [](int64_t g) { return coat_adamw_chunk_elems(static_cast<int>(g)); },
         "elements per chunk of the chunk table for a group size");
-  m.attr("num_variants") = kNumVariants;
 }

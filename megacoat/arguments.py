@@ -11,10 +11,6 @@ from megacoat.optim.config import DECAY_STYLES, OptimizerConfig
 from megacoat.parallel.config import ParallelConfig
 from megacoat.training.config import TrainingConfig
 
-# Flags that are parsed and documented but whose feature has not landed: they stop the run with a clear
-# message rather than being ignored. Each feature removes its entry when it works.
-NOT_IMPLEMENTED_YET: dict[str, str] = {}
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -122,17 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_not_implemented(args: argparse.Namespace) -> None:
-    for key, what in NOT_IMPLEMENTED_YET.items():
-        value = getattr(args, key)
-        unset = value is None or value is False or (type(value) is int and value == 1)  # True == 1 in Python
-        if not unset:
-            raise SystemExit(f"error: {what} is not implemented yet in this version of megacoat")
-
-
 def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
     """Turn parsed flags into validated dataclasses. Errors name the flag."""
-    _check_not_implemented(args)
     fp8_activations = args.fp8_activations or ("coat" if args.coat_fp8 else "bf16")
     model = ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,

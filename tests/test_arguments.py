@@ -1,6 +1,6 @@
 import pytest
 
-from megacoat.arguments import NOT_IMPLEMENTED_YET, parse_config
+from megacoat.arguments import parse_config
 
 
 def _error(capsys, argv):
@@ -26,15 +26,6 @@ def test_defaults_build_a_config():
 ])
 def test_bad_flags_name_the_flag(capsys, argv, flag):
     assert flag in _error(capsys, argv)
-
-
-def test_a_reserved_flag_fails_clearly_until_implemented(capsys, monkeypatch):
-    # Every feature has landed, so reserve one for the test: the mechanism must still stop the run.
-    monkeypatch.setitem(NOT_IMPLEMENTED_YET, "sequence_parallel", "--sequence-parallel")
-    assert "not implemented yet" in _error(capsys, ["--sequence-parallel", "--tensor-model-parallel-size", "2"])
-    monkeypatch.setitem(NOT_IMPLEMENTED_YET, "coat_fp8", "--coat-fp8")
-    assert "not implemented yet" in _error(capsys, ["--coat-fp8"])
-    parse_config([])  # unset flags pass
 
 
 def test_compile_composes_with_every_fp8_mode():

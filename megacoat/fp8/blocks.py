@@ -7,6 +7,14 @@ It adopts the original block's submodules (`attention_norm`, `attention.wq/wk/wv
     out = h + coat_mlp(h)
 The residual stream itself stays in the activation dtype (adds save nothing for backward); attention's core
 stays BF16 (flash SDPA on GPU) and what it saves is counted in the measurements.
+
+Tensor parallelism: the block runs inside a TP region, `self.region`, which is the identity (`NO_REGION`) on
+one rank; megacoat.parallel.apply_tp shards the linears and sets a real region. COAT fuses each norm into
+the GEMM after it, so the region is entered *before* the norm: every rank normalises the whole (replicated
+or, under sequence parallelism, all-gathered) input, and the norm weight's gradient, computed from this
+rank's share of the GEMM's gradient only, is a partial sum that `region.replicated` all-reduces in backward.
+wo (a row-parallel linear under TP) leaves the region itself; w2 is inside the fused MLP, so its partial
+output leaves the region after it.
 """
 from __future__ import annotations
 
@@ -17,8 +25,25 @@ from megacoat.fp8.config import FP8Config
 from megacoat.fp8.formats import get_format
 from megacoat.fp8.linear import Fp8Linear, Fp8WeightCache
 from megacoat.fp8.precision_flow import coat_mlp, coat_norm_linear
-from megacoat.model.gpt import causal_attention
+from megacoat.ops.attention import causal_attention
 from megacoat.ops.rope import rope
+
+
+class NoRegion:
+    """The TP region of a block on one rank: entering and leaving it, and using a replicated weight inside
+    it, are the identity. megacoat.parallel.layers.TPRegion has the same three methods."""
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def exit(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def replicated(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
+
+
+NO_REGION = NoRegion()
 
 
 def attention_core(attention: nn.Module, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -38,23 +63,26 @@ def attention_core(attention: nn.Module, qkv: torch.Tensor, cos: torch.Tensor, s
 class CoatTransformerBlock(nn.Module):
     def __init__(self, block: nn.Module, fp8: FP8Config):
         super().__init__()
-        self.layer_id = getattr(block, "layer_id", None)
         self.attention_norm = block.attention_norm
         self.attention = block.attention
         self.ffn_norm = block.ffn_norm
         self.feed_forward = block.feed_forward
-        if not isinstance(self.attention.wo, Fp8Linear):
-            self.attention.wo = Fp8Linear.from_linear(self.attention.wo, fp8.grad_dtype,
-                                                       persistent_weight_cache=fp8.persistent_weight_cache)
+        # wq/wk/wv and w1/w3/w2 stay nn.Linear: the fused functions read their weights, the modules never run.
+        self.attention.wo = Fp8Linear(self.attention.wo, fp8.grad_dtype,
+                                      persistent_weight_cache=fp8.persistent_weight_cache)
         self.group_size = fp8.group_size
         self.grad_dtype = get_format(fp8.grad_dtype).dtype
         self.qkv_cache, self.w13_cache, self.w2_cache = (Fp8WeightCache(fp8.persistent_weight_cache)
                                                          for _ in range(3))
+        self.region = NO_REGION
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        a, ff = self.attention, self.feed_forward
-        qkv = coat_norm_linear(x, self.attention_norm.weight, (a.wq.weight, a.wk.weight, a.wv.weight),
-                               self.qkv_cache, self.attention_norm.eps, self.group_size, self.grad_dtype)
+        a, ff, region = self.attention, self.feed_forward, self.region
+        qkv = coat_norm_linear(region.enter(x), region.replicated(self.attention_norm.weight),
+                               (a.wq.weight, a.wk.weight, a.wv.weight), self.qkv_cache, self.attention_norm.eps,
+                               self.group_size, self.grad_dtype)
         h = x + a.wo(attention_core(a, qkv, cos, sin))
-        return h + coat_mlp(h, self.ffn_norm.weight, ff.w1.weight, ff.w3.weight, ff.w2.weight, self.w13_cache,
-                            self.w2_cache, self.ffn_norm.eps, self.group_size, self.grad_dtype)
+        out = coat_mlp(region.enter(h), region.replicated(self.ffn_norm.weight), ff.w1.weight, ff.w3.weight,
+                       ff.w2.weight, self.w13_cache, self.w2_cache, self.ffn_norm.eps, self.group_size,
+                       self.grad_dtype)
+        return h + region.exit(out)

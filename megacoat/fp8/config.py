@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megacoat.ops.numerics import GROUP_SIZES
+
 # bf16: baseline. fp8-linear: FP8 GEMMs, BF16 activations saved (like TransformerEngine's default).
 # coat: the full FP8 precision flow (FP8 linears and non-linears, FP8 tensors saved for backward).
 ACTIVATION_MODES = ("bf16", "fp8-linear", "coat")
@@ -26,8 +28,9 @@ class FP8Config:
             raise ValueError(f"--fp8-grad-dtype must be one of {FP8_DTYPES}, got {self.grad_dtype!r}")
         if self.weight_cache not in WEIGHT_CACHES:
             raise ValueError(f"--fp8-weight-cache must be one of {WEIGHT_CACHES}, got {self.weight_cache!r}")
-        if self.group_size not in (16, 32, 64, 128, 256):
-            raise ValueError(f"--fp8-group-size must be one of 16/32/64/128/256, got {self.group_size}")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"--fp8-group-size must be one of {'/'.join(map(str, GROUP_SIZES))}, "
+                             f"got {self.group_size}")
 
     @property
     def enabled(self) -> bool:

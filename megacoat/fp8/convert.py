@@ -10,6 +10,9 @@ and an optimizer built before or after see the same parameters:
 The embedding and the output head stay in high precision in every mode (as in COAT and TransformerEngine):
 the vocabulary need not meet FP8 GEMM alignment, and the logits feed a softmax over ~1e4-1e5 classes.
 
+It is the one way FP8 is applied, with or without tensor parallelism: it runs on the full model, before
+megacoat.parallel.apply_tp shards whatever it finds (as torchtitan converts to float8 before apply_tp).
+
 After an optimizer step that writes weights behind autograd's back (`param.data`), call
 megacoat.fp8.linear.invalidate_fp8_weight_caches() so the next forward re-quantizes them.
 """
@@ -22,8 +25,11 @@ from megacoat.fp8.config import FP8Config
 from megacoat.fp8.linear import Fp8InputCache, Fp8Linear
 
 
-def _check_dims(model: nn.Module) -> None:
+def _check_linears(model: nn.Module) -> None:
     for name, mod in model.layers.named_modules():
+        if hasattr(mod, "weight") and mod.weight.dim() == 2 and not isinstance(mod, nn.Linear):
+            raise TypeError(f"convert_to_fp8 runs on the full model, before apply_tp: layers.{name} is a "
+                            f"{type(mod).__name__}")
         if isinstance(mod, nn.Linear):
             for what, n in (("in_features", mod.in_features), ("out_features", mod.out_features)):
                 if n % 16:
@@ -37,7 +43,7 @@ def convert_to_fp8(model: nn.Module, fp8: FP8Config) -> nn.Module:
         return model
     if not hasattr(model, "layers"):
         raise TypeError(f"convert_to_fp8 expects a megacoat GPT with .layers, got {type(model).__name__}")
-    _check_dims(model)
+    _check_linears(model)
     for i, block in enumerate(model.layers):
         if isinstance(block, CoatTransformerBlock):
             continue  # already converted: converting twice is a no-op
@@ -48,8 +54,8 @@ def convert_to_fp8(model: nn.Module, fp8: FP8Config) -> nn.Module:
             for parent in block.modules():
                 for child_name, child in list(parent.named_children()):
                     if type(child) is nn.Linear:
-                        setattr(parent, child_name, Fp8Linear.from_linear(child, fp8.grad_dtype, shared,
-                                                                        fp8.persistent_weight_cache))
+                        setattr(parent, child_name,
+                                Fp8Linear(child, fp8.grad_dtype, shared, fp8.persistent_weight_cache))
         else:
             raise ValueError(f"unknown FP8 activation mode {fp8.mode!r}")
     return model

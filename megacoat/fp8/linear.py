@@ -190,33 +190,22 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | No
 
 
 class Fp8Linear(nn.Linear):
-    """nn.Linear (no bias) whose GEMMs run in FP8; built from an existing nn.Linear, sharing its Parameter
-    so checkpoints and the optimizer see the same `weight`."""
+    """nn.Linear (no bias) whose GEMMs run in FP8, made from an existing nn.Linear whose Parameter it shares,
+    so checkpoints and the optimizer see the same `weight`. `input_cache`: one Fp8InputCache given to every
+    linear of a block lets siblings that read the same input share its FP8 copy."""
 
-    def __init__(self, in_features: int, out_features: int, grad_dtype: str = "e5m2", device=None, dtype=None,
-                 input_cache: Fp8InputCache | None = None, persistent_weight_cache: bool = True):
-        check_gemm_dims(in_features=in_features, out_features=out_features)
-        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+    def __init__(self, linear: nn.Linear, grad_dtype: str = "e5m2", input_cache: Fp8InputCache | None = None,
+                 persistent_weight_cache: bool = True):
+        if linear.bias is not None:
+            raise ValueError("Fp8Linear supports bias-free linears only (the model has no biases)")
+        check_gemm_dims(in_features=linear.in_features, out_features=linear.out_features)
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate a weight of its own
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.register_parameter("bias", None)
         self.grad_dtype = get_format(grad_dtype).name
         self.fp8_cache = Fp8WeightCache(persistent_weight_cache)
         self.input_cache = input_cache
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, grad_dtype: str = "e5m2", input_cache: Fp8InputCache | None = None,
-                    persistent_weight_cache: bool = True) -> "Fp8Linear":
-        """`input_cache`: one Fp8InputCache given to every linear of a block lets siblings share their input."""
-        if linear.bias is not None:
-            raise ValueError("Fp8Linear supports bias-free linears only (the model has no biases)")
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        check_gemm_dims(in_features=linear.in_features, out_features=linear.out_features)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight = linear.weight
-        new.register_parameter("bias", None)
-        new.grad_dtype = get_format(grad_dtype).name
-        new.fp8_cache = Fp8WeightCache(persistent_weight_cache)
-        new.input_cache = input_cache
-        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.fp8_cache, self.grad_dtype, self.input_cache)

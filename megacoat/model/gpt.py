@@ -2,7 +2,8 @@
 attention, SwiGLU MLP, blocks, the model and its loss.
 
 Nothing here knows about FP8, tensor parallelism or the training loop: `megacoat.fp8.convert_to_fp8` and
-`megacoat.parallel` swap modules of this model from outside, by name (torchtitan's separation). The names
+`megacoat.parallel.apply_tp` swap modules (and the loss) of this model from outside, by name (torchtitan's
+separation). The names
 follow Llama / torchtitan so checkpoints map one to one onto Hugging Face's `LlamaForCausalLM`.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacoat.model.config import ModelConfig
+from megacoat.ops.attention import causal_attention
 
 IGNORE_INDEX = -100  # labels with this value (padding) do not count in the loss
 
@@ -56,19 +58,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).type_as(x)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [b, s, heads, d], k/v [b, s, kv_heads, d] -> [b, s, heads * d]: causal SDPA, each key/value head
-    serving heads / kv_heads query heads."""
-    b, s = q.shape[:2]
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
-    repeats = q.shape[1] // k.shape[1]
-    if repeats > 1:
-        k = k.repeat_interleave(repeats, dim=1)
-        v = v.repeat_interleave(repeats, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return out.transpose(1, 2).reshape(b, s, -1)
-
-
 class Attention(nn.Module):
     """Causal grouped-query attention: `num_query_groups` key/value heads shared by the query heads."""
 
@@ -106,9 +95,8 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.layer_id = layer_id
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -124,7 +112,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.output = make_linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_embeddings:
@@ -133,8 +121,11 @@ class GPT(nn.Module):
         # are a function of the config, so nothing is saved. `_rope` moves them to the activations' device.
         self._rope_cpu = rope_tables(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        # A plain attribute so that a wrapper can be swapped in from outside (torch.compile in apply_compile).
+        # Plain attributes that converters replace from outside: the loss (compiled by apply_compile; the
+        # vocab-parallel cross-entropy under tensor parallelism) and what makes the head's output the full
+        # logits (an all-gather over the vocabulary under tensor parallelism, where the head is split).
         self.loss_fn = cross_entropy_loss
+        self.gather_logits = full_logits
         self.reset_parameters()
 
     def _rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,8 +160,12 @@ class GPT(nn.Module):
             h = layer(h, cos, sin)
         logits = self.output(self.norm(h))
         if labels is None:
-            return logits
+            return self.gather_logits(logits)
         return self.loss_fn(logits, labels)
+
+
+def full_logits(logits: torch.Tensor) -> torch.Tensor:
+    return logits  # one rank holds the whole head: its logits are the full logits
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -4,15 +4,15 @@ torch._scaled_mm multiplies a row-major A by a column-major B, so a linear layer
 two layouts: x for the forward GEMM and x^T for the weight gradient, g for dgrad and g^T for wgrad. Writing
 both from one read of the high-precision tensor costs one extra byte per element instead of a second pass.
 
-`scale` is the dequantization scale: value = stored * scale. From an amax, scale = max(amax / fmax, tiny)
-(tiny: float32's smallest normal, so an all-zero tensor still gets a finite 1/scale); stored =
-fp8(clamp(x * (1 / scale), +-fmax)), the reciprocal taken once per tensor (float32, IEEE) so kernel and
-reference do the same float32 operations.
+`scale` is the dequantization scale: value = stored * scale, scale = max(amax, AMAX_FLOOR) / fmax and
+stored = fp8(clamp(x * (1 / scale), +-fmax)), the reciprocal taken once per tensor (float32, IEEE) so kernel and
+reference do the same float32 operations (megacoat.ops.numerics: the floor, and the power-of-two rescaling that
+keeps the reciprocal finite for a scale from the floor, e.g. an all-zero tensor).
 
 `quantize_transpose(x)` is the hot path of every FP8 linear: two launches and no host sync -- one reduction
 for amax (torch.linalg.vector_norm(inf): |x| and max in one kernel, NaN propagates) and one cast kernel that
-turns the amax into the scale itself and writes it for _scaled_mm. (The composite it replaces, aminmax + abs
-+ abs + maximum + float + clamp + div, cost eight launches per operand, see bench_layer_notes.md.)
+turns the amax into the scale itself and writes it for _scaled_mm. (A composite of torch ops (aminmax, abs,
+maximum, clamp, div) costs eight launches per operand.)
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-_TINY = torch.finfo(torch.float32).tiny
+from megacoat.ops.numerics import AMAX_FLOOR, RESCALE, RESCALE_BELOW, cast_with_scale, pick, scale_from_amax
+
+RESCALE, RESCALE_BELOW = tl.constexpr(RESCALE), tl.constexpr(RESCALE_BELOW)
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -30,17 +32,9 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.detach(), float("inf")).reshape(1)
 
 
-def scale_from_amax(amax: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Reference of the kernels' scale: max(amax / fmax, tiny) in float32, shape (1,)."""
-    # fmax as a device tensor: CUDA divides by a Python scalar as a multiply by its reciprocal, which is
-    # not the kernel's IEEE division
-    fmax = torch.full((), torch.finfo(out_dtype).max, dtype=torch.float32, device=amax.device)
-    return (amax.float() / fmax).clamp(min=_TINY).reshape(1)
-
-
 def amax_scale(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Per-tensor dequantization scale of x for out_dtype as a 1-element fp32 tensor (no host sync)."""
-    return scale_from_amax(tensor_amax(x), out_dtype)
+    return scale_from_amax(tensor_amax(x), out_dtype).reshape(1)
 
 
 def _check2d(x: torch.Tensor) -> None:
@@ -52,28 +46,29 @@ def cast_transpose_ref(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dt
                        rowwise: bool = True, transpose: bool = True):
     """Reference: fp8(clamp(x * (1 / scale))); returns (q or None, q^T contiguous or None)."""
     _check2d(x)
-    fmax = torch.finfo(out_dtype).max
-    q = (x.float() * torch.reciprocal(scale.float())).clamp(-fmax, fmax).to(out_dtype)
+    q = cast_with_scale(x, scale, out_dtype)
     return (q if rowwise else None), (q.t().contiguous() if transpose else None)
 
 
 @triton.jit
-def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, N, fmax, tiny,
+def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, N, fmax, amax_floor,
                            FROM_AMAX: tl.constexpr, ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if FROM_AMAX:  # every program derives the scale from the amax; the first one stores it for _scaled_mm
-        scale = tl.maximum(tl.div_rn(tl.load(amax_ptr).to(tl.float32), fmax), tiny)
+        scale = tl.div_rn(tl.maximum(tl.load(amax_ptr).to(tl.float32), amax_floor), fmax)
         if (pid_m == 0) & (pid_n == 0):
             tl.store(scale_ptr, scale)
     else:
         scale = tl.load(scale_ptr)
-    inv = tl.div_rn(1.0, scale)  # once per program: the element loop multiplies
+    # once per program: the element loop multiplies; a scale from the amax floor is rescaled first (numerics)
+    c = tl.where(scale < RESCALE_BELOW, RESCALE, 1.0)
+    inv = tl.div_rn(1.0, scale * c)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = tl.clamp(x * inv, -fmax, fmax)
+    q = tl.clamp((x * c) * inv, -fmax, fmax)
     if ROWWISE:
         tl.store(out_ptr + rm[:, None] * N + rn[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
     if TRANSPOSE:
@@ -91,7 +86,7 @@ def _launch(x, amax, scale, out_dtype, rowwise, transpose):
     bm, bn = 64, 64
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _cast_transpose_kernel[grid](x, amax if amax is not None else scale, scale, out if rowwise else dummy,
-                                 outt if transpose else dummy, m, n, torch.finfo(out_dtype).max, _TINY,
+                                 outt if transpose else dummy, m, n, torch.finfo(out_dtype).max, AMAX_FLOOR,
                                  FROM_AMAX=amax is not None, ROWWISE=rowwise, TRANSPOSE=transpose,
                                  BM=bm, BN=bn, num_warps=4)
     return out, outt
@@ -107,8 +102,7 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
                    rowwise: bool = True, transpose: bool = True):
     """(q, q^T) with q = fp8(x / scale); either may be skipped. Triton on CUDA, the reference on CPU (the
     CPU tests run the Triton versions under the interpreter by calling them by name)."""
-    fn = cast_transpose_triton if x.is_cuda else cast_transpose_ref
-    return fn(x, scale, out_dtype, rowwise, transpose)
+    return pick(x, cast_transpose_triton, cast_transpose_ref)(x, scale, out_dtype, rowwise, transpose)
 
 
 def quantize_transpose_ref(x: torch.Tensor, out_dtype: torch.dtype, rowwise: bool = True,
@@ -129,5 +123,4 @@ def quantize_transpose_triton(x: torch.Tensor, out_dtype: torch.dtype, rowwise: 
 def quantize_transpose(x: torch.Tensor, out_dtype: torch.dtype, rowwise: bool = True, transpose: bool = True):
     """Per-tensor FP8 quantization of a 2-D tensor into the layouts _scaled_mm needs: (q, q^T, scale).
     Two launches on CUDA (amax, cast), nothing read back to the host."""
-    fn = quantize_transpose_triton if x.is_cuda else quantize_transpose_ref
-    return fn(x, out_dtype, rowwise, transpose)
+    return pick(x, quantize_transpose_triton, quantize_transpose_ref)(x, out_dtype, rowwise, transpose)

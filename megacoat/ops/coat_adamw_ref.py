@@ -1,12 +1,26 @@
-"""Plain-torch reference of the fused CoatAdamW step: the contract the Triton and CUDA kernels are tested against.
+"""Plain-torch reference of the fused CoatAdamW step: the contract the CUDA kernel is tested against.
 
 Each moment of a parameter with n elements is stored flat: `q` (n FP8 values), `scale` (ceil(n/G) float32:
-amax / F.max, the dequantization multiplier) and `k` (ceil(n/G) bfloat16 expansion exponents). Groups are G
-consecutive elements of the flattened tensor; the last one may be shorter. The formulas follow the dynamic range
-expansion contract shared with `megacoat.fp8` (quantize: q = F.max * (|x|/amax)^k, dequantize: the inverse with the
-same stored k and scale), so a moment dequantized by either side is the same number.
+max(amax, AMAX_FLOOR) / F.max, the dequantization multiplier) and `k` (ceil(n/G) bfloat16 expansion exponents).
+Groups are G consecutive elements of the flattened tensor; the last one may be shorter.
 
-All backends share this signature: lists of tensors (one launch for many parameters in the kernels), updated in place.
+Dynamic range expansion (COAT), per group:
+  amax = max|x|, amin = min|x| over the group's non-zero entries;
+  k = log2(R_F) / log2(amax / amin), R_F = F.max / F.min_subnormal, clamped to [K_MIN, K_MAX], rounded to bf16
+  once; the stored k serves both directions. k = 1 (no expansion) for an all-zero group, one with a single
+  magnitude, a non-finite one, or one whose amax is below AMAX_FLOOR (megacoat.ops.numerics: the one floor and
+  sub-normal rule of every FP8 quantizer in megacoat);
+  quantize:   q = fp8(sign(x) * F.max * exp2(k * log2(|x| * (1 / max(amax, AMAX_FLOOR)))))
+  dequantize: x = sign(q) * (F.max * scale) * exp2(log2(|q| * fp32(1/F.max)) * (1/k))
+This is COAT's f(x) = sign(x)|x|^k scaled by max|f| / F.max, written so nothing overflows for large k.
+Rounding f to a normal FP8 value has relative error <= u = F.eps / 2 and x = f^(1/k), so the moment's relative
+error is <= (1+u)^(1/k) - 1 (~u / k) plus a few float32 ulps; an f in FP8's sub-normal range has absolute error
+<= F.min_subnormal / 2 in f-space.
+Float32 sub-normals of |x| / amax and of (|q| / F.max)^(1/k) are flushed to zero, as the kernel's ex2/lg2
+approximations (.ftz) do: they lie below amax * 2^-126, far under what the group's FP8 codes resolve.
+
+Kernel and reference share one signature: lists of tensors (one launch for all of them in the kernel), updated in
+place.
 """
 from __future__ import annotations
 
@@ -14,13 +28,9 @@ import math
 
 import torch
 
-from megacoat.fp8.formats import get_format
-from megacoat.ops.coat_adamw_tables import check_lists, num_groups
+from megacoat.ops.coat_adamw_tables import check_lists
+from megacoat.ops.numerics import AMAX_FLOOR, K_MAX, K_MIN, fp8_max, log2_dynamic_range, num_groups
 
-# Bounds of the expansion exponent (same values as megacoat/fp8/expansion.py; see the contract in its docstring):
-# K_MAX keeps near-constant groups from pointless expansion, K_MIN covers any finite fp32 range.
-K_MIN = 1.0 / 16.0
-K_MAX = 64.0
 _SLICE = 1 << 20  # elements per slice of the reference step (a multiple of every group size)
 
 
@@ -36,50 +46,50 @@ def _grouped(x: torch.Tensor, group_size: int, fill: float = 0.0) -> torch.Tenso
 def dequantize_moment_ref(q: torch.Tensor, scale: torch.Tensor, k: torch.Tensor, group_size: int) -> torch.Tensor:
     """x = sign(q) * (F.max * scale) * (|q| / F.max)^(1/k), in fp32, flat, length q.numel().
 
-    The float32 operations and their order are those of `megacoat.fp8.expansion` (|q| * fp32(1/F.max), 1/k once
-    per group, IEEE tensor/tensor divisions) so both sides read the same moment from the same stored bytes.
+    The float32 operations and their order are the CUDA kernel's (|q| * fp32(1/F.max), 1/k once per group, IEEE
+    tensor/tensor divisions).
     """
-    fmt = get_format(q.dtype)
+    fmax = fp8_max(q.dtype)
     qf = _grouped(q.reshape(-1).float(), group_size)
     kf = k.float()[:, None]
     inv_k = torch.ones_like(kf) / kf
-    mult = scale.float()[:, None] * fmt.max
-    rq = qf.abs() * (1.0 / fmt.max)
+    mult = scale.float()[:, None] * fmax
+    rq = qf.abs() * (1.0 / fmax)
     # k == 1 is plain per-group quantization: skip exp2/log2 so that path is exact.
     e = torch.where(kf == 1.0, rq, torch.exp2(torch.log2(rq) * inv_k))
+    e = torch.where(e < AMAX_FLOOR, torch.zeros_like(e), e)  # flushed, as the kernel's ex2.approx.ftz
     x = e * mult
     x = torch.where(qf < 0, -x, x)
     return x.reshape(-1)[: q.numel()]
 
 
-def quantize_moment_ref(x: torch.Tensor, fmt, group_size: int, expand: bool):
-    """Flat fp32 x -> (q FP8, scale fp32, k bf16, number of non-finite groups). Follows the expansion contract."""
-    fmt = get_format(fmt)
+def quantize_moment_ref(x: torch.Tensor, fp8_dtype: torch.dtype, group_size: int, expand: bool):
+    """Flat fp32 x -> (q FP8, scale fp32, k bf16, number of non-finite groups), by the contract above."""
+    fmax = fp8_max(fp8_dtype)
     xg = _grouped(x.reshape(-1).float(), group_size)
     a = torch.where(torch.isnan(xg), torch.full_like(xg, math.inf), xg.abs())  # NaN counts as non-finite
     amax = a.amax(dim=1)
-    # A group whose largest moment is below float32's smallest normal (2^-126) is stored as zero: 1/amax would
-    # overflow (zeros would become NaN, the rest F.max), and such moments move no weight (eps >> sqrt(v)).
-    # Embedding rows of tokens unseen for a few hundred steps decay there (beta1^t), so this is not theoretical.
-    amax = torch.where(amax < torch.finfo(torch.float32).tiny, torch.zeros_like(amax), amax)
     finite = torch.isfinite(amax)
+    amax_s = amax.clamp(min=AMAX_FLOOR)  # the one floor: 1 / amax_s <= 2^126
     amin = torch.where(a > 0, a, torch.full_like(a, math.inf)).amin(dim=1)
     if expand:
-        k = torch.full_like(amax, math.log2(fmt.dynamic_range)) / torch.log2(amax / amin)
+        k = torch.full_like(amax, log2_dynamic_range(fp8_dtype)) / torch.log2(amax / amin)
         k = k.clamp(K_MIN, K_MAX)  # a ratio overflowing to inf gives k = 0 -> K_MIN
-        k = torch.where(finite & (amax > amin), k, torch.ones_like(k))  # all-zero, one magnitude, non-finite: 1
+        spread = finite & (amax > amin) & (amax >= AMAX_FLOOR)  # false: all-zero, one magnitude, tiny, non-finite
+        k = torch.where(spread, k, torch.ones_like(k))
     else:
         k = torch.ones_like(amax)
     k_bf16 = k.to(torch.bfloat16)
     kf = k_bf16.float()[:, None]
-    inv_amax = torch.where(finite & (amax > 0), torch.ones_like(amax) / amax, torch.zeros_like(amax))
+    inv_amax = torch.where(finite, torch.ones_like(amax) / amax_s, torch.zeros_like(amax))
     r = a * inv_amax[:, None]
+    r = torch.where(r < AMAX_FLOOR, torch.zeros_like(r), r)  # flushed, as the kernel's lg2.approx.ftz
     f = torch.where(kf == 1.0, r, torch.exp2(kf * torch.log2(r)))  # r = 0: log2 = -inf, exp2 -> 0
-    mag = (f * fmt.max).clamp(max=fmt.max)
+    mag = (f * fmax).clamp(max=fmax)
     q = torch.where(xg < 0, -mag, mag)
-    q = torch.where(finite[:, None], q, torch.zeros_like(q)).to(fmt.dtype)
+    q = torch.where(finite[:, None], q, torch.zeros_like(q)).to(fp8_dtype)
     # A non-finite group keeps a NaN scale so it dequantizes to NaN: visible, never silently repaired.
-    scale = torch.where(finite, amax / torch.full_like(amax, fmt.max), torch.full_like(amax, math.nan))
+    scale = torch.where(finite, amax_s / torch.full_like(amax, fmax), torch.full_like(amax, math.nan))
     nonfinite = int((~finite).sum())
     return q.reshape(-1)[: x.numel()], scale, k_bf16, nonfinite
 

@@ -1,4 +1,4 @@
-"""Argument checks and launch tables shared by the Triton and CUDA CoatAdamW kernels.
+"""Argument checks and launch tables of the CoatAdamW step (the reference checks its arguments alike).
 
 One launch covers a whole list of tensors: a pointer table (int64 [T, 9]: the eight tensors' addresses and the
 element count) and a chunk table (int32 [chunks, 2]: tensor index, chunk index within it). Both are cached so a
@@ -10,18 +10,13 @@ from collections import OrderedDict
 
 import torch
 
+from megacoat.ops.numerics import FP8_DTYPES, check_group_size, num_groups
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
-GROUP_SIZES = (16, 32, 64, 128, 256)
 _CACHE_ENTRIES = 8
 _ptr_cache: OrderedDict = OrderedDict()
 _chunk_cache: OrderedDict = OrderedDict()
-
-
-def num_groups(numel: int, group_size: int) -> int:
-    return -(-numel // group_size)
 
 
 def chunk_elems(group_size: int) -> int:
@@ -31,8 +26,7 @@ def chunk_elems(group_size: int) -> int:
 
 def check_lists(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size: int) -> None:
     """Clear errors for anything the kernels cannot take, instead of a wrong result."""
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+    check_group_size(group_size)
     lists = dict(params=params, grads=grads, m_q=m_q, m_scale=m_scale, m_k=m_k, v_q=v_q, v_scale=v_scale, v_k=v_k)
     if len({len(x) for x in lists.values()}) != 1:
         raise ValueError(f"tensor lists differ in length: { {k: len(x) for k, x in lists.items()} }")

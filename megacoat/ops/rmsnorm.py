@@ -19,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.group_cast_ref import TINY, group_dequantize, group_quantize
 from megacoat.ops.tensor_scale import fold_amax_to_scale, scale_workspace
-from megacoat.ops.triton_math import FAST, div_saturate, saturate
+from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, group_dequantize, group_quantize, pick,
+                                   scale_from_amax)
+from megacoat.ops.triton_math import div_saturate, saturate
 
 E4M3 = torch.float8_e4m3fn
 
@@ -29,8 +30,7 @@ E4M3 = torch.float8_e4m3fn
 def _check(x: torch.Tensor, weight: torch.Tensor, group_size: int) -> None:
     if x.dim() != 2 or weight.dim() != 1 or x.shape[1] != weight.shape[0]:
         raise ValueError(f"rmsnorm expects x [M, H] and weight [H], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if group_size < 16 or group_size & (group_size - 1):
-        raise ValueError(f"group size must be a power of two >= 16, got {group_size}")
+    check_group_size(group_size)
 
 
 # ----------------------------------------------------------------------------------------------- references
@@ -41,7 +41,7 @@ def rmsnorm_fp8_fwd_ref(x, weight, eps: float, group_size: int, out_dtype=E4M3):
     xd = group_dequantize(x8, xs, group_size)
     rstd = 1.0 / torch.sqrt((xd * xd).mean(-1) + eps)
     amax = (rstd * (xd * weight.float()).abs().amax(-1)).amax()
-    y_scale = (amax.clamp(min=TINY) / torch.finfo(out_dtype).max).reshape(1)
+    y_scale = scale_from_amax(amax, out_dtype).reshape(1)
     return x8, xs, rstd, y_scale
 
 
@@ -66,8 +66,6 @@ def rmsnorm_fp8_bwd_ref(dy, x8, x_scales, rstd, weight, group_size: int):
 # A row lives in registers as a [NGP, G] tile, one group per tile row (NGP = groups rounded up to a power of
 # two): group amaxes are reductions along axis 1, row sums over the whole tile, and no 3-D reshape is needed
 # (Triton 3.6 mis-compiles those on Hopper when FP8 values are converted inside them; seen as NaN rstd).
-# The first version walked a row one [8 rows, G] tile at a time: ~3 KB in flight per program, a shared-memory
-# round trip for the weight and a reduction per step (574 GB/s backward, 974 forward on an H200).
 @triton.jit
 def _row_tile(H, G: tl.constexpr, NGP: tl.constexpr):
     """Group index [NGP], column offsets [NGP, G] and their mask for one row."""
@@ -78,11 +76,11 @@ def _row_tile(H, G: tl.constexpr, NGP: tl.constexpr):
 
 @triton.jit
 def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, count_ptr, scale_ptr, H, NG, eps, fmax_in,
-                fmax_out, tiny, G: tl.constexpr, NGP: tl.constexpr, FAST: tl.constexpr):
+                fmax_out, amax_floor, G: tl.constexpr, NGP: tl.constexpr, FAST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     gi, col, mask = _row_tile(H, G, NGP)
     x = tl.load(x_ptr + row * H + col, mask=mask, other=0.0).to(tl.float32)
-    gs = tl.maximum(tl.max(tl.abs(x), axis=1), tiny) / fmax_in
+    gs = tl.maximum(tl.max(tl.abs(x), axis=1), amax_floor) / fmax_in
     # a divide, not x * (1 / gs): an all-zero or subnormal group has 1 / gs = inf, and 0 * inf is NaN
     q = saturate(x / gs[:, None], fmax_in, FAST).to(x8_ptr.dtype.element_ty)
     tl.store(x8_ptr + row * H + col, q, mask=mask)
@@ -93,7 +91,7 @@ def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, count_ptr, sca
     # rstd > 0, so max|x * rstd * w| over a row is rstd * max|x * w|: the output amax without the output.
     w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
     amax = rstd * tl.max(tl.max(tl.abs(xd * w), axis=1), axis=0)
-    fold_amax_to_scale(amax, amax_ptr, count_ptr, scale_ptr, fmax_out, tiny)
+    fold_amax_to_scale(amax, amax_ptr, count_ptr, scale_ptr, fmax_out, amax_floor)
 
 
 @triton.jit
@@ -169,7 +167,7 @@ def rmsnorm_fp8_fwd_triton(x, weight, eps: float, group_size: int, out_dtype=E4M
     amax, count = scale_workspace(x.device)
     ngp = triton.next_power_of_2(ng)
     _fwd_kernel[(m,)](x, weight, x8, xs, rstd, amax, count, y_scale, h, ng, eps, torch.finfo(E4M3).max,
-                      torch.finfo(out_dtype).max, TINY, G=group_size, NGP=ngp, FAST=FAST,
+                      torch.finfo(out_dtype).max, AMAX_FLOOR, G=group_size, NGP=ngp, FAST=FAST,
                       num_warps=_warps(ngp * group_size, 1024))
     return x8, xs, rstd, y_scale
 
@@ -214,15 +212,13 @@ def rmsnorm_fp8_bwd_triton(dy, x8, x_scales, rstd, weight, group_size: int):
 
 # ---------------------------------------------------------------------------------------------- dispatchers
 def rmsnorm_fp8_fwd(x, weight, eps: float, group_size: int, out_dtype=E4M3):
-    fn = rmsnorm_fp8_fwd_triton if x.is_cuda else rmsnorm_fp8_fwd_ref
-    return fn(x, weight, eps, group_size, out_dtype)
+    return pick(x, rmsnorm_fp8_fwd_triton, rmsnorm_fp8_fwd_ref)(x, weight, eps, group_size, out_dtype)
 
 
 def rmsnorm_fp8_out(x8, x_scales, rstd, weight, y_scale, group_size: int, transpose: bool, out_dtype=E4M3):
-    fn = rmsnorm_fp8_out_triton if x8.is_cuda else rmsnorm_fp8_out_ref
-    return fn(x8, x_scales, rstd, weight, y_scale, group_size, transpose, out_dtype)
+    return pick(x8, rmsnorm_fp8_out_triton, rmsnorm_fp8_out_ref)(
+        x8, x_scales, rstd, weight, y_scale, group_size, transpose, out_dtype)
 
 
 def rmsnorm_fp8_bwd(dy, x8, x_scales, rstd, weight, group_size: int):
-    fn = rmsnorm_fp8_bwd_triton if dy.is_cuda else rmsnorm_fp8_bwd_ref
-    return fn(dy, x8, x_scales, rstd, weight, group_size)
+    return pick(dy, rmsnorm_fp8_bwd_triton, rmsnorm_fp8_bwd_ref)(dy, x8, x_scales, rstd, weight, group_size)

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megacoat.ops.numerics import pick
+
 
 def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     if x.dim() != 4 or x.shape[-1] % 2 or x.stride(-1) != 1:
@@ -35,8 +37,7 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: boo
 
 # One program rotates BH heads of one token: the tile [BH, head_dim] is read and written as whole contiguous rows
 # (128-bit accesses), split into its even/odd lanes in registers, and the token's cos/sin row is loaded once for
-# all its heads. (The first version gathered x[2i] and x[2i+1] with 2-byte accesses, reloaded the tables per
-# head and divided 64-bit row indices per element: 235 GB/s on an H200.)
+# all its heads.
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, S, NH, stride_b, stride_s, stride_h, sign,
                  HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
@@ -69,7 +70,7 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
 
 
 def _rope(x, cos, sin, inverse=False):
-    return (rope_triton if x.is_cuda else rope_ref)(x, cos, sin, inverse)
+    return pick(x, rope_triton, rope_ref)(x, cos, sin, inverse)
 
 
 class RopeFunction(torch.autograd.Function):

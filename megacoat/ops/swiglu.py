@@ -20,9 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.group_cast_ref import TINY, group_dequantize, group_quantize
 from megacoat.ops.tensor_scale import fold_amax_to_scale, scale_workspace
-from megacoat.ops.triton_math import FAST, div_saturate, saturate, sigmoid
+from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, group_dequantize, group_quantize, pick,
+                                   scale_from_amax)
+from megacoat.ops.triton_math import div_saturate, saturate, sigmoid
 
 E4M3 = torch.float8_e4m3fn
 
@@ -30,13 +31,12 @@ E4M3 = torch.float8_e4m3fn
 def _check(a13: torch.Tensor, group_size: int) -> int:
     if a13.dim() != 2 or a13.shape[1] % 2:
         raise ValueError(f"swiglu expects a13 [M, 2F] (gate | up), got shape {tuple(a13.shape)}")
-    if group_size < 16 or group_size & (group_size - 1):
-        raise ValueError(f"group size must be a power of two >= 16, got {group_size}")
+    check_group_size(group_size)
     return a13.shape[1] // 2
 
 
 def _scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (amax.amax().clamp(min=TINY) / torch.finfo(dtype).max).reshape(1)
+    return scale_from_amax(amax.amax(), dtype).reshape(1)
 
 
 # ----------------------------------------------------------------------------------------------- references
@@ -97,7 +97,7 @@ def _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG):
 
 @triton.jit
 def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, count_ptr, scale_ptr, M, F, NG, fmax_in, fmax_out,
-                tiny, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr):
+                amax_floor, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr):
     gi = tl.program_id(1)
     rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
@@ -106,8 +106,8 @@ def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, count_ptr, scal
     offs = rm[:, None] * F + rn[None, :]
     x1 = tl.load(a_ptr + rm[:, None] * (2 * F) + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     x3 = tl.load(a_ptr + rm[:, None] * (2 * F) + F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-    g1 = tl.maximum(tl.max(tl.abs(x1), axis=1), tiny) / fmax_in
-    g3 = tl.maximum(tl.max(tl.abs(x3), axis=1), tiny) / fmax_in
+    g1 = tl.maximum(tl.max(tl.abs(x1), axis=1), amax_floor) / fmax_in
+    g3 = tl.maximum(tl.max(tl.abs(x3), axis=1), amax_floor) / fmax_in
     q1 = saturate(x1 / g1[:, None], fmax_in, FAST).to(a1_ptr.dtype.element_ty)
     q3 = saturate(x3 / g3[:, None], fmax_in, FAST).to(a3_ptr.dtype.element_ty)
     tl.store(a1_ptr + offs, q1, mask=mask)
@@ -117,7 +117,8 @@ def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, count_ptr, scal
     a1 = q1.to(tl.float32) * g1[:, None]
     a3 = q3.to(tl.float32) * g3[:, None]
     s = a1 * sigmoid(a1, FAST) * a3
-    fold_amax_to_scale(tl.max(tl.max(tl.abs(s), axis=1), axis=0), amax_ptr, count_ptr, scale_ptr, fmax_out, tiny)
+    fold_amax_to_scale(tl.max(tl.max(tl.abs(s), axis=1), axis=0), amax_ptr, count_ptr, scale_ptr, fmax_out,
+                       amax_floor)
 
 
 @triton.jit
@@ -152,7 +153,7 @@ def _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG,
 def _bwd_amax_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, s_scale_ptr, st_ptr, M, F, NG, fmax_s,
                      G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr, WRITE_ST: tl.constexpr):
     """Pass 1: max |da1|, |da3| into one float (they share one scale, as one [M, 2F] GEMM operand). The
-    atomic max replaces a partial-amax array and the torch reductions over it (three launches).
+    atomic max needs no partial-amax array and no torch reductions over it (three launches).
     WRITE_ST: also write s^T [F, M] (the down projection's wgrad operand) from the pair this pass reads
     anyway, instead of a swiglu_fp8_out(transpose=True) launch that reads it once more."""
     gi = tl.program_id(1)
@@ -169,14 +170,14 @@ def _bwd_amax_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, s_scale_p
 
 @triton.jit
 def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, F, NG,
-                     fmax_g, tiny, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr):
+                     fmax_g, amax_floor, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr):
     """Pass 2: one read of ds, a1, a3 writes da1|da3 both row-major [M, 2F] (dgrad) and transposed [2F, M]
     (wgrad). Tiles run in the reverse order of pass 1, so the first ones read what pass 1 left in L2."""
     gi = tl.num_programs(1) - 1 - tl.program_id(1)
     rm = ((tl.num_programs(0) - 1 - tl.program_id(0)) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < F)
-    scale = tl.math.div_rn(tl.maximum(tl.load(amax_ptr), tiny), fmax_g)  # IEEE, as the reference's torch division
+    scale = tl.math.div_rn(tl.maximum(tl.load(amax_ptr), amax_floor), fmax_g)  # IEEE, as the reference's torch division
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(scale_ptr, scale)
     da1, da3, _ = _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG, FAST)
@@ -212,7 +213,7 @@ def swiglu_fp8_fwd_triton(a13, group_size: int, out_dtype=E4M3):
     s_scale = torch.empty((1,), dtype=torch.float32, device=dev)
     amax, count = scale_workspace(dev)
     _fwd_kernel[grid](a13, a1_8, s1, a3_8, s3, amax, count, s_scale, m, f, ng, torch.finfo(E4M3).max,
-                      torch.finfo(out_dtype).max, TINY, G=group_size, BM=_BM, FAST=FAST, num_warps=4)
+                      torch.finfo(out_dtype).max, AMAX_FLOOR, G=group_size, BM=_BM, FAST=FAST, num_warps=4)
     return a1_8, s1, a3_8, s3, s_scale
 
 
@@ -251,24 +252,23 @@ def _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dty
         torch.finfo(out_dtype).max if write_st else 0.0, G=group_size, BM=_BM, FAST=FAST, WRITE_ST=write_st,
         num_warps=4)
     _bwd_cast_kernel[(triton.cdiv(m, _BM_T), ng)](*args, scale, da, dat, m, f, ng, torch.finfo(grad_dtype).max,
-                                                  TINY, G=group_size, BM=_BM_T, FAST=FAST,
+                                                  AMAX_FLOOR, G=group_size, BM=_BM_T, FAST=FAST,
                                                   num_warps=_WARPS_T)
     return (da, dat, scale, st) if write_st else (da, dat, scale)
 
 
 # ---------------------------------------------------------------------------------------------- dispatchers
 def swiglu_fp8_fwd(a13, group_size: int, out_dtype=E4M3):
-    return (swiglu_fp8_fwd_triton if a13.is_cuda else swiglu_fp8_fwd_ref)(a13, group_size, out_dtype)
+    return pick(a13, swiglu_fp8_fwd_triton, swiglu_fp8_fwd_ref)(a13, group_size, out_dtype)
 
 
 def swiglu_fp8_out(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpose: bool, out_dtype=E4M3):
-    fn = swiglu_fp8_out_triton if a1_8.is_cuda else swiglu_fp8_out_ref
-    return fn(a1_8, s1, a3_8, s3, s_scale, group_size, transpose, out_dtype)
+    return pick(a1_8, swiglu_fp8_out_triton, swiglu_fp8_out_ref)(
+        a1_8, s1, a3_8, s3, s_scale, group_size, transpose, out_dtype)
 
 
 def swiglu_fp8_bwd(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=torch.float8_e5m2):
-    fn = swiglu_fp8_bwd_triton if ds.is_cuda else swiglu_fp8_bwd_ref
-    return fn(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype)
+    return pick(ds, swiglu_fp8_bwd_triton, swiglu_fp8_bwd_ref)(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype)
 
 
 def swiglu_fp8_bwd_out_t(ds, a1_8, s1, a3_8, s3, s_scale, group_size: int, grad_dtype=torch.float8_e5m2,
@@ -276,5 +276,5 @@ def swiglu_fp8_bwd_out_t(ds, a1_8, s1, a3_8, s3, s_scale, group_size: int, grad_
     """swiglu_fp8_bwd plus the forward's output transposed (s^T [F, M], the down projection's wgrad operand),
     written by the backward's amax pass from the pair it reads anyway: one launch and one read of the pair
     (2 bytes per element) fewer than swiglu_fp8_out(transpose=True) beside swiglu_fp8_bwd."""
-    fn = swiglu_fp8_bwd_out_t_triton if ds.is_cuda else swiglu_fp8_bwd_out_t_ref
-    return fn(ds, a1_8, s1, a3_8, s3, s_scale, group_size, grad_dtype, out_dtype)
+    return pick(ds, swiglu_fp8_bwd_out_t_triton, swiglu_fp8_bwd_out_t_ref)(
+        ds, a1_8, s1, a3_8, s3, s_scale, group_size, grad_dtype, out_dtype)

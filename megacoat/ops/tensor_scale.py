@@ -1,11 +1,11 @@
 """Triton: a per-tensor scale reduced inside the kernel that computes the amax, with no launch after it.
 
 Each program folds its amax into one float by atomic max; the last program to finish (an atomic counter says
-which) turns the total into the dequantization scale max(amax, tiny) / fmt_max, the same IEEE division as the
-torch references. This replaces a partial-amax array and the torch reductions over it (amax, clamp, divide:
-three launches of a few microseconds each, beside kernels of a few tens). Both counters start at zero: one
-memset (`scale_workspace`). Atomics are acq_rel at GPU scope (Triton's default), so the last program's
-counter increment sees every other program's atomic max.
+which) turns the total into the dequantization scale max(amax, AMAX_FLOOR) / fmt_max (megacoat.ops.numerics),
+the same IEEE division as the torch references. No partial-amax array and no torch reductions over it (amax,
+clamp, divide: three launches of a few microseconds each, beside kernels of a few tens) are needed. Both
+counters start at zero: one memset (`scale_workspace`). Atomics are acq_rel at GPU scope (Triton's default), so
+the last program's counter increment sees every other program's atomic max.
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ def scale_workspace(device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def fold_amax_to_scale(amax, amax_ptr, count_ptr, scale_ptr, fmax, tiny):
+def fold_amax_to_scale(amax, amax_ptr, count_ptr, scale_ptr, fmax, amax_floor):
     """Fold this program's amax (>= 0) into the tensor's; the last program writes the scale."""
     tl.atomic_max(amax_ptr, amax)
     if tl.atomic_add(count_ptr, 1) == tl.num_programs(0) * tl.num_programs(1) - 1:
         total = tl.atomic_max(amax_ptr, 0.0)  # an atomic read: the final value
-        tl.store(scale_ptr, tl.math.div_rn(tl.maximum(total, tiny), fmax))
+        tl.store(scale_ptr, tl.math.div_rn(tl.maximum(total, amax_floor), fmax))

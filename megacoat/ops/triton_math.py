@@ -1,18 +1,14 @@
 """Triton: the cheaper math of the fused FP8 kernels on the GPU, with the plain form the CPU interpreter runs.
 
-FAST is False under TRITON_INTERPRET=1 (the interpreter has no libdevice fast math); kernels take it as a
-constexpr, so each path compiles alone. Both paths stay within a few fp32 ulp of each other, far below the
-E4M3/E5M2 rounding step, and the GPU tests compare the FAST path with the torch references.
+FAST (megacoat.ops.numerics) is False under TRITON_INTERPRET=1 (the interpreter has no libdevice fast math);
+kernels take it as a constexpr, so each path compiles alone. Both paths stay within a few fp32 ulp of each other,
+far below the E4M3/E5M2 rounding step, and the GPU tests compare the FAST path with the torch references.
 """
 from __future__ import annotations
-
-import os
 
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
-
-FAST = os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 @triton.jit

@@ -6,8 +6,8 @@ step per launch over all parameters of a group (`megacoat.ops.coat_adamw_step`);
 "parameter" is one flat fp32 partition of any length.
 
 Edge groups: a group holding a NaN/Inf is stored with a NaN scale and counted (`nonfinite_groups`); a group whose
-largest moment is below float32's smallest normal (2^-126) is stored as zero (it moves no weight, and 1/amax
-would overflow).
+largest moment is below float32's smallest normal is scaled as if its amax were 2^-126 and not expanded (the one
+amax floor of megacoat.ops.numerics).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 
 from megacoat.fp8.formats import get_format
 from megacoat.ops.coat_adamw import BACKENDS, coat_adamw_step
-from megacoat.ops.coat_adamw_tables import GROUP_SIZES, num_groups
+from megacoat.ops.numerics import check_group_size, num_groups
 
 # Settings that define the stored state's meaning: a checkpoint only loads into an optimizer that agrees on them.
 STATE_CONFIG_KEYS = ("m_dtype", "v_dtype", "group_size", "expand")
@@ -28,7 +28,8 @@ class CoatAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction; torch.optim.AdamW's update) with FP8 moments.
 
     m_dtype / v_dtype: "e4m3" or "e5m2"; group_size: elements per quantization group; expand: dynamic range
-    expansion (False: plain per-group scaling, k = 1); backend: "auto", "cuda", "triton" or "torch".
+    expansion (False: plain per-group scaling, k = 1); backend: "auto" (the CUDA kernel for CUDA parameters,
+    the reference for CPU ones), "cuda" or "torch" (megacoat.ops.coat_adamw).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -41,8 +42,7 @@ class CoatAdamW(torch.optim.Optimizer):
         if not eps >= 0.0 or not weight_decay >= 0.0:
             raise ValueError(f"eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
         m_dtype, v_dtype = get_format(m_dtype).name, get_format(v_dtype).name  # clear error on a bad name
-        if group_size not in GROUP_SIZES:
-            raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+        check_group_size(group_size)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, m_dtype=m_dtype,

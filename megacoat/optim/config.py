@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megacoat.ops.numerics import GROUP_SIZES
+
 DECAY_STYLES = ("constant", "linear", "cosine")
 FP8_MOMENT_DTYPES = ("e4m3", "e5m2")
 
@@ -41,5 +43,6 @@ class OptimizerConfig:
         for name in ("fp8_m_dtype", "fp8_v_dtype"):
             if getattr(self, name) not in FP8_MOMENT_DTYPES:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {FP8_MOMENT_DTYPES}")
-        if self.fp8_group_size not in (16, 32, 64, 128, 256):
-            raise ValueError(f"--fp8-group-size must be one of 16/32/64/128/256, got {self.fp8_group_size}")
+        if self.fp8_group_size not in GROUP_SIZES:
+            raise ValueError(f"--fp8-group-size must be one of {'/'.join(map(str, GROUP_SIZES))}, "
+                             f"got {self.fp8_group_size}")

@@ -12,9 +12,11 @@
 `tensor_model_parallel = True`, which DeepSpeed's grad-norm and clipping read to count them on every TP rank
 (replicated ones, the norms, only on TP rank 0).
 
-In the FP8 modes the linears run their shard through megacoat.fp8.linear.fp8_linear with per-shard
-per-tensor scales: a column shard's input is replicated, so every rank computes the same input amax anyway;
-a row shard's output is a partial sum added in BF16 after the GEMM, so its own scales are exact for it.
+The model is converted to FP8 (megacoat.fp8.convert_to_fp8) before it is sharded: a linear built from an
+Fp8Linear runs its shard through megacoat.fp8.linear.fp8_linear with the Fp8Linear's gradient format, weight
+cache policy and shared input cache, and per-shard per-tensor scales: a column shard's input is replicated,
+so every rank computes the same input amax anyway; a row shard's output is a partial sum added in BF16 after
+the GEMM, so its own scales are exact for it.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megacoat.fp8.linear import Fp8Linear, Fp8WeightCache, check_gemm_dims, fp8_linear
 from megacoat.parallel.mappings import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
 
 
@@ -39,6 +42,11 @@ class TPRegion:
 
     def exit(self, x: torch.Tensor) -> torch.Tensor:
         return reduce_scatter_to_sp(x, self.group) if self.sequence_parallel else reduce_from_tp(x, self.group)
+
+    def replicated(self, weight: torch.Tensor) -> torch.Tensor:
+        """A replicated weight used inside the region (a norm fused into the GEMM after it): identity forward,
+        its partial gradient all-reduced in backward."""
+        return copy_to_tp(weight, self.group)
 
 
 def _shard(weight: torch.Tensor, dim: int, region: TPRegion, what: str) -> nn.Parameter:
@@ -56,24 +64,23 @@ def mark_replicated(p: nn.Parameter) -> None:
 
 
 class _ShardedLinear(nn.Module):
-    def __init__(self, weight: nn.Parameter, fp8=None):
+    """This rank's shard of `linear`'s weight; FP8 GEMMs when `linear` is an Fp8Linear."""
+
+    def __init__(self, linear: nn.Module, weight: nn.Parameter):
         super().__init__()
         self.weight = weight
         self.out_features, self.in_features = weight.shape
-        self.fp8_grad_dtype = None
-        if fp8 is not None:
-            from megacoat.fp8.linear import Fp8WeightCache, check_gemm_dims
-
+        self.fp8_grad_dtype = self.fp8_cache = self.input_cache = None
+        if isinstance(linear, Fp8Linear):
             check_gemm_dims(in_features=self.in_features, out_features=self.out_features)
-            self.fp8_grad_dtype = fp8.grad_dtype
-            self.fp8_cache = Fp8WeightCache(fp8.persistent_weight_cache)
+            self.fp8_grad_dtype = linear.grad_dtype
+            self.fp8_cache = Fp8WeightCache(linear.fp8_cache.persistent)
+            self.input_cache = linear.input_cache  # wq/wk/wv (w1/w3) shards read one input: quantized once
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_grad_dtype is None:
             return F.linear(x, self.weight)
-        from megacoat.fp8.linear import fp8_linear
-
-        return fp8_linear(x, self.weight, self.fp8_cache, self.fp8_grad_dtype)
+        return fp8_linear(x, self.weight, self.fp8_cache, self.fp8_grad_dtype, self.input_cache)
 
     def extra_repr(self) -> str:
         fp8 = "" if self.fp8_grad_dtype is None else f", fp8=e4m3, grad={self.fp8_grad_dtype}"
@@ -85,8 +92,8 @@ class ColumnParallelLinear(_ShardedLinear):
     all the projections that read it. The output stays split over the TP group (local heads, FFN columns or
     vocabulary rows)."""
 
-    def __init__(self, linear: nn.Linear, region: TPRegion, fp8=None, name: str = "linear"):
-        super().__init__(_shard(linear.weight, 0, region, name), fp8)
+    def __init__(self, linear: nn.Module, region: TPRegion, name: str = "linear"):
+        super().__init__(linear, _shard(linear.weight, 0, region, name))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x)
@@ -96,8 +103,8 @@ class RowParallelLinear(_ShardedLinear):
     """y = sum over ranks of x_local W_local^T, leaving the region (all-reduce, or reduce-scatter onto
     sequence shards)."""
 
-    def __init__(self, linear: nn.Linear, region: TPRegion, fp8=None, name: str = "linear"):
-        super().__init__(_shard(linear.weight, 1, region, name), fp8)
+    def __init__(self, linear: nn.Module, region: TPRegion, name: str = "linear"):
+        super().__init__(linear, _shard(linear.weight, 1, region, name))
         self.region = region
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

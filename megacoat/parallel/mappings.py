@@ -5,7 +5,6 @@ mappings.py). Each names what it does forward; backward is its adjoint:
     reduce_from_tp        all-reduce   | identity       (leave it: sum the partial outputs)
     gather_from_sp        all-gather   | reduce-scatter (enter with a sequence-sharded input, --sequence-parallel)
     reduce_scatter_to_sp  reduce-scatter | all-gather   (leave it back onto sequence shards)
-    scatter_to_sp         keep my shard | all-gather    (split a replicated tensor onto sequence shards)
     gather_logits         all-gather of the vocab dim | keep my shard (full logits for inference)
 
 Sequence shards are along dim 1 ([batch, seq, hidden], the model's layout). All of them are the identity
@@ -97,17 +96,6 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return _all_gather(g, SEQ_DIM, ctx.group), None
 
 
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _my_chunk(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather(g, SEQ_DIM, ctx.group), None
-
-
 class _GatherLastDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -137,10 +125,6 @@ def gather_from_sp(x, group):
 
 def reduce_scatter_to_sp(x, group):
     return _apply(_ReduceScatterToSP, x, group)
-
-
-def scatter_to_sp(x, group):
-    return _apply(_ScatterToSP, x, group)
 
 
 def gather_logits(x, group):

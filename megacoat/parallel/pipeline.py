@@ -5,8 +5,8 @@ Layer list (partitioned over stages by parameter count):
     [embedding] [block 0] ... [block L-1] [final norm] [head]
 The embedding and the head are one TiedLayerSpec when the model ties them: the first and last stage each hold
 the table, DeepSpeed broadcasts it at start and all-reduces its gradient between the two stages every step.
-Stages pass a single activation tensor [batch, seq (or this rank's sequence shard), hidden]; the loss
-(vocab-parallel under TP) is the PipelineModule's loss_fn.
+Stages pass a single activation tensor [batch, seq (or this rank's sequence shard), hidden]; the model's own
+loss (`model.loss_fn`: vocab-parallel under TP) is the PipelineModule's loss_fn.
 """
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacoat.model.gpt import cross_entropy_loss
-from megacoat.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megacoat.parallel.state import ParallelState
 
 
@@ -62,18 +60,6 @@ class HeadPipe(nn.Module):
         return self.output(h)
 
 
-class PipelineLoss:
-    """loss_fn(logits, labels) of the last stage; vocab-parallel when the logits are split over TP ranks."""
-
-    def __init__(self, tp_group, tp_size: int):
-        self.tp_group, self.tp_size = tp_group, tp_size
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return cross_entropy_loss(logits, labels)
-        return vocab_parallel_cross_entropy(logits, labels, self.tp_group)
-
-
 def build_pipeline(model: nn.Module, state: ParallelState):
     """A deepspeed PipelineModule over `model`'s modules, on DeepSpeed's topology for `state`'s sizes. Only this
     stage's layers move to the device; the others are dropped with `model`."""
@@ -97,4 +83,4 @@ def build_pipeline(model: nn.Module, state: ParallelState):
     else:
         layers.append(LayerSpec(HeadPipe, model.output))
     return PipelineModule(layers=layers, topology=state.grid.topology(),
-                          loss_fn=PipelineLoss(state.tp_group, state.tp_size), partition_method="parameters")
+                          loss_fn=model.loss_fn, partition_method="parameters")

@@ -1,5 +1,5 @@
-"""apply_tp(model, state, fp8): make the plain GPT tensor-parallel in place, by swapping its modules (in the
-spirit of torchtitan's parallelize.apply_tp). A plan per block:
+"""apply_tp(model, state): make the GPT tensor-parallel in place, by swapping its modules (in the spirit of
+torchtitan's parallelize.apply_tp). A plan per block:
 
     attention_norm, ffn_norm, norm  → ParallelRMSNorm   (enter the TP region)
     attention.wq/wk/wv, ffn w1/w3   → ColumnParallelLinear (local heads / local FFN columns)
@@ -7,16 +7,21 @@ spirit of torchtitan's parallelize.apply_tp). A plan per block:
     tok_embeddings                  → VocabParallelEmbedding (leaves onto sequence shards under SP)
     output                          → ColumnParallelLinear over the vocabulary (tied: the embedding's shard)
 
-With FP8 activations, the block linears run FP8 GEMMs on their shards (`fp8-linear`), or each block becomes a
-TensorParallelCoatBlock (`coat`). The model's class is swapped for a subclass whose forward scatters onto
-sequence shards and takes the vocab-parallel loss (as torch's fully_shard swaps a module's class); parameter
-names are unchanged, so checkpoints and optimizer groups read the same.
+FP8 is applied first (megacoat.fp8.convert_to_fp8, as torchtitan converts to float8 before apply_tp), and
+apply_tp shards whatever blocks it finds: the linears of an `fp8-linear` block are Fp8Linears and their
+shards keep running FP8 GEMMs; a CoatTransformerBlock keeps its norms (fused into its GEMMs) and gets the TP
+region it runs in. The model's loss becomes the vocab-parallel cross-entropy and its logits are gathered over
+the vocabulary when no labels are given (the GPT's `loss_fn` and `gather_logits` attributes). Parameter names
+are unchanged, so checkpoints and optimizer groups read the same.
 """
 from __future__ import annotations
 
-import torch
+import functools
+
 from torch import nn
 
+from megacoat.fp8.blocks import CoatTransformerBlock
+from megacoat.fp8.linear import check_gemm_dims
 from megacoat.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megacoat.parallel.layers import (ColumnParallelLinear, ParallelRMSNorm, RowParallelLinear, TPRegion,
                                       VocabParallelEmbedding, mark_replicated)
@@ -36,62 +41,44 @@ def _set(root: nn.Module, dotted: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, name, module)
 
 
-def _parallelize_block(block: nn.Module, region: TPRegion, fp8, prefix: str) -> nn.Module:
-    # coat: the column shards' weights feed the fused norm+GEMM functions, their modules never run.
-    column_fp8 = fp8 if fp8 is not None and fp8.mode == "fp8-linear" else None
+def _parallelize_block(block: nn.Module, region: TPRegion, prefix: str) -> None:
     for path in COLUMN:
-        _set(block, path, ColumnParallelLinear(block.get_submodule(path), region, column_fp8, name=prefix + path))
+        _set(block, path, ColumnParallelLinear(block.get_submodule(path), region, name=prefix + path))
     for path in ROW:
-        _set(block, path, RowParallelLinear(block.get_submodule(path), region, fp8, name=prefix + path))
-    if fp8 is not None and fp8.mode == "coat":
-        from megacoat.parallel.fp8_blocks import TensorParallelCoatBlock
-
-        for norm in ("attention_norm", "ffn_norm"):
-            mark_replicated(getattr(block, norm).weight)
-        return TensorParallelCoatBlock(block, region, fp8)
+        _set(block, path, RowParallelLinear(block.get_submodule(path), region, name=prefix + path))
+    if isinstance(block, CoatTransformerBlock):
+        # the fused functions multiply by the column and row shards' weights directly
+        for path in COLUMN + ROW:
+            out_features, in_features = block.get_submodule(path).weight.shape
+            check_gemm_dims(**{f"{prefix}{path} shard's in_features": in_features,
+                               f"{prefix}{path} shard's out_features": out_features})
+        for norm in (block.attention_norm, block.ffn_norm):
+            mark_replicated(norm.weight)
+        block.region = region
+        return
     block.attention_norm = ParallelRMSNorm(block.attention_norm, region)
     block.ffn_norm = ParallelRMSNorm(block.ffn_norm, region)
-    return block
 
 
-class TensorParallelGPTMixin:
-    """forward of a tensor-parallel GPT: the plain one's, plus the sequence scatter and the vocab-parallel
-    loss (the head's logits stay split over the vocabulary)."""
-
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        if tokens.shape[1] > self.cfg.seq_length:
-            raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds --seq-length {self.cfg.seq_length}")
-        h = self.tok_embeddings(tokens)  # under SP it leaves the region already on sequence shards
-        cos, sin = self._rope(h.device)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        logits = self.output(self.norm(h))
-        group = self.tp_region.group
-        if labels is None:
-            return gather_logits(logits, group)
-        return vocab_parallel_cross_entropy(logits, labels, group)
-
-
-def apply_tp(model: nn.Module, state: ParallelState, fp8=None) -> nn.Module:
-    """Shard `model` (a plain megacoat GPT, full weights initialised identically on every rank) over the TP
-    group in place; return it. `fp8`: the FP8Config when an FP8 activation mode is on, else None."""
+def apply_tp(model: nn.Module, state: ParallelState) -> nn.Module:
+    """Shard `model` (a megacoat GPT, FP8-converted or not, full weights initialised identically on every
+    rank) over the TP group in place; return it."""
     if state.tp_size == 1:
         return model
-    if fp8 is not None and not fp8.enabled:
-        fp8 = None
     region = region_of(state)
     cfg = model.cfg
     if cfg.seq_length % state.tp_size and state.sequence_parallel:
         raise ValueError(f"--sequence-parallel: --seq-length {cfg.seq_length} not divisible by TP {state.tp_size}")
-    tied = cfg.tie_embeddings
     model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, region)
     for i, block in enumerate(model.layers):
-        model.layers[i] = _parallelize_block(block, region, fp8, f"layers.{i}.")
+        _parallelize_block(block, region, f"layers.{i}.")
     model.norm = ParallelRMSNorm(model.norm, region)
     # The head stays high precision in every FP8 mode (as convert_to_fp8 leaves it).
     model.output = ColumnParallelLinear(model.output, region, name="output")
-    if tied:
+    if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # the same vocabulary rows on this rank
-    model.tp_region = region
-    model.__class__ = type(f"TensorParallel{type(model).__name__}", (TensorParallelGPTMixin, type(model)), {})
+    # The head's logits stay split over the vocabulary: the loss reads them so, and full logits are gathered
+    # only when asked for.
+    model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=region.group)
+    model.gather_logits = functools.partial(gather_logits, group=region.group)
     return model

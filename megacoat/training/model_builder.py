@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from megacoat.config import MegacoatConfig
+from megacoat.fp8.convert import convert_to_fp8
 from megacoat.model import GPT, cross_entropy_loss
 from megacoat.optim import WarmupDecayLR, build_optimizer, param_groups
 from megacoat.parallel import ParallelState, apply_tp
@@ -17,8 +18,9 @@ ModelConverter = Callable[[nn.Module], nn.Module]
 
 def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState | None = None,
                 model_converter: ModelConverter | None = None) -> nn.Module:
-    """The model this rank trains: the plain GPT, FP8-converted, sharded over TP (`apply_tp`) and, with
-    pipelining, wrapped as this stage's deepspeed PipelineModule (which moves only its layers to `device`).
+    """The model this rank trains: the plain GPT, FP8-converted (`convert_to_fp8`), then sharded over TP
+    (`apply_tp`) and, with pipelining, wrapped as this stage's deepspeed PipelineModule (which moves only its
+    layers to `device`).
 
     model_converter: a function applied after megacoat's own converters and before compilation, which swaps
     modules from outside as they do; how a benchmark trains another library's conversion through this same
@@ -31,13 +33,9 @@ def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState 
     # is built on the CPU and each stage moves only its own layers.
     with torch.device("cpu" if pipelined else device):
         model = GPT(cfg.model)
-    tp = state is not None and state.tp_size > 1
-    if cfg.fp8.enabled and not tp:
-        from megacoat.fp8.convert import convert_to_fp8
-
-        model = convert_to_fp8(model, cfg.fp8)
-    if tp:
-        model = apply_tp(model, state, cfg.fp8)  # FP8 modes run on the shards
+    model = convert_to_fp8(model, cfg.fp8)  # on the full model: apply_tp then shards the FP8 modules
+    if state is not None:
+        model = apply_tp(model, state)
     if model_converter is not None:
         model = model_converter(model)
     if cfg.training.compile:

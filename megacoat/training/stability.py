@@ -7,28 +7,8 @@ it as an overflow: `engine.was_step_applied()` is False and the LR scheduler doe
 data parallelism (ZeRO-0 without bf16) hands the step straight to the torch optimizer, which would write NaN
 into the weights; `skip_fp32_step` makes that step a no-op the same way DeepSpeed's own skip behaves, so
 DeepSpeed's micro/global step counters stay consistent in every mode.
-
-Test hook: MEGACOAT_TEST_INJECT_NAN_AT="5,6" multiplies the loss by NaN at those iterations (1-based, the
-iteration being computed) on every rank, or "5@1" on rank 1 only. For tests; never set it in a real run.
 """
 from __future__ import annotations
-
-import math
-import os
-
-import torch
-
-INJECT_ENV = "MEGACOAT_TEST_INJECT_NAN_AT"
-
-
-def nan_injection_iterations(rank: int) -> set[int]:
-    spec = os.environ.get(INJECT_ENV, "").strip()
-    out = set()
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        it, _, r = item.partition("@")
-        if not r or int(r) == rank:
-            out.add(int(it))
-    return out
 
 
 def skip_fp32_step(engine) -> None:
@@ -86,7 +66,3 @@ class StabilityGuard:
 
 class NonFiniteTrainingError(RuntimeError):
     pass
-
-
-def is_finite(x: float | None) -> bool:
-    return x is None or math.isfinite(x)

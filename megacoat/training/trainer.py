@@ -26,7 +26,7 @@ from megacoat.training.logger import TrainingLogger
 from megacoat.training.model_builder import ModelConverter, build_engine, build_model
 from megacoat.training.profiling import StepProfiler, annotate_engine
 from megacoat.training.signals import ExitConditions
-from megacoat.training.stability import StabilityGuard, clear_skip_flag, nan_injection_iterations, skip_fp32_step
+from megacoat.training.stability import StabilityGuard, clear_skip_flag, skip_fp32_step
 
 
 def check_data_paths(cfg: MegacoatConfig) -> None:
@@ -65,7 +65,7 @@ def resolve_data(cfg: MegacoatConfig, logger: TrainingLogger) -> MegacoatConfig:
     return replace(cfg, data=data)
 
 
-def build_data(cfg: MegacoatConfig, dp_size: int):
+def build_data(cfg: MegacoatConfig):
     from megacoat.data import build_train_valid_test_datasets
 
     t = cfg.training
@@ -117,7 +117,7 @@ class Trainer:
         if t.profile_dir:
             annotate_engine(self.engine)  # the profiled window's idle time, split by phase (profiling.py)
 
-        self.train_ds, self.valid_ds, _ = build_data(cfg, self.dp_size)
+        self.train_ds, self.valid_ds, _ = build_data(cfg)
         self.layout = Layout(world_size=self.world_size, data_parallel_size=self.dp_size,
                              tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
                              pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
@@ -127,7 +127,6 @@ class Trainer:
         self.plain_fp32 = not cfg.parallel.zero_stage and not self.ds_config["bf16"]["enabled"]
         self.guard = StabilityGuard(t.max_skipped_steps)
         self.profiler = StepProfiler(t.profile_dir, t.profile_step_start, t.profile_step_end, dist.get_rank())
-        self.nan_iterations = nan_injection_iterations(dist.get_rank())
         self.state = TrainState()
         if t.load:
             self.load_checkpoint(t.load)
@@ -148,7 +147,7 @@ class Trainer:
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
     # --- one step -----------------------------------------------------------------------------------------
-    def train_step(self, data_iter, iteration: int) -> tuple[torch.Tensor, torch.Tensor | float | None, bool]:
+    def train_step(self, data_iter) -> tuple[torch.Tensor, torch.Tensor | float | None, bool]:
         """One optimizer step over grad_accum micro-batches. Returns (mean loss, grad norm, skipped): a
         non-finite gradient leaves weights, optimizer state and LR schedule untouched (stability.py). Loss and
         grad norm stay as the engine gives them (device tensors): the loop reads them on the host only when it
@@ -156,13 +155,10 @@ class Trainer:
         if self.pipelined:
             return self._pipeline_step(data_iter)
         losses = []
-        inject_nan = iteration in self.nan_iterations  # test hook, see stability.py
         applied = True
         for _ in range(self.grad_accum):
             tokens, labels = self._split(next(data_iter))
             loss = self.engine(tokens, labels)
-            if inject_nan:
-                loss = loss * float("nan")
             self.engine.backward(loss)
             grad_norm = self._grad_norm_if_boundary()
             boundary = self.engine.is_gradient_accumulation_boundary()
@@ -239,7 +235,7 @@ class Trainer:
         last_time, last_iter = time.perf_counter(), self.state.iteration
         while self.state.iteration < t.train_iters:
             lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler moves on after it)
-            loss, grad_norm, skipped = self.train_step(data_iter, self.state.iteration + 1)
+            loss, grad_norm, skipped = self.train_step(data_iter)
             self.state.iteration += 1
             self.state.consumed_samples += t.global_batch_size  # a skipped step's batch is consumed too
             self.state.skipped_steps += skipped

@@ -100,3 +100,20 @@ def test_fp8_linear_block_quantizes_each_input_once():
     x = torch.randn(2, 64, CFG["hidden_size"], requires_grad=True)
     block(x, *model._rope(x.device)).sum().backward()
     assert cache.hits == 3
+
+
+def test_converting_a_sharded_model_is_refused():
+    """FP8 is applied to the full model, before apply_tp: a sharded linear in a block stops the conversion."""
+    from megacoat.parallel.layers import ColumnParallelLinear, TPRegion
+
+    model = _model()
+    model.layers[0].attention.wq = ColumnParallelLinear(model.layers[0].attention.wq, TPRegion(None, 2, 0))
+    with pytest.raises(TypeError, match="before apply_tp: layers.0.attention.wq is a ColumnParallelLinear"):
+        convert_to_fp8(model, FP8Config(mode="fp8-linear"))
+
+
+def test_a_coat_block_runs_in_the_identity_region_until_apply_tp_sets_one():
+    from megacoat.fp8.blocks import NO_REGION
+
+    model = convert_to_fp8(_model(), FP8Config(mode="coat", group_size=64))
+    assert type(model) is GPT and all(b.region is NO_REGION for b in model.layers)

@@ -56,7 +56,7 @@ def test_saves_only_fp8_activations():
 
 
 def test_weight_cache_reused_across_micro_batches_and_rebuilt_after_step():
-    lin = Fp8Linear.from_linear(torch.nn.Linear(32, 16, bias=False).to(DEV))
+    lin = Fp8Linear(torch.nn.Linear(32, 16, bias=False).to(DEV))
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
     for _ in range(3):  # gradient accumulation: three micro-batches, one FP8 copy of the weight
         lin(torch.randn(16, 32, device=DEV)).sum().backward()
@@ -68,7 +68,7 @@ def test_weight_cache_reused_across_micro_batches_and_rebuilt_after_step():
 
 
 def test_data_writes_need_the_explicit_invalidation():
-    lin = Fp8Linear.from_linear(torch.nn.Linear(32, 16, bias=False).to(DEV))
+    lin = Fp8Linear(torch.nn.Linear(32, 16, bias=False).to(DEV))
     x = torch.randn(16, 32, device=DEV)
     lin(x)
     lin.weight.data.mul_(2.0)  # what DeepSpeed does: the version counter does not move
@@ -80,17 +80,17 @@ def test_data_writes_need_the_explicit_invalidation():
     assert rel_err(y, x @ lin.weight.detach().t()) <= 2 * U4
 
 
-def test_from_linear_shares_the_parameter():
+def test_fp8_linear_shares_the_parameter():
     base = torch.nn.Linear(32, 16, bias=False)
-    lin = Fp8Linear.from_linear(base)
+    lin = Fp8Linear(base)
     assert lin.weight is base.weight and [n for n, _ in lin.named_parameters()] == ["weight"]
 
 
 def test_shapes_that_break_the_gemm_rules_are_named():
     with pytest.raises(ValueError, match="in_features"):
-        Fp8Linear.from_linear(torch.nn.Linear(24, 16, bias=False))
+        Fp8Linear(torch.nn.Linear(24, 16, bias=False))
     with pytest.raises(ValueError, match="bias"):
-        Fp8Linear.from_linear(torch.nn.Linear(32, 16))
+        Fp8Linear(torch.nn.Linear(32, 16))
     x, w = _case(m=20)
     with pytest.raises(ValueError, match="tokens_per_micro_batch"):
         fp8_linear(x, w)
@@ -108,7 +108,7 @@ def test_cache_concatenates_weights():
 def _siblings(shared):
     torch.manual_seed(1)
     cache = Fp8InputCache() if shared else None
-    return [Fp8Linear.from_linear(torch.nn.Linear(64, n, bias=False).to(DEV).bfloat16(), input_cache=cache)
+    return [Fp8Linear(torch.nn.Linear(64, n, bias=False).to(DEV).bfloat16(), input_cache=cache)
             for n in (32, 48, 16)]
 
 

@@ -4,6 +4,7 @@ import torch
 
 from tests.ops.fp8_compare import DEV, assert_fp8_close, interpreted  # noqa: I001
 from megacoat.ops import cast_transpose as C
+from megacoat.ops.numerics import AMAX_FLOOR
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -46,11 +47,20 @@ def test_quantize_transpose_writes_the_scale_from_amax(dtype):
 
 
 @pytest.mark.parametrize("fn", ["ref", "triton"])
-def test_zero_tensor_has_finite_scale(fn):
+def test_zero_and_subnormal_tensors_scale_from_the_amax_floor(fn):
+    """amax below AMAX_FLOOR = 2^-126 is raised to it (megacoat.ops.numerics): scale = 2^-126 / fmax, whose
+    reciprocal overflows float32, so the cast divides instead -- zeros stay zeros, tiny values keep their codes."""
     if fn == "triton":
         _kernels_usable()
+    floor_scale = (torch.tensor(AMAX_FLOOR) / torch.tensor(torch.finfo(E4).max)).reshape(1)
     q, qt, scale = getattr(C, f"quantize_transpose_{fn}")(torch.zeros(16, 16, device=DEV), E4)
-    assert 0 < scale.item() < float("inf") and (q.float() == 0).all() and (qt.float() == 0).all()
+    assert torch.equal(scale.cpu(), floor_scale) and (q.float() == 0).all() and (qt.float() == 0).all()
+    x = torch.zeros(16, 16, device=DEV)
+    x[2, 3], x[5, 1] = 2.0 ** -130, -(2.0 ** -128)  # float32 sub-normals
+    q, qt, scale = getattr(C, f"quantize_transpose_{fn}")(x, E4)
+    assert torch.equal(scale.cpu(), floor_scale)
+    want = (x.double() / floor_scale.double().to(DEV)).to(E4)  # exact quotient, rounded once
+    assert torch.equal(q.float(), want.float()) and q[2, 3].float() > 0 and q[5, 1].float() < 0
 
 
 def test_nonfinite_input_gives_a_nan_scale_not_a_silent_result():

@@ -5,7 +5,7 @@ import torch
 from tests.ops.fp8_compare import DEV, assert_close_f32, assert_fp8_close, interpreted, rel_err  # noqa: I001
 from megacoat.fp8.formats import E4M3
 from megacoat.ops import rmsnorm as R
-from megacoat.ops.group_cast_ref import group_dequantize
+from megacoat.ops.numerics import group_dequantize
 
 U = E4M3.unit_roundoff  # 2^-4: worst relative error of one round-to-nearest E4M3 cast (normal range)
 SHAPES = [(37, 192, 128), (16, 256, 64), (8, 320, 32)]  # hidden sizes that G does not divide included

@@ -5,7 +5,7 @@ import torch
 from tests.ops.fp8_compare import DEV, assert_close_f32, assert_fp8_close, interpreted, rel_err  # noqa: I001
 from megacoat.fp8.formats import E4M3, E5M2
 from megacoat.ops import swiglu as S
-from megacoat.ops.group_cast_ref import group_dequantize
+from megacoat.ops.numerics import group_dequantize
 
 U4, U5 = E4M3.unit_roundoff, E5M2.unit_roundoff  # 2^-4, 2^-3
 SHAPES = [(40, 200, 128), (33, 256, 64)]

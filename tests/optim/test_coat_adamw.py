@@ -120,7 +120,7 @@ def test_loading_torch_adamw_state_is_a_clear_error():
 
 def test_bad_arguments():
     p = [torch.nn.Parameter(torch.randn(4))]
-    with pytest.raises(ValueError, match="group_size"):
+    with pytest.raises(ValueError, match="group size"):
         CoatAdamW(p, group_size=100)
     with pytest.raises(ValueError, match="unknown FP8 format"):
         CoatAdamW(p, m_dtype="e3m4")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megacoat.fp8.config import FP8Config
+from megacoat.fp8.convert import convert_to_fp8
 from megacoat.model import GPT
 from megacoat.model.config import ModelConfig
 from megacoat.parallel.config import ParallelConfig
@@ -47,15 +48,18 @@ def _tp_case(model_kw: dict, sequence_parallel: bool, fp8_mode: str | None):
     torch.manual_seed(0)
     ref = GPT(cfg)
     if fp8 is not None:
-        from megacoat.fp8.convert import convert_to_fp8
-
         convert_to_fp8(ref, fp8)
     torch.manual_seed(0)
     model = GPT(cfg)
     tp = dist.get_world_size()
     state = initialize_parallel_state(ParallelConfig(tensor_model_parallel_size=tp,
                                                      sequence_parallel=sequence_parallel), cfg)
-    apply_tp(model, state, fp8)
+    if fp8 is not None:
+        convert_to_fp8(model, fp8)  # FP8 first, on the full model; apply_tp shards what it finds
+    apply_tp(model, state)
+    assert type(model) is GPT  # apply_tp swaps modules and the loss, never the model's class
+    if fp8_mode == "coat":
+        assert all(block.region.group is state.tp_group for block in model.layers)
     ref_loss = ref(tokens, labels)
     ref_loss.backward()
     loss = model(tokens, labels)

@@ -17,7 +17,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", 
 def env(tmp_path, **extra) -> dict:
     e = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
              MEGACOAT_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", **extra)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MEGACOAT_TEST_INJECT_NAN_AT"):
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if key not in extra:
             e.pop(key, None)
     return e
@@ -29,12 +29,14 @@ def launcher(ranks: int, port: int) -> list[str]:
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(port)]
 
 
-def command(argv, log, ranks=1, port=29600) -> list[str]:
-    return launcher(ranks, port) + [PRETRAIN] + TINY + list(argv) + ["--log-json", str(log)]
+def command(argv, log, ranks=1, port=29600, script=(PRETRAIN,)) -> list[str]:
+    """`script`: the program and its own leading arguments (pretrain_gpt.py, or a test wrapper around it)."""
+    return launcher(ranks, port) + list(script) + TINY + list(argv) + ["--log-json", str(log)]
 
 
-def run(tmp_path, argv, log, ranks=1, port=29600, check=True, **extra_env) -> subprocess.CompletedProcess:
-    proc = subprocess.run(command(argv, log, ranks, port), cwd=tmp_path, env=env(tmp_path, **extra_env),
+def run(tmp_path, argv, log, ranks=1, port=29600, check=True, script=(PRETRAIN,),
+        **extra_env) -> subprocess.CompletedProcess:
+    proc = subprocess.run(command(argv, log, ranks, port, script), cwd=tmp_path, env=env(tmp_path, **extra_env),
                           capture_output=True, text=True, timeout=600)
     if check:
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

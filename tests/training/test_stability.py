@@ -1,15 +1,18 @@
-"""The stability guard: a NaN injected into the loss at one iteration (the documented test hook
-MEGACOAT_TEST_INJECT_NAN_AT) skips that step in every engine mode — the checkpoint after the skipped step
+"""The stability guard: a NaN injected into the loss at one iteration (by tests/training/nan_injection.py, a
+wrapper around pretrain_gpt.py) skips that step in every engine mode — the checkpoint after the skipped step
 holds exactly the weights, optimizer state and LR schedule of the one before — the log counts it, training
 goes on with finite losses; --max-skipped-steps skips in a row stop the run, leaving the last good checkpoint
 as `latest`."""
 import math
+import os
 
 import pytest
 import torch
 
-from megacoat.training.stability import StabilityGuard, NonFiniteTrainingError, nan_injection_iterations
+from megacoat.training.stability import StabilityGuard, NonFiniteTrainingError
 from tests.training.checkpoint_runs import records, run
+
+NAN_RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nan_injection.py")
 
 
 def _state(ckpt, it):
@@ -44,7 +47,7 @@ def test_a_nan_step_is_skipped_and_changes_nothing(tmp_path, mode):
     ckpt = tmp_path / "ckpt"
     log = tmp_path / "log.json"
     proc = run(tmp_path, mode + ["--train-iters", "5", "--save", str(ckpt), "--save-interval", "1"], log,
-               MEGACOAT_TEST_INJECT_NAN_AT="3")
+               script=(NAN_RUN, "3"))
     train = {r["iteration"]: r for r in records(log)}
     assert math.isnan(train[3]["loss"]) and train[3]["skipped_steps"] == 1
     assert all(math.isfinite(train[i]["loss"]) and train[i]["skipped_steps"] == 0 for i in (1, 2, 4, 5))
@@ -63,7 +66,7 @@ def test_max_skipped_steps_in_a_row_stops_and_keeps_the_last_good_checkpoint(tmp
     ckpt = tmp_path / "ckpt"
     proc = run(tmp_path, ["--zero-stage", "0", "--fp32", "--train-iters", "10", "--save", str(ckpt),
                           "--save-interval", "2", "--max-skipped-steps", "3"], tmp_path / "log.json", check=False,
-               MEGACOAT_TEST_INJECT_NAN_AT="3,5,6,7,8")
+               script=(NAN_RUN, "3,5,6,7,8"))
     assert proc.returncode != 0
     assert "3 steps in a row skipped" in proc.stderr and "--max-skipped-steps 3" in proc.stderr
     # iteration 4 was good and saved; 6 was skipped but --save-interval saved it: the newest *good* state
@@ -83,11 +86,3 @@ def test_guard_counts_in_a_row_and_resets_on_a_good_step():
     guard.record(True, 4, float("nan"), float("inf"))
     with pytest.raises(NonFiniteTrainingError, match="iteration 4: 2 steps in a row"):
         guard.check()
-
-
-def test_injection_hook_parses_ranks(monkeypatch):
-    monkeypatch.setenv("MEGACOAT_TEST_INJECT_NAN_AT", "3, 5@1,7@0")
-    assert nan_injection_iterations(0) == {3, 7}
-    assert nan_injection_iterations(1) == {3, 5}
-    monkeypatch.delenv("MEGACOAT_TEST_INJECT_NAN_AT")
-    assert nan_injection_iterations(0) == set()

@@ -54,9 +54,9 @@ accelerator.synchronize = synchronize
 train_step = trainer.Trainer.train_step
 
 
-def counted_step(self, data_iter, iteration):
-    step["iteration"] = iteration  # reads until the next step are this iteration's (the loop's log included)
-    return train_step(self, data_iter, iteration)
+def counted_step(self, data_iter):
+    step["iteration"] = self.state.iteration + 1  # reads until the next step are this one's (its log included)
+    return train_step(self, data_iter)
 
 
 trainer.Trainer.train_step = counted_step
