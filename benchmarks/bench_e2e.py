@@ -1,22 +1,41 @@
-"""End-to-end proof: the same model and data trained through `pretrain_gpt.py` in three modes,
-`bf16`, `fp8-linear` (FP8 GEMMs, BF16 activations) and `coat` (CoatAdamW + the FP8 precision flow).
+"""End-to-end speed and convergence: the same model trained in each mode, every run a separate process.
 
-    # (a) equal micro-batch and (b) each mode's largest micro-batch, ~1.3 B model, mock tokens
-    python benchmarks/bench_e2e.py speed --micro-batch-size 4 --search 4,8,12,16,24 --compile
+Modes (`--modes`; `MODE+compile` compiles each transformer block, torchtitan-style):
+  bf16, fp8-linear, coat, coat-lean   pretrain_gpt.py: BF16; FP8 GEMMs with BF16 activations; CoatAdamW + the FP8
+                                      precision flow; coat without the per-step FP8 weight copies
+  torchao-float8                      benchmarks/torchao_pretrain.py: the same trainer and model with torchao's
+                                      float8 linears (tensorwise), always compiled; skipped when torchao is absent
+  plain-llama                         benchmarks/plain_llama.py: the same model and device work, no DeepSpeed and
+                                      no trainer, always compiled: what the trainer's own host work costs
+
+    # the issue-17 table: 1.3 B model, 2 repeats of 30 timed iterations each, GPU-busy profile of each mode
+    python benchmarks/bench_e2e.py speed --micro-batch-size 2 8 --profile \
+        --modes bf16+compile plain-llama torchao-float8 coat coat+compile
+    # the largest micro-batch of each mode
+    python benchmarks/bench_e2e.py speed --micro-batch-size 8 --search 8,12,16,24 --modes bf16+compile coat+compile
     # convergence on real text, ~125 M model
     python benchmarks/bench_e2e.py convergence --data-path shards/text --tokenizer-model tok.model --tokens 20e6
 
-Every run is a separate `pretrain_gpt.py` process (nothing leaks between modes); figures come from its
-`--log-json`: tokens/s is the mean over the logged intervals after the first (which holds compilation and
-warm-up), memory is `torch.cuda.max_memory_allocated`. Ratios are within this one invocation, same GPU.
-Writes JSON (and a PNG for convergence) under benchmarks/results/.
+Speed method: each point (mode, micro-batch) runs --repeats times, each in its own process, repeats interleaved
+with the other modes so that a drift of the machine spreads over all of them. A run trains --warmup iterations
+(compilation, allocator warm-up), then --iters timed ones; its throughput is the tokens of the timed window over
+its wall time, from the --log-json lines (one every --log-interval iterations: the log's host read is the only
+sync, the same in every mode). A point reports the median of the timed intervals of all its repeats and the
+spread (max - min over median) of its repeats' window throughputs. With --profile the first repeat then runs 3
+more iterations under torch.profiler (never timed): the GPU-busy fraction (kernel time over wall time, the
+host-bound indicator), kernels per step and per layer, host waits per step, top operators. Memory is
+torch.cuda.max_memory_allocated. Ratios are against --baseline at the same micro-batch, within this one
+invocation. The JSON (device, versions, command) is rewritten after every run, so a time limit keeps what ran.
 """
 from __future__ import annotations
 
 import argparse
+import gzip
+import importlib.util
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -26,21 +45,42 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
+# mode -> (script, flags)
 MODES = {
-    "bf16": [],
-    "fp8-linear": ["--fp8-activations", "fp8-linear"],
-    "coat": ["--coat-fp8"],
+    "bf16": ("pretrain_gpt.py", []),
+    "fp8-linear": ("pretrain_gpt.py", ["--fp8-activations", "fp8-linear"]),
+    "coat": ("pretrain_gpt.py", ["--coat-fp8"]),
     # the same without the per-step FP8 weight copies (2 B per block-linear parameter): the memory-lean setting
-    "coat-lean": ["--coat-fp8", "--fp8-weight-cache", "none"],
+    "coat-lean": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-weight-cache", "none"]),
     # no fp32 master: bf16 weights + CoatAdamW's int16 remainders (exact), bf16 main gradients (ZeRO-1/2 only)
-    "coat-remainder": ["--coat-fp8", "--main-params-dtype", "bf16-remainder", "--main-grads-dtype", "bf16"],
+    "coat-remainder": ("pretrain_gpt.py", ["--coat-fp8", "--main-params-dtype", "bf16-remainder",
+                                           "--main-grads-dtype", "bf16"]),
+    "torchao-float8": ("benchmarks/torchao_pretrain.py", []),
+    "plain-llama": ("benchmarks/plain_llama.py", []),
 }
+ALWAYS_COMPILED = {"torchao-float8", "plain-llama"}  # what they are measured as: compiled is their definition
+PROFILED_STEPS = 3
 MODEL_1P3B = ["--num-layers", "24", "--hidden-size", "2048", "--ffn-hidden-size", "5632", "--num-attention-heads", "16",
               "--seq-length", "2048", "--vocab-size", "32000"]
 MODEL_TINY = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256", "--num-attention-heads", "4",
               "--seq-length", "64", "--vocab-size", "256"]  # a CPU smoke test of this script
 MODEL_125M = ["--num-layers", "12", "--hidden-size", "768", "--ffn-hidden-size", "2048", "--num-attention-heads", "12",
               "--seq-length", "1024"]
+
+
+def mode_spec(spec: str) -> str:
+    """`MODE` or `MODE+compile` (argparse type): the canonical label, or an error naming the choices."""
+    mode, plus, what = spec.partition("+")
+    if mode not in MODES or (plus and what != "compile"):
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected MODE or MODE+compile, MODE one of {', '.join(MODES)}")
+    return mode if mode in ALWAYS_COMPILED else spec
+
+
+def mode_command(spec: str) -> tuple[str, list[str]]:
+    """(script, flags) of a mode label."""
+    mode, plus, _ = spec.partition("+")
+    script, flags = MODES[mode]
+    return script, flags + (["--compile"] if plus or mode in ALWAYS_COMPILED else [])
 
 
 def environment() -> dict:
@@ -61,17 +101,20 @@ def environment() -> dict:
     return env
 
 
-def run_pretrain(argv: list[str], timeout: int, profile_steps: tuple[int, int] | None = None) -> dict:
-    """One pretrain_gpt.py process; returns its JSON-log records, or the reason it failed ('oom' or text).
-    profile_steps (start, end): torch.profiler over iterations (start, end]; the logged intervals that overlap
-    them are left out of tokens/s, and the top operators by device time are returned under "profile"."""
+def run_pretrain(argv: list[str], timeout: int, profile_steps: tuple[int, int] | None = None,
+                 script: str = "pretrain_gpt.py", trace_to: str | None = None) -> dict:
+    """One training process (pretrain_gpt.py or a launcher with its flags); returns its JSON-log records, or
+    the reason it failed ('oom' or text). profile_steps (start, end): torch.profiler over iterations
+    (start, end], whose summary (top operators, GPU-busy fraction) is returned under "profile"; trace_to: where
+    to keep its Chrome trace, gzipped."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
-        cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv, "--log-json", log]
+        cmd = [sys.executable, os.path.join(ROOT, script), *argv, "--log-json", log]
         if profile_steps:
             cmd += ["--profile-dir", os.path.join(tmp, "profile"), "--profile-step-start", str(profile_steps[0]),
                     "--profile-step-end", str(profile_steps[1])]
         print("$", " ".join(cmd[1:]), flush=True)
+        t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
         except subprocess.TimeoutExpired:
@@ -80,13 +123,18 @@ def run_pretrain(argv: list[str], timeout: int, profile_steps: tuple[int, int] |
             return failure(proc.stdout[-4000:] + proc.stderr[-4000:], argv)
         records = [json.loads(line) for line in open(log)]
         profile = top_operators(os.path.join(tmp, "profile", "top_ops_rank0.json")) if profile_steps else None
+        trace = os.path.join(tmp, "profile", "trace_rank0.json")
+        if trace_to and os.path.exists(trace):
+            os.makedirs(os.path.dirname(os.path.abspath(trace_to)), exist_ok=True)
+            with open(trace, "rb") as src, gzip.open(trace_to, "wb") as dst:
+                shutil.copyfileobj(src, dst)
     train = [r for r in records if "loss" in r]
     return {
-        "ok": True, "argv": argv, "profile": profile,
-        **throughput(train, profile_steps[0] if profile_steps else None),
+        "ok": True, "argv": argv, "script": script, "wall_s": time.perf_counter() - t0, "profile": profile,
         "max_memory_gib": max(r["max_memory_bytes"] for r in train) / 2**30,
         "losses": [(r["iteration"], r["loss"]) for r in train],
         "val_losses": [(r["iteration"], r["val_loss"]) for r in records if "val_loss" in r],
+        "records": train,
     }
 
 
@@ -108,16 +156,65 @@ def throughput(train: list[dict], last_iteration: int | None = None) -> dict:
 
 
 def top_operators(path: str, top: int = 15) -> dict | None:
-    """Where a step's time goes: the profiled window's operators and kernels by self device time, per step."""
+    """Where a step's time goes: the profiled window's operators and kernels by self device time, per step, and
+    the window's device summary (GPU-busy fraction, kernels and host waits per step; profiling.py)."""
     if not os.path.exists(path):
         return None
     with open(path) as f:
         prof = json.load(f)
     steps = prof["steps"][1] - prof["steps"][0] + 1
     return {"steps": prof["steps"], "time": prof["time"], "ms_per_step": prof["total_self_us"] / 1e3 / steps,
+            "device": prof.get("device"),
             "top": [{"name": r["name"][:120], "calls_per_step": r["calls"] / steps,
                      "ms_per_step": r["self_us"] / 1e3 / steps, "share": round(r["share"], 4)}
                     for r in prof["top"][:top]]}
+
+
+def timed_window(records: list[dict], first: int, last: int) -> dict | None:
+    """Throughput over iterations (first, last] from the log lines that close intervals inside it: tokens over
+    wall time (each interval weighted by its length, i.e. the harmonic mean of the interval rates), the
+    intervals themselves, and MFU scaled alike. None when the log does not cover the window."""
+    rows = [r for r in records if first < r["iteration"] <= last]
+    if not rows or rows[-1]["iteration"] != last:
+        return None
+    lengths = [b["iteration"] - a for a, b in zip([first] + [r["iteration"] for r in rows[:-1]], rows)]
+    seconds_per_token = sum(n / r["tokens_per_s"] for n, r in zip(lengths, rows)) / sum(lengths)
+    rate = 1 / seconds_per_token
+    mfu = None if rows[0]["mfu"] is None else rate * rows[0]["mfu"] / rows[0]["tokens_per_s"]
+    return {"tokens_per_s": rate, "mfu": mfu, "iterations": last - first,
+            "intervals_tokens_per_s": [r["tokens_per_s"] for r in rows]}
+
+
+def summarize(runs: list[dict], num_layers: int) -> dict:
+    """One point from its repeats: median over all timed intervals, spread of the repeats' window rates
+    ((max - min) / median), the worst memory, and the first profile with kernels per layer."""
+    ok = [r for r in runs if r.get("ok") and r.get("window")]
+    if not ok:
+        first = runs[0] if runs else {}
+        return {"ok": False, **{k: first[k] for k in ("error", "skipped") if k in first}, "runs": runs}
+    intervals = [x for r in ok for x in r["window"]["intervals_tokens_per_s"]]
+    rates = [r["window"]["tokens_per_s"] for r in ok]
+    median = statistics.median(intervals)
+    out = {"ok": True, "repeats": len(ok), "tokens_per_s": median,
+           "tokens_per_s_repeats": rates, "spread_repeats": (max(rates) - min(rates)) / statistics.median(rates),
+           "spread_intervals": (max(intervals) - min(intervals)) / median,
+           "max_memory_gib": max(r["max_memory_gib"] for r in ok)}
+    w = ok[0]["window"]
+    out["mfu"] = None if w["mfu"] is None else median * w["mfu"] / w["tokens_per_s"]
+    profile = next((r["profile"] for r in ok if r.get("profile")), None)
+    if profile and profile.get("device"):
+        profile["device"]["kernels_per_layer"] = profile["device"]["kernels_per_step"] / num_layers
+    out["profile"] = profile
+    out["runs"] = [{k: v for k, v in r.items() if k not in ("records", "profile")} for r in runs]
+    return out
+
+
+def save(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
 
 
 def memory_model(argv: list[str]) -> dict:
@@ -137,58 +234,81 @@ def memory_model(argv: list[str]) -> dict:
     return {k: v / 2**30 for k, v in est.as_dict().items()}
 
 
-def compiled_modes(args) -> list[str]:
-    if args.compile is None:
-        return []
-    return list(args.compile) or list(MODES)
+def torchao_missing(spec: str) -> str | None:
+    if spec.partition("+")[0] == "torchao-float8" and importlib.util.find_spec("torchao") is None:
+        from torchao_pretrain import MISSING
+
+        return MISSING
+    return None
 
 
-def mode_flags(mode: str, args) -> list[str]:
-    """The mode's flags and its precision: bf16, or fp32 for --tiny (a CPU check) unless the mode is bf16-only."""
-    bf16 = not getattr(args, "tiny", False) or "bf16-remainder" in MODES[mode]
-    return MODES[mode] + (["--compile"] if mode in compiled_modes(args) else []) + ["--bf16" if bf16 else "--fp32"]
+def speed_run(spec: str, common: list[str], mbs: int, args, profile: bool) -> dict:
+    """One process of one mode at one micro-batch size: its timed window (and profile)."""
+    missing = torchao_missing(spec)
+    if missing:
+        print(f"{spec}: skipped: {missing}", flush=True)
+        return {"ok": False, "skipped": missing}
+    script, flags = mode_command(spec)
+    timed_end = args.warmup + args.iters
+    extra = PROFILED_STEPS if profile else 0
+    # bf16, or fp32 for --tiny (a CPU check) unless the mode is bf16-only
+    precision = ["--bf16" if not args.tiny or "bf16-remainder" in flags else "--fp32"]
+    argv = common + precision + flags + ["--micro-batch-size", str(mbs), "--global-batch-size", str(mbs * args.grad_accum),
+                             "--train-iters", str(timed_end + extra)]
+    name = f"{spec.replace('+', '_')}_mb{mbs}_zero{args.zero_stage}.json.gz"  # plain characters: copied back as is
+    trace = os.path.join(args.traces, name) if profile and args.traces else None
+    res = run_pretrain(argv, args.timeout, (timed_end, timed_end + extra) if profile else None, script, trace)
+    if res["ok"]:
+        res["window"] = timed_window(res["records"], args.warmup, timed_end)
+        if res["window"] is None:
+            res.update(ok=False, error=f"the log does not cover the timed iterations ({args.warmup}, {timed_end}]")
+        if script == "pretrain_gpt.py":
+            res["memory_model_gib"] = memory_model(argv)
+    print(spec, mbs, {k: res.get(k) for k in ("max_memory_gib", "error")},
+          (res.get("window") or {}).get("tokens_per_s"), flush=True)
+    return res
 
 
 def speed(args) -> dict:
     model = MODEL_TINY if args.tiny else MODEL_1P3B
-    common = model + ["--mock-data", "--zero-stage", str(args.zero_stage), "--eval-iters", "0",
-                           "--train-iters", str(args.iters), "--log-interval", str(args.log_interval)]
-    out = {"environment": environment(), "model": " ".join(model),
-           "zero_stage": args.zero_stage, "compiled_modes": compiled_modes(args), "equal_micro_batch": {}, "largest_micro_batch": {}}
-    mbs = args.micro_batch_size
-    profile = (args.iters - 2, args.iters) if args.profile else None
-    for mode in args.modes:
-        argv = common + mode_flags(mode, args) + ["--micro-batch-size", str(mbs),
-                                                  "--global-batch-size", str(mbs * args.grad_accum)]
-        res = run_pretrain(argv, args.timeout, profile)
-        out["equal_micro_batch"][mode] = dict(res, micro_batch_size=mbs, memory_model_gib=memory_model(argv))
-        print(mode, {k: res.get(k) for k in ("tokens_per_s", "mfu", "max_memory_gib", "error")}, flush=True)
-    base = out["equal_micro_batch"].get("bf16", {})
-    if base.get("ok"):
-        for mode, res in out["equal_micro_batch"].items():
-            if res.get("ok"):
-                res["speedup_vs_bf16"] = res["tokens_per_s"] / base["tokens_per_s"]
-                res["memory_reduction_vs_bf16"] = base["max_memory_gib"] / res["max_memory_gib"]
-    if args.search:
-        sizes = [int(s) for s in args.search.split(",")]
-        for mode in args.modes:
-            best = None
-            for size in sizes:
-                res = run_pretrain(common + mode_flags(mode, args) + ["--micro-batch-size", str(size),
-                                                           "--global-batch-size", str(size * args.grad_accum)],
-                                   args.timeout)
-                print(mode, size, {k: res.get(k) for k in ("tokens_per_s", "max_memory_gib", "error")}, flush=True)
-                if not res["ok"]:
-                    if res["error"] != "oom":
-                        best = best or dict(res, micro_batch_size=size)
-                    break
-                best = dict(res, micro_batch_size=size, searched=sizes)
-            out["largest_micro_batch"][mode] = best
-        base = out["largest_micro_batch"].get("bf16")
-        if base and base.get("ok"):
-            for res in out["largest_micro_batch"].values():
-                if res and res.get("ok"):
-                    res["speedup_vs_bf16_at_its_largest"] = res["tokens_per_s"] / base["tokens_per_s"]
+    num_layers = int(model[model.index("--num-layers") + 1])
+    common = model + ["--mock-data", "--zero-stage", str(args.zero_stage),
+                      "--eval-iters", "0", "--log-interval", str(args.log_interval)]
+    out = {"environment": environment(), "model": " ".join(model), "zero_stage": args.zero_stage,
+           "method": {"warmup_iterations": args.warmup, "timed_iterations": args.iters,
+                      "log_interval": args.log_interval, "repeats": args.repeats, "grad_accum": args.grad_accum,
+                      "profiled_iterations": PROFILED_STEPS if args.profile else 0,
+                      "statistic": "median of the timed log intervals of all repeats; spread = (max - min) / "
+                                   "median of the repeats' window throughputs"},
+           "baseline": args.baseline, "points": {}, "largest_micro_batch": {}}
+    for mbs in args.micro_batch_size:
+        runs = {spec: [] for spec in args.modes}
+        for repeat in range(args.repeats):
+            for spec in args.modes:
+                runs[spec].append(speed_run(spec, common, mbs, args, profile=args.profile and repeat == 0))
+                point = out["points"][str(mbs)] = {s: summarize(r, num_layers) for s, r in runs.items() if r}
+                base = point.get(args.baseline, {})
+                for res in point.values():
+                    if res["ok"] and base.get("ok"):
+                        res["speedup_vs_baseline"] = res["tokens_per_s"] / base["tokens_per_s"]
+                        res["memory_vs_baseline"] = res["max_memory_gib"] / base["max_memory_gib"]
+                save(out, args.path)
+    for spec in args.modes if args.search else []:
+        best = None
+        for size in [int(s) for s in args.search.split(",")]:
+            res = speed_run(spec, common, size, args, profile=False)
+            if not res["ok"]:
+                if res.get("error") != "oom":
+                    best = best or dict(res, micro_batch_size=size)
+                break
+            best = dict(summarize([res], num_layers), micro_batch_size=size)
+        out["largest_micro_batch"][spec] = best
+        save(out, args.path)
+    base = out["largest_micro_batch"].get(args.baseline)
+    if base and base.get("ok"):
+        for res in out["largest_micro_batch"].values():
+            if res and res.get("ok"):
+                res["speedup_vs_baseline_at_its_largest"] = res["tokens_per_s"] / base["tokens_per_s"]
     return out
 
 
@@ -202,13 +322,17 @@ def convergence(args) -> dict:
                            "--log-interval", str(args.log_interval), "--eval-interval", str(args.eval_interval),
                            "--eval-iters", "10", "--zero-stage", "1"]
     out = {"environment": environment(), "model": "12 layers, hidden 768, ffn 2048, seq 1024",
-           "compiled_modes": compiled_modes(args),
            "tokens": iters * args.global_batch_size * 1024, "runs": {}}
-    for mode in args.modes:
-        out["runs"][mode] = run_pretrain(common + mode_flags(mode, args), args.timeout)
-        r = out["runs"][mode]
-        print(mode, r.get("val_losses", [])[-1:] or r.get("error"), flush=True)
-    runs = out["runs"]
+    for spec in args.modes:
+        script, flags = mode_command(spec)
+        missing = torchao_missing(spec)
+        r = {"ok": False, "skipped": missing} if missing else run_pretrain(common + flags, args.timeout, script=script)
+        if r["ok"]:
+            r.update(throughput(r.pop("records")))
+        out["runs"][spec] = r
+        print(spec, r.get("val_losses", [])[-1:] or r.get("error") or r.get("skipped"), flush=True)
+        save(out, args.path)
+    runs = {spec.partition("+")[0]: r for spec, r in out["runs"].items()}
     if all(runs.get(m, {}).get("ok") for m in ("bf16", "coat")):
         b, c = runs["bf16"]["val_losses"][-1][1], runs["coat"]["val_losses"][-1][1]
         out["final_val_loss"] = {"bf16": b, "coat": c, "coat_relative_gap": (c - b) / b}
@@ -240,16 +364,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     s = sub.add_parser("speed")
-    s.add_argument("--micro-batch-size", type=int, default=4)
+    s.add_argument("--micro-batch-size", type=int, nargs="+", default=[4], help="one point per size")
     s.add_argument("--grad-accum", type=int, default=2)
-    s.add_argument("--search", default="", help="comma-separated micro-batch sizes to try, ascending")
-    s.add_argument("--iters", type=int, default=12)
-    s.add_argument("--log-interval", type=int, default=3)
+    s.add_argument("--search", default="", help="comma-separated micro-batch sizes to try, ascending, one run each")
+    s.add_argument("--warmup", type=int, default=5, help="iterations before the timed window (compilation)")
+    s.add_argument("--iters", type=int, default=30, help="timed iterations per run")
+    s.add_argument("--log-interval", type=int, default=5, help="must divide --warmup and --iters")
+    s.add_argument("--repeats", type=int, default=2, help="processes per point")
+    s.add_argument("--baseline", type=mode_spec, default="bf16+compile", help="the mode ratios are taken against")
     s.add_argument("--zero-stage", type=int, default=1)
     s.add_argument("--tiny", action="store_true", help="a tiny fp32 model: checks this script on a CPU")
     s.add_argument("--profile", action="store_true",
-                   help="profile the last 2 iterations of each equal-micro-batch run (left out of tokens/s) and keep "
-                        "the top operators by device time in the JSON: where the time goes")
+                   help=f"the first repeat of each point runs {PROFILED_STEPS} more iterations under torch.profiler "
+                        "(not timed): GPU-busy fraction, kernels per step and layer, top operators")
+    s.add_argument("--traces", default=None, metavar="DIR",
+                   help="with --profile, keep each profiled run's Chrome trace as DIR/<mode>_mb<N>_zero<S>.json.gz")
     c = sub.add_parser("convergence")
     c.add_argument("--data-path", nargs="+", required=True)
     c.add_argument("--tokenizer-model", required=True)
@@ -259,22 +388,31 @@ def main() -> None:
     c.add_argument("--global-batch-size", type=int, default=32)
     c.add_argument("--log-interval", type=int, default=20)
     c.add_argument("--eval-interval", type=int, default=100)
-    for q in (s, c):
-        q.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-        q.add_argument("--compile", nargs="*", default=None, choices=list(MODES), metavar="MODE",
-                       help="--compile for these modes (flag alone: all). The FP8 modes run their own fused "
-                            "Triton kernels and are measured eager unless named")
-        q.add_argument("--timeout", type=int, default=600)
+    for q, default in ((s, ["bf16+compile", "fp8-linear", "coat", "coat+compile"]), (c, ["bf16+compile", "coat"])):
+        q.add_argument("--modes", nargs="+", type=mode_spec, default=default, metavar="MODE[+compile]",
+                       help=f"modes: {', '.join(MODES)}; +compile compiles each block ({', '.join(ALWAYS_COMPILED)} "
+                            "always are)")
+        q.add_argument("--timeout", type=int, default=600, help="seconds per run")
         q.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_e2e_<what>.json)")
     args = p.parse_args()
+    if args.what == "speed":
+        for name in ("log_interval", "iters", "repeats", "grad_accum"):
+            if getattr(args, name) < 1:
+                p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+        if min(args.micro_batch_size) < 1:
+            p.error(f"--micro-batch-size must be positive, got {args.micro_batch_size}")
+        for name in ("warmup", "iters"):
+            if getattr(args, name) % args.log_interval:
+                p.error(f"--{name} ({getattr(args, name)}) must be a multiple of --log-interval "
+                        f"({args.log_interval}): the timed window is made of whole log intervals")
+    elif "plain-llama" in args.modes:
+        p.error("--modes plain-llama: its tokens are random; convergence needs the trainer's data")
+    args.path = args.out or os.path.join(RESULTS, f"bench_e2e_{args.what}.json")
     result = speed(args) if args.what == "speed" else convergence(args)
-    path = args.out or os.path.join(RESULTS, f"bench_e2e_{args.what}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print("wrote", path)
+    save(result, args.path)
+    print("wrote", args.path)
     if args.what == "convergence":
-        plot_convergence(result, path.replace(".json", ".png"))
+        plot_convergence(result, args.path.replace(".json", ".png"))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,12 @@
 #               ones when .baseline/739ce90 is carried (the device copy has no .git); make it with
 #               mkdir -p .baseline/739ce90 && git archive 739ce90 megacoat/ops | tar -x -C .baseline/739ce90
 #               (and '/.baseline/' in .git/info/exclude), then name .baseline in the call's carry      issue 6
+#   e2e MB PART (~7-9 min, 1 GPU) issue 17's table, 1.3 B model at micro-batch MB (2, 4 or 8): 2 repeats x 30
+#               timed iterations per mode, each mode profiled once (GPU-busy fraction, kernels, idle time by
+#               phase); PART baseline: bf16+compile plain-llama torchao-float8 (needs the torchao wheel in .whl);
+#               PART fp8: bf16+compile coat coat+compile. Both hold bf16+compile: ratios stay within one call  issue 17
+#   e2e-profile (~5 min, 1 GPU) where a bf16 step's time goes: bf16+compile vs plain-llama at micro-batch 2
+#               (and bf16+compile under ZeRO-0), one profiled run each, Chrome traces kept (*.json.gz)    issue 17
 #   e2e-equal   (~8 min, 1 GPU) 1.3 B model, the three modes at micro-batch 4, all compiled        issue 10 (a)
 #   e2e-eager   (~8 min, 1 GPU) the same, FP8 modes eager (compiled bf16 as the baseline)       issue 10 (a)
 #   e2e-search  (~9 min, 1 GPU) the largest micro-batch of the modes named after it (default: bf16 coat;
@@ -30,7 +36,7 @@ OUT=${OUT:-$PWD/device_out}
 mkdir -p "$OUT" /tmp/megacoat_logs
 LOGS=/tmp/megacoat_logs
 
-if ! python3 -c "import deepspeed" 2>/dev/null && [ -d .whl ]; then
+if ! python3 -c "import deepspeed, torchao" 2>/dev/null && [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
         || { echo "wheel install failed"; exit 1; }
     export PYTHONPATH=$PWD/.site:$PWD:${PYTHONPATH:-}
@@ -56,7 +62,9 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__, t
     >> "$LOGS/gpu.txt" 2>&1
 cat "$LOGS/gpu.txt"
 
-E2E="python3 benchmarks/bench_e2e.py speed --iters 10 --log-interval 2 --timeout 240"
+# issue 17's method (warm-up, 30 timed iterations, 2 repeats) and the quick single runs of the issue-10 groups
+E2E="python3 benchmarks/bench_e2e.py speed --warmup 5 --iters 30 --log-interval 5 --repeats 2 --timeout 200"
+E2E_QUICK="python3 benchmarks/bench_e2e.py speed --warmup 2 --iters 10 --log-interval 2 --repeats 1 --timeout 240"
 case $GROUP in
 kernels)
     step gpu_tests 360 python3 -m pytest -m gpu -q --no-header -p no:cacheprovider tests \
@@ -80,16 +88,35 @@ mlp)
     [ -d .baseline/739ce90 ] && BASE=(--baseline-rev 739ce90)
     step bench_mlp_block 400 python3 benchmarks/bench_mlp_block.py "${BASE[@]}" --out "$OUT/bench_mlp_block.json"
     ;;
+e2e)
+    MB=${2:?e2e needs a micro-batch size and a part: bash benchmarks/device_run.sh e2e 2 baseline (or fp8)}
+    case ${3:-} in
+    baseline) MODES="bf16+compile plain-llama torchao-float8" ;;
+    fp8) MODES="bf16+compile coat coat+compile" ;;
+    *) echo "e2e: part must be baseline or fp8 (see the header of $0)"; exit 2 ;;
+    esac
+    step "e2e_${3}_mb$MB" 565 $E2E --micro-batch-size "$MB" --profile --modes $MODES \
+        --out "$OUT/bench_e2e_speed_${3}_mb$MB.json"
+    ;;
+e2e-profile)
+    PROFILE="python3 benchmarks/bench_e2e.py speed --micro-batch-size 2 --warmup 5 --iters 10 --log-interval 5 \
+        --repeats 1 --profile --traces $OUT --timeout 200"
+    step e2e_profile 330 $PROFILE --modes bf16+compile plain-llama --out "$OUT/bench_e2e_profile_mb2.json"
+    step e2e_profile_zero0 200 $PROFILE --modes bf16+compile --zero-stage 0 --out "$OUT/bench_e2e_profile_mb2_zero0.json"
+    ;;
 e2e-equal)
-    step e2e_equal 560 $E2E --micro-batch-size 4 --compile --profile --modes bf16 fp8-linear coat coat-lean --out "$OUT/bench_e2e_speed_compiled.json"
+    step e2e_equal 560 $E2E_QUICK --micro-batch-size 4 --profile \
+        --modes bf16+compile fp8-linear+compile coat+compile coat-lean+compile --out "$OUT/bench_e2e_speed_compiled.json"
     ;;
 e2e-eager)
-    step e2e_eager 560 $E2E --micro-batch-size 4 --compile bf16 --profile --modes bf16 fp8-linear coat coat-lean --out "$OUT/bench_e2e_speed_eager_fp8.json"
+    step e2e_eager 560 $E2E_QUICK --micro-batch-size 4 --profile --modes bf16+compile fp8-linear coat coat-lean \
+        --out "$OUT/bench_e2e_speed_eager_fp8.json"
     ;;
 e2e-search)
     MODES=${*:2}
     MODES=${MODES:-bf16 coat}
-    step e2e_search 570 $E2E --micro-batch-size 8 --search 8,12,16,24 --compile --modes $MODES \
+    SPECS=$(for m in $MODES; do printf '%s+compile ' "$m"; done)
+    step e2e_search 570 $E2E_QUICK --micro-batch-size 8 --search 8,12,16,24 --modes $SPECS \
         --out "$OUT/bench_e2e_speed_search_${MODES// /_}.json"
     ;;
 convergence)
@@ -105,7 +132,7 @@ EOF
     step preprocess 180 python3 tools/preprocess_data.py --input "$TF" --output-prefix /tmp/conv/tf \
         --tokenizer-model "$TOK" --workers 14 --no-progress
     step convergence 420 python3 benchmarks/bench_e2e.py convergence --data-path /tmp/conv/tf --tokenizer-model "$TOK" \
-        --tokens 20e6 --modes bf16 coat --compile bf16 --timeout 200 --out "$OUT/bench_e2e_convergence.json"
+        --tokens 20e6 --modes bf16+compile coat --timeout 200 --out "$OUT/bench_e2e_convergence.json"
     ;;
 quality)
     step optimizer_quality 300 python3 benchmarks/optimizer_quality.py --name larger_gpu --out-dir "$OUT" \

@@ -61,6 +61,11 @@ def build_deepspeed_config(cfg: MegacoatConfig, data_parallel_size: int, on_cuda
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,  # megacoat logs; keep DeepSpeed's own step printing out of the way
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer is on and synchronized by default: a full device synchronize at every
+        # micro-batch's forward and every engine.step(). Each drains the GPU's queue, which then idles while the
+        # host launches the next kernels and does all of the optimizer step's Python work; megacoat measures
+        # throughput itself, at its log interval.
+        "timers": {"throughput": {"enabled": False}},
     }
     extra = precision_settings(cfg, bf16)
     ds["bf16"].update(extra.pop("bf16", {}))

@@ -2,6 +2,8 @@
 parallelism, the pipeline split), then the optimizer and the DeepSpeed engine around it."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -11,11 +13,18 @@ from megacoat.model import GPT, cross_entropy_loss
 from megacoat.optim import WarmupDecayLR, build_optimizer, param_groups
 from megacoat.parallel import ParallelState, apply_tp
 
+ModelConverter = Callable[[nn.Module], nn.Module]
 
-def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState | None = None) -> nn.Module:
+
+def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState | None = None,
+                model_converter: ModelConverter | None = None) -> nn.Module:
     """The model this rank trains: the plain GPT, FP8-converted (`convert_to_fp8`), then sharded over TP
     (`apply_tp`) and, with pipelining, wrapped as this stage's deepspeed PipelineModule (which moves only its
-    layers to `device`)."""
+    layers to `device`).
+
+    model_converter: a function applied after megacoat's own converters and before compilation, which swaps
+    modules from outside as they do; how a benchmark trains another library's conversion through this same
+    trainer (`benchmarks/torchao_pretrain.py`: torchao's float8 linears) without the library knowing it."""
     # Same seed on every rank: data-parallel replicas start identical (DeepSpeed also broadcasts rank 0's) and
     # every TP rank holds the same full weights before slicing its shard, so TP=N starts as TP=1 does.
     torch.manual_seed(cfg.training.seed)
@@ -27,6 +36,8 @@ def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState 
     model = convert_to_fp8(model, cfg.fp8)  # on the full model: apply_tp then shards the FP8 modules
     if state is not None:
         model = apply_tp(model, state)
+    if model_converter is not None:
+        model = model_converter(model)
     if cfg.training.compile:
         apply_compile(model)
     if pipelined:

@@ -34,14 +34,15 @@ class ExitConditions:
 
     def should_exit(self, iteration: int) -> str | None:
         """Collective: the reason to stop after `iteration`, the same on every rank, or None."""
-        # One small all-reduce per iteration: a signal delivered to one rank only (or the clock read a little
-        # differently on each rank) must still stop all of them at the same iteration, or they deadlock.
-        flags = torch.tensor([self.received is not None,
-                              self.deadline is not None and time.monotonic() >= self.deadline],
-                             dtype=torch.int32, device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        signalled, timed_out = flags.tolist()
+        flags = [self.received is not None, self.deadline is not None and time.monotonic() >= self.deadline]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # One small all-reduce per iteration: a signal delivered to one rank only (or the clock read a little
+            # differently on each rank) must still stop all of them at the same iteration, or they deadlock.
+            # Reading it back waits for the GPU; a world of one decides on the host and never waits.
+            reduced = torch.tensor(flags, dtype=torch.int32, device=self.device)
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+            flags = reduced.tolist()
+        signalled, timed_out = flags
         if signalled:
             name = signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
             return f"received {name}"

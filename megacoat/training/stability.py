@@ -53,6 +53,7 @@ class StabilityGuard:
         """Raise once --max-skipped-steps steps in a row were skipped."""
         if self.max_skipped_steps is not None and self.consecutive >= self.max_skipped_steps:
             iteration, loss, grad_norm = self.last
+            grad_norm = None if grad_norm is None else float(grad_norm)  # a device tensor until read here
             raise NonFiniteTrainingError(
                 f"iteration {iteration}: {self.consecutive} steps in a row skipped for a non-finite loss or "
                 f"gradient (loss {float(loss)}, grad norm {grad_norm}); stopping (--max-skipped-steps "

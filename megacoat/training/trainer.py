@@ -26,8 +26,8 @@ from megacoat.training.reshard import describe_resume
 from megacoat.training.distributed import all_reduce_mean, init_distributed, is_main_process
 from megacoat.training.flops import flops_per_token, peak_flops
 from megacoat.training.logger import TrainingLogger
-from megacoat.training.model_builder import build_engine, build_model
-from megacoat.training.profiling import StepProfiler
+from megacoat.training.model_builder import ModelConverter, build_engine, build_model
+from megacoat.training.profiling import StepProfiler, annotate_engine
 from megacoat.training.signals import ExitConditions
 from megacoat.training.stability import StabilityGuard, clear_skip_flag, skip_fp32_step
 
@@ -87,7 +87,8 @@ def max_memory_bytes(device: torch.device) -> int:
 
 
 class Trainer:
-    def __init__(self, cfg: MegacoatConfig):
+    def __init__(self, cfg: MegacoatConfig, model_converter: ModelConverter | None = None):
+        """model_converter: see `build_model` (how a benchmark trains a model megacoat does not build itself)."""
         from deepspeed.utils import logger as ds_logger
 
         ds_logger.setLevel(logging.WARNING)  # megacoat prints its own log; DeepSpeed's INFO lines drown it
@@ -122,8 +123,10 @@ class Trainer:
         self.logger.info(startup_banner(cfg, self.parallel, self.world_size, self.grad_accum,
                                         self.ds_config["bf16"]["enabled"], self.device.type == "cuda"))
 
-        model = build_model(cfg, self.device, self.parallel)
+        model = build_model(cfg, self.device, self.parallel, model_converter)
         self.engine, self.scheduler = build_engine(cfg, model, self.ds_config, self.device, self.parallel)
+        if t.profile_dir:
+            annotate_engine(self.engine)  # the profiled window's idle time, split by phase (profiling.py)
         # Plain fp32 data parallelism is the one engine that would apply a non-finite step (stability.py).
         self.plain_fp32 = not cfg.parallel.zero_stage and not self.ds_config["bf16"]["enabled"]
         self.guard = StabilityGuard(t.max_skipped_steps)
@@ -149,9 +152,11 @@ class Trainer:
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
     # --- one step -----------------------------------------------------------------------------------------
-    def train_step(self, data_iter) -> tuple[torch.Tensor, float | None, bool]:
+    def train_step(self, data_iter) -> tuple[torch.Tensor, torch.Tensor | float | None, bool]:
         """One optimizer step over grad_accum micro-batches. Returns (mean loss, grad norm, skipped): a
-        non-finite gradient leaves weights, optimizer state and LR schedule untouched (stability.py)."""
+        non-finite gradient leaves weights, optimizer state and LR schedule untouched (stability.py). Loss and
+        grad norm stay as the engine gives them (device tensors): the loop reads them on the host only when it
+        logs, so a step never waits for the GPU on their account."""
         if self.pipelined:
             return self._pipeline_step(data_iter)
         losses = []
@@ -174,19 +179,18 @@ class Trainer:
         if norm is None:
             norm = grad_norm
         loss = all_reduce_mean(torch.stack(losses).mean().float())
-        return loss, None if norm is None else float(norm), not applied
+        return loss, norm, not applied
 
     def _micro_batches(self, data_iter, count: int):
         """(tokens, labels) pairs for DeepSpeed's pipeline engine (its first stage reads tokens, its last labels)."""
         return iter([self._split(next(data_iter)) for _ in range(count)])
 
-    def _pipeline_step(self, data_iter) -> tuple[torch.Tensor, float | None, bool]:
+    def _pipeline_step(self, data_iter) -> tuple[torch.Tensor, torch.Tensor | float | None, bool]:
         """One step of DeepSpeed's 1F1B schedule over grad_accum micro-batches; the loss it returns is already
         averaged over micro-batches and data-parallel ranks and broadcast to every stage."""
         loss = self.engine.train_batch(self._micro_batches(data_iter, self.grad_accum))
         invalidate_fp8_weight_caches()
-        norm = self.engine.get_global_grad_norm()
-        return loss.detach().float(), None if norm is None else float(norm), not self.engine.was_step_applied()
+        return loss.detach().float(), self.engine.get_global_grad_norm(), not self.engine.was_step_applied()
 
     def _grad_norm_if_boundary(self) -> float | None:
         """ZeRO-1/2 and bf16 report their global grad norm through the engine; plain fp32 data parallelism
@@ -270,7 +274,7 @@ class Trainer:
                 tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
                 self.logger.log_train({
                     "iteration": it, "loss": loss_value, "lr": lr,
-                    "grad_norm": grad_norm if grad_norm is not None else float("nan"),
+                    "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                     "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
                     "mfu": None if self.peak is None else tflops * 1e12 / self.peak,
                     "max_memory_bytes": max_memory_bytes(self.device),
@@ -305,5 +309,5 @@ class Trainer:
         return history
 
 
-def pretrain(cfg: MegacoatConfig) -> dict:
-    return Trainer(cfg).train()
+def pretrain(cfg: MegacoatConfig, model_converter: ModelConverter | None = None) -> dict:
+    return Trainer(cfg, model_converter).train()
