@@ -16,7 +16,7 @@ Deduplication and the split, so that validation measures generalisation and not 
      (vendored copies, `packaging/version.py`); and a file with a `Copied from a.b.c` marker with the module
      it names;
   3. groups are taken in the order of a hash of their first path, into validation until --valid-bytes
-     (groups larger than 1/20 of that stay in training, so no single package dominates validation).
+     (groups larger than --max-group-fraction of that stay in training, so no single package dominates validation).
 
 The shard holds the training documents, then the validation documents; the manifest's `split` (document
 counts, for `--split`) makes the trainer's validation range exactly the validation files. Everything is
@@ -199,7 +199,8 @@ def group_files(rel: list[str], sigs: list, copied: list[list[str]], near_dup: f
     return [uf.find(i) for i in range(len(rel))], stats
 
 
-def choose_validation(rel: list[str], sizes: list[int], groups: list[int], valid_bytes: int) -> set[int]:
+def choose_validation(rel: list[str], sizes: list[int], groups: list[int], valid_bytes: int,
+                      max_group_fraction: float) -> set[int]:
     """Group roots whose files form the validation side (step 3 of the module docstring)."""
     members: dict[int, list[int]] = {}
     for i, g in enumerate(groups):
@@ -208,7 +209,7 @@ def choose_validation(rel: list[str], sizes: list[int], groups: list[int], valid
     chosen, total = set(), 0
     for g in order:
         size = sum(sizes[i] for i in members[g])
-        if size <= valid_bytes / 20 and total + size <= valid_bytes:
+        if size <= valid_bytes * max_group_fraction and total + size <= valid_bytes:
             chosen.add(g)
             total += size
         if total >= 0.99 * valid_bytes:
@@ -254,7 +255,7 @@ def build(args, final: str, settings: dict) -> dict:
     paths, rel, feats = [paths[i] for i in keep], [rel[i] for i in keep], [feats[i] for i in keep]
     sizes = [f[0] for f in feats]
     groups, links = group_files(rel, [f[2] for f in feats], [f[3] for f in feats], args.near_dup)
-    valid_groups = choose_validation(rel, sizes, groups, int(args.valid_bytes))
+    valid_groups = choose_validation(rel, sizes, groups, int(args.valid_bytes), args.max_group_fraction)
     valid = [i for i, g in enumerate(groups) if g in valid_groups]
     train = [i for i, g in enumerate(groups) if g not in valid_groups]
     if not valid or not train:
@@ -331,7 +332,8 @@ def _write(args, tmp, final, settings, sources, paths, rel, sizes, groups, links
 def prepare(args) -> dict:
     """The manifest of a matching finished folder, or of a fresh build."""
     settings = {k: getattr(args, k) for k in ("packages", "source_dir", "doc_dir", "vocab_size", "valid_bytes",
-                                              "near_dup", "max_file_bytes", "tokenizer_sentences")}
+                                              "near_dup", "max_file_bytes", "tokenizer_sentences",
+                                              "max_group_fraction")}
     final = os.path.abspath(args.out)
     path = os.path.join(final, "manifest.json")
     if os.path.isfile(path):
@@ -354,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--valid-bytes", type=float, default=1e7, help="size of the validation side (text bytes)")
     p.add_argument("--min-valid-tokens", type=float, default=2e6)
+    p.add_argument("--max-group-fraction", type=float, default=0.05,
+                   help="a group larger than this fraction of --valid-bytes stays in training")
     p.add_argument("--near-dup", type=float, default=0.5, help="estimated Jaccard that makes two files one group")
     p.add_argument("--max-file-bytes", type=int, default=1_000_000, help="larger files are skipped")
     p.add_argument("--tokenizer-sentences", type=int, default=400_000)
@@ -367,9 +371,10 @@ def main(argv=None) -> int:
         if getattr(args, flag) <= 0:
             print(f"error: --{flag.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
-    if not 0 < args.near_dup <= 1:
-        print("error: --near-dup must be in (0, 1]", file=sys.stderr)
-        return 2
+    for flag in ("near_dup", "max_group_fraction"):
+        if not 0 < getattr(args, flag) <= 1:
+            print(f"error: --{flag.replace('_', '-')} must be in (0, 1]", file=sys.stderr)
+            return 2
     try:
         m = prepare(args)
     except (FileNotFoundError, ValueError) as e:

@@ -1,0 +1,562 @@
+"""Loss fidelity of the FP8 modes against BF16: the same model, data and schedule trained by `pretrain_gpt.py`
+in several modes over several seeds, the final validation loss on one fixed held-out set, and the gap to bf16
+with a 95% confidence interval from seed-paired differences.
+
+    python benchmarks/fidelity_data.py --out .cache/fidelity_data                       # the text, once
+    python benchmarks/fidelity.py run --preset 125m --modes bf16 coat --seeds 1 --parallel 2 \\
+        --data .cache/fidelity_data --time-budget 500 --out benchmarks/results/fidelity_125m_s1.json
+    python benchmarks/fidelity.py grads --checkpoint RUNDIR/bf16_s1/checkpoint --data .cache/fidelity_data \\
+        --out benchmarks/results/fidelity_125m_grads.json
+    python benchmarks/fidelity.py report benchmarks/results/fidelity_125m_s*.json fidelity_125m_grads.json \\
+        --out benchmarks/results/fidelity_125m.json                                     # + .png
+
+`run`: every (mode, seed) is its own `pretrain_gpt.py` process, `--parallel N` of them at once on one GPU, each
+with its own MASTER_PORT and folder. The seed sets both the initial weights and the training data order, so the
+same seed in two modes is a pair. The validation range is exactly the held-out files (the data manifest's
+`--split`) and the trainer's validation samples do not depend on the seed, so every run is evaluated on the
+same samples: the whole held-out set, rounded down to whole global batches. `--time-budget` stops launching runs
+that would not finish and tells running ones to stop in time (they are then recorded as incomplete and left out
+of the statistics), so one invocation fits one device call; `report` merges the JSON of several calls.
+
+`grads`: on one fixed held-out batch, the gradient of every parameter tensor under each mode against bf16 (same
+weights, from a trained checkpoint): cosine similarity and relative error. The optimizer does not enter a
+gradient, so `coat` here is the COAT activation flow. Also the FP8 quantization error of that checkpoint's real
+Adam moments (as stored: ZeRO's flat fp32 partitions), E4M3/E5M2 with and without dynamic range expansion.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+MODES = {
+    "bf16": [],
+    "coat": ["--coat-fp8"],
+    "fp8-optimizer": ["--fp8-optimizer"],
+    "fp8-activations": ["--fp8-activations", "coat"],
+    "fp8-linear": ["--fp8-activations", "fp8-linear"],
+    "coat-no-expansion": ["--coat-fp8", "--fp8-no-expansion"],
+    "coat-v-e5m2": ["--coat-fp8", "--fp8-v-dtype", "e5m2"],
+}
+MODEL_125M = ["--num-layers", "12", "--hidden-size", "768", "--ffn-hidden-size", "2048", "--num-attention-heads", "12"]
+MODEL_350M = ["--num-layers", "24", "--hidden-size", "1024", "--ffn-hidden-size", "2816", "--num-attention-heads", "16"]
+PRESETS = {
+    # model flags, sequence length, tokens per run, global/micro batch, peak LR, validation points per run
+    "125m": dict(model=MODEL_125M, seq=1024, tokens=50e6, gbs=32, mbs=16, lr=6e-4, val_points=4),
+    "350m": dict(model=MODEL_350M, seq=1024, tokens=30e6, gbs=32, mbs=16, lr=3e-4, val_points=4),
+    "ablation": dict(model=MODEL_125M, seq=1024, tokens=20e6, gbs=32, mbs=16, lr=6e-4, val_points=2),
+    # a CPU check of this script (tests/benchmarks/test_fidelity.py), not a measurement
+    "tiny": dict(model=["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+                        "--num-attention-heads", "4"], seq=32, tokens=6 * 8 * 32, gbs=8, mbs=8, lr=1e-3, val_points=2),
+}
+TARGET_MEAN_PCT, TARGET_CI_PCT, TARGET_GRAD_COSINE = 0.25, 0.5, 0.98
+
+
+class UserError(Exception):
+    """Bad input: printed as one `error:` line, exit status 1."""
+
+
+# --- statistics -------------------------------------------------------------------------------------------------
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the regularized incomplete beta function (Lentz's method)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def student_t_cdf(t: float, df: float) -> float:
+    x = df / (df + t * t)
+    front = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - math.lgamma(0.5)
+                     + (df / 2) * math.log(x) + 0.5 * math.log1p(-x)) if 0 < x < 1 else 0.0
+    ib = front * _betacf(df / 2, 0.5, x) / (df / 2) if x < (df / 2 + 1) / (df / 2 + 2.5) else \
+        1.0 - front * _betacf(0.5, df / 2, 1 - x) / 0.5
+    return 1.0 - 0.5 * ib if t >= 0 else 0.5 * ib
+
+
+def student_t_quantile(p: float, df: float) -> float:
+    """The p-quantile of Student's t with df degrees of freedom (bisection on the CDF; p in (0.5, 1))."""
+    lo, hi = 0.0, 1.0
+    while student_t_cdf(hi, df) < p:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if student_t_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def paired_gap(mode_losses: dict[int, float], base_losses: dict[int, float]) -> dict | None:
+    """Relative gap (%) of a mode to the baseline over the seeds both finished: mean, std and the 95% t-interval of
+    the per-seed differences 100 * (mode - base) / base. None without a common seed; no interval with one."""
+    seeds = sorted(set(mode_losses) & set(base_losses))
+    if not seeds:
+        return None
+    diffs = [100.0 * (mode_losses[s] - base_losses[s]) / base_losses[s] for s in seeds]
+    mean = statistics.fmean(diffs)
+    out = {"seeds": seeds, "relative_gap_pct": diffs, "mean_pct": mean, "std_pct": None, "ci95_pct": None}
+    if len(diffs) >= 2:
+        std = statistics.stdev(diffs)
+        half = student_t_quantile(0.975, len(diffs) - 1) * std / math.sqrt(len(diffs))
+        out.update(std_pct=std, ci95_pct=[mean - half, mean + half],
+                   meets_target=abs(mean) <= TARGET_MEAN_PCT and -TARGET_CI_PCT <= mean - half
+                   and mean + half <= TARGET_CI_PCT)
+    return out
+
+
+# --- environment and data -------------------------------------------------------------------------------------
+def environment() -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": "cpu"}
+    for name in ("deepspeed", "triton"):
+        try:
+            env[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    if torch.cuda.is_available():
+        env.update(device=torch.cuda.get_device_name(), cuda=torch.version.cuda)
+    return env
+
+
+def load_manifest(data_dir: str) -> dict:
+    path = os.path.join(data_dir, "manifest.json")
+    if not os.path.isfile(path):
+        raise UserError(f"--data {data_dir}: no manifest.json (build it with benchmarks/fidelity_data.py)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def eval_iters_for(manifest: dict, seq: int, gbs: int) -> tuple[int, int]:
+    """(eval iterations, held-out tokens they cover): one pass over the held-out samples in whole global batches."""
+    samples = (manifest["valid"]["tokens"] - 1) // seq
+    iters = samples // gbs
+    if iters < 1:
+        raise UserError(f"the held-out set ({manifest['valid']['tokens']} tokens) is smaller than one global batch "
+                        f"of {gbs} x {seq} tokens")
+    return iters, iters * gbs * seq
+
+
+def run_plan(preset: str, manifest: dict, on_cuda: bool, compile_: bool) -> tuple[list[str], dict]:
+    """The pretrain_gpt.py flags every mode shares, and a description of them for the JSON."""
+    p = PRESETS[preset]
+    iters = max(int(p["tokens"] // (p["gbs"] * p["seq"])), 1)
+    eval_iters, eval_tokens = eval_iters_for(manifest, p["seq"], p["gbs"])
+    flags = [*p["model"], "--seq-length", str(p["seq"]), "--vocab-size", str(manifest["vocab_size"]),
+             "--data-path", manifest["data_prefix"], "--split", manifest["split"],
+             "--tokenizer-model", manifest["tokenizer_model"],
+             "--micro-batch-size", str(p["mbs"]), "--global-batch-size", str(p["gbs"]), "--train-iters", str(iters),
+             "--lr", str(p["lr"]), "--min-lr", str(p["lr"] / 10), "--lr-warmup-iters", str(max(iters // 50, 2)),
+             "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0",
+             "--log-interval", str(max(iters // 100, 1)), "--eval-interval", str(max(iters // p["val_points"], 1)),
+             "--eval-iters", str(eval_iters), "--zero-stage", "1", "--bf16" if on_cuda else "--fp32"]
+    if compile_:
+        flags.append("--compile")
+    desc = {"preset": preset, **{k: v for k, v in p.items() if k != "model"}, "model_flags": p["model"],
+            "train_iters": iters, "tokens_per_run": iters * p["gbs"] * p["seq"], "eval_iters": eval_iters,
+            "eval_tokens": eval_tokens, "held_out_tokens": manifest["valid"]["tokens"],
+            "compile": compile_, "precision": "bf16" if on_cuda else "fp32"}
+    return flags, desc
+
+
+# --- run ----------------------------------------------------------------------------------------------------------
+def parse_log(path: str) -> dict:
+    records = [json.loads(line) for line in open(path)] if os.path.isfile(path) else []
+    train = [r for r in records if "loss" in r]
+    steady = train[1:] or train
+    return {"train_loss": [(r["iteration"], r["loss"]) for r in train],
+            "val_loss": [(r["iteration"], r["val_loss"]) for r in records if "val_loss" in r],
+            "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in steady) if steady else None,
+            "max_memory_gib": max((r["max_memory_bytes"] for r in train), default=0) / 2**30}
+
+
+class Run:
+    """One pretrain_gpt.py process: launched, polled, then summarised."""
+
+    def __init__(self, mode: str, seed: int, folder: str, flags: list[str], port: int, save: bool):
+        self.mode, self.seed, self.folder, self.port = mode, seed, folder, port
+        os.makedirs(folder, exist_ok=True)
+        self.log = os.path.join(folder, "log.jsonl")
+        if os.path.exists(self.log):
+            os.remove(self.log)
+        self.checkpoint = os.path.join(folder, "checkpoint") if save else None
+        self.argv = [*flags, *MODES[mode], "--seed", str(seed), "--log-json", self.log]
+        if save:
+            self.argv += ["--save", self.checkpoint]
+        self.proc, self.started, self.wall = None, None, None
+
+    def launch(self, stop_after_s: float) -> None:
+        env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port))
+        argv = self.argv + ["--exit-duration-in-mins", f"{max(stop_after_s, 30) / 60:.3f}"]
+        self.stdout = open(os.path.join(self.folder, "stdout.txt"), "w")
+        self.started = time.time()
+        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv], cwd=ROOT,
+                                     env=env, stdout=self.stdout, stderr=subprocess.STDOUT)
+        print(f"[{time.strftime('%H:%M:%S')}] start {self.mode} seed {self.seed} (port {self.port})", flush=True)
+
+    def poll(self, kill_at: float) -> bool:
+        if self.proc.poll() is None and time.time() > kill_at:
+            self.proc.kill()
+        if self.proc.poll() is None:
+            return False
+        self.wall = time.time() - self.started
+        self.stdout.close()
+        return True
+
+    def result(self, train_iters: int) -> dict:
+        out = {"mode": self.mode, "seed": self.seed, "flags": MODES[self.mode], "argv": self.argv,
+               "folder": self.folder, "wall_s": self.wall}
+        if self.proc is None:
+            return dict(out, status="not_started", final_val_loss=None)
+        out.update(parse_log(self.log))
+        last = out["train_loss"][-1][0] if out["train_loss"] else 0
+        final = [v for it, v in out["val_loss"] if it == train_iters]
+        if self.proc.returncode != 0:
+            with open(os.path.join(self.folder, "stdout.txt"), errors="replace") as f:
+                out.update(status="failed", error=f.read()[-3000:], final_val_loss=None)
+        elif last < train_iters or not final:
+            out.update(status="incomplete", final_val_loss=None)
+        else:
+            out.update(status="ok", final_val_loss=final[0])
+        if self.checkpoint and out["status"] == "ok":
+            out["checkpoint"] = self.checkpoint
+        return out
+
+
+def run(args) -> dict:
+    import torch
+
+    start = time.time()
+    deadline = start + args.time_budget
+    manifest = load_manifest(args.data)
+    flags, plan = run_plan(args.preset, manifest, torch.cuda.is_available(), args.compile)
+    save = set()
+    for item in args.save_checkpoint:
+        mode, _, seed = item.partition(":")
+        if mode not in args.modes or not seed.isdigit() or int(seed) not in args.seeds:
+            raise UserError(f"--save-checkpoint {item}: expected MODE:SEED of a run here ({args.modes}, {args.seeds})")
+        save.add((mode, int(seed)))
+    runs = [Run(m, s, os.path.join(args.workdir, f"{m}_s{s}"), flags, args.port_base + i, (m, s) in save)
+            for i, (s, m) in enumerate((s, m) for s in args.seeds for m in args.modes)]  # seed-major: pairs together
+    queue, running, done = list(runs), [], []
+    while queue or running:
+        while queue and len(running) < args.parallel:
+            left = deadline - time.time()
+            longest = max((r.wall for r in done if r.wall), default=0.0)
+            if left < args.min_run_s or longest > left:
+                break
+            r = queue.pop(0)
+            r.launch(left - args.stop_margin_s)
+            running.append(r)
+        if not running:
+            break
+        time.sleep(1.0)
+        for r in [r for r in running if r.poll(deadline + 30)]:
+            running.remove(r)
+            done.append(r)
+            res = r.result(plan["train_iters"])
+            print(f"[{time.strftime('%H:%M:%S')}] {r.mode} seed {r.seed}: {res['status']}, final validation loss "
+                  f"{res['final_val_loss']}, {r.wall:.0f} s", flush=True)
+    return {"kind": "fidelity_runs", "environment": environment(), "plan": plan, "common_flags": flags,
+            "data": {k: manifest[k] for k in ("data_id", "split", "vocab_size", "train", "valid", "sources")},
+            "parallel": args.parallel, "time_budget_s": args.time_budget, "wall_s": time.time() - start,
+            "runs": [r.result(plan["train_iters"]) for r in runs]}
+
+
+# --- gradients and moments ------------------------------------------------------------------------------------
+def fixed_batch(manifest: dict, seq: int, size: int):
+    """The first `size` samples of the held-out range, in file order (no shuffle): the same batch every time."""
+    import numpy as np
+    import torch
+
+    from megacoat.data.builders import split_ranges
+    from megacoat.data.gpt_dataset import GPTDataset
+    from megacoat.data.indexed_dataset import IndexedDataset
+
+    indexed = IndexedDataset(manifest["data_prefix"])
+    lo, hi = split_ranges(len(indexed), manifest["split"])[1]
+    ds = GPTDataset(indexed, lo, hi, seq, size, seed=0, name="fidelity_grads")
+    batch = torch.from_numpy(np.stack([ds[i] for i in range(size)]))
+    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+
+def mode_gradients(model_cfg, state: dict, mode: str, tokens, labels) -> dict:
+    """{parameter name: fp32 gradient} of the loss on (tokens, labels) with the checkpoint's weights in `mode`
+    ('fp32', 'bf16', 'fp8-linear' or 'coat'); bf16 and FP8 modes hold bf16 weights on CUDA, as the trainer does."""
+    import torch
+
+    from megacoat.fp8.config import FP8Config
+    from megacoat.fp8.convert import convert_to_fp8
+    from megacoat.model.gpt import GPT
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float32 if mode == "fp32" or device.type == "cpu" else torch.bfloat16
+    with torch.device(device):
+        model = GPT(model_cfg)
+    model.load_state_dict(state)
+    if mode not in ("fp32", "bf16"):
+        model = convert_to_fp8(model, FP8Config(mode=mode))
+    model = model.to(device=device, dtype=dtype)
+    loss = model(tokens.to(device), labels.to(device))
+    loss.backward()
+    return {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
+
+
+def compare_gradients(ref: dict, other: dict) -> dict:
+    per = {}
+    for name, g in ref.items():
+        h = other[name]
+        gn, hn = float(g.norm()), float(h.norm())
+        per[name] = {"cosine": float((g * h).sum() / (gn * hn)) if gn and hn else float("nan"),
+                     "relative_error": float((h - g).norm()) / gn if gn else float("nan")}
+    block = {n: v for n, v in per.items() if n.startswith("layers.")}
+    worst = min(block, key=lambda n: block[n]["cosine"]) if block else None
+    below = sorted(n for n, v in block.items() if not v["cosine"] >= TARGET_GRAD_COSINE)
+    return {"per_tensor": per, "block_min_cosine": block[worst]["cosine"] if worst else None,
+            "block_min_cosine_tensor": worst,
+            "block_median_relative_error": statistics.median(v["relative_error"] for v in block.values())
+            if block else None, "block_tensors_below_target": below, "meets_target": not below}
+
+
+def checkpoint_moments(tag_dir: str):
+    """Every (exp_avg, exp_avg_sq) pair in the checkpoint's optimizer files, as the optimizer holds them."""
+    import torch
+
+    ms, vs = [], []
+
+    def walk(obj):
+        if isinstance(obj, dict):
+            if torch.is_tensor(obj.get("exp_avg")) and torch.is_tensor(obj.get("exp_avg_sq")):
+                ms.append(obj["exp_avg"].float().reshape(-1))
+                vs.append(obj["exp_avg_sq"].float().reshape(-1))
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+
+    for path in sorted(glob.glob(os.path.join(tag_dir, "*optim_states.pt"))):
+        walk(torch.load(path, map_location="cpu", weights_only=False))
+    return ms, vs
+
+
+def grads(args) -> dict:
+    import torch
+
+    from benchmarks.fp8_quant_error import measure_moments
+    from tools.convert_to_hf import load_megacoat_checkpoint, resolve_tag_dir
+
+    manifest = load_manifest(args.data)
+    try:
+        model_cfg, state, meta = load_megacoat_checkpoint(args.checkpoint)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"--checkpoint: {e}") from None
+    tokens, labels = fixed_batch(manifest, model_cfg.seq_length, args.batch_size)
+    found = {}
+    for mode in ["bf16", *args.modes]:
+        torch.manual_seed(0)
+        found[mode] = mode_gradients(model_cfg, state, mode, tokens, labels)
+    out = {"kind": "fidelity_gradients", "environment": environment(), "checkpoint": args.checkpoint,
+           "checkpoint_iteration": meta.get("iteration"), "data_id": manifest["data_id"],
+           "batch": {"samples": args.batch_size, "seq_length": model_cfg.seq_length, "source": "held-out, file order"},
+           "precision": "bf16 weights and activations" if torch.cuda.is_available() else "fp32 (CPU)",
+           "reference": "bf16", "modes": {m: compare_gradients(found["bf16"], found[m]) for m in args.modes}}
+    ms, vs = checkpoint_moments(resolve_tag_dir(args.checkpoint))
+    if ms:
+        out["moments"] = dict(measure_moments(ms, vs), source="the checkpoint's Adam moments (ZeRO flat partitions)")
+    else:
+        out["moments"] = None
+    return out
+
+
+# --- report ---------------------------------------------------------------------------------------------------------
+def report(paths: list[str]) -> dict:
+    runs_files, grads_files = [], []
+    for path in paths:
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"{path}: cannot read ({e})") from None
+        kind = doc.get("kind") if isinstance(doc, dict) else None
+        if kind == "fidelity_runs":
+            runs_files.append((path, doc))
+        elif kind == "fidelity_gradients":
+            grads_files.append((path, doc))
+        else:
+            raise UserError(f"{path}: not a fidelity.py run or grads JSON (kind {kind!r})")
+    if not runs_files:
+        raise UserError("report needs at least one JSON written by 'fidelity.py run'")
+    first_path, first = runs_files[0]
+    for path, doc in runs_files[1:]:
+        for key, a, b in (("data_id", first["data"]["data_id"], doc["data"]["data_id"]),
+                          ("plan", first["plan"], doc["plan"])):
+            if a != b:
+                raise UserError(f"{path} and {first_path} differ in {key}: runs of different data or schedule "
+                                f"cannot be compared")
+    for path, doc in grads_files:
+        if doc["data_id"] != first["data"]["data_id"]:
+            raise UserError(f"{path}: gradients measured on data {doc['data_id']}, runs on {first['data']['data_id']}")
+    runs, seen = [], {}
+    for path, doc in runs_files:
+        for r in doc["runs"]:
+            key = (r["mode"], r["seed"])
+            if r["status"] == "ok" and key in seen:
+                raise UserError(f"{r['mode']} seed {r['seed']} finished in both {seen[key]} and {path}")
+            if r["status"] == "ok":
+                seen[key] = path
+            runs.append(dict(r, source=path))
+    finals: dict[str, dict[int, float]] = {}
+    for r in runs:
+        if r["status"] == "ok":
+            finals.setdefault(r["mode"], {})[r["seed"]] = r["final_val_loss"]
+    modes = {}
+    for mode in [m for m in MODES if m in finals]:
+        vals = list(finals[mode].values())
+        modes[mode] = {"seeds": sorted(finals[mode]), "final_val_loss": finals[mode],
+                       "mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else None}
+        if mode != "bf16" and "bf16" in finals:
+            modes[mode]["gap_to_bf16"] = paired_gap(finals[mode], finals["bf16"])
+    devices = sorted({doc["environment"]["device"] for _, doc in runs_files})
+    return {"kind": "fidelity_report", "inputs": paths, "devices": devices,
+            "environment": first["environment"], "plan": first["plan"], "data": first["data"],
+            "common_flags": first["common_flags"],
+            "targets": {"gap_mean_within_pct": TARGET_MEAN_PCT, "gap_ci95_within_pct": TARGET_CI_PCT,
+                        "block_gradient_cosine_at_least": TARGET_GRAD_COSINE},
+            "modes": modes, "gradient_agreement": [doc for _, doc in grads_files],
+            "runs": runs,
+            "not_counted": [f"{r['mode']} seed {r['seed']}: {r['status']}" for r in runs if r["status"] != "ok"]}
+
+
+def plot(rep: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    plan = rep["plan"]
+    tokens_per_iter = plan["gbs"] * plan["seq"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for k, mode in enumerate(rep["modes"]):
+        ok = [r for r in rep["runs"] if r["mode"] == mode and r["status"] == "ok"]
+        its = sorted(set.intersection(*[{it for it, _ in r["train_loss"]} for r in ok]))
+        curves = np.array([[dict(map(tuple, r["train_loss"]))[it] for it in its] for r in ok])
+        x = np.array(its) * tokens_per_iter / 1e6
+        mean, std = curves.mean(0), curves.std(0, ddof=1) if len(ok) > 1 else np.zeros(len(its))
+        ax.plot(x, mean, color=f"C{k}", label=f"{mode} (n={len(ok)})")
+        ax.fill_between(x, mean - std, mean + std, color=f"C{k}", alpha=0.2)
+        vits = sorted(set.intersection(*[{it for it, _ in r["val_loss"]} for r in ok]))
+        vals = np.array([[dict(map(tuple, r["val_loss"]))[it] for it in vits] for r in ok])
+        verr = vals.std(0, ddof=1) if len(ok) > 1 else None
+        bx.errorbar(np.array(vits) * tokens_per_iter / 1e6 + 0.004 * k * x[-1], vals.mean(0), yerr=verr,
+                    color=f"C{k}", marker="o", capsize=3, label=mode)
+    ax.set_xlabel("training tokens (M)")
+    ax.set_ylabel("training loss (mean ± std over seeds)")
+    lo = min(min(v for _, v in r["train_loss"][len(r["train_loss"]) // 5:]) for r in rep["runs"] if r["status"] == "ok")
+    ax.set_ylim(lo - 0.05, lo + 1.5)
+    ax.legend()
+    bx.set_xlabel("training tokens (M)")
+    bx.set_ylabel(f"validation loss, {plan['eval_tokens'] / 1e6:.2f} M held-out tokens")
+    gaps = [f"{m}: {v['gap_to_bf16']['mean_pct']:+.2f}%" + (
+        f" [{v['gap_to_bf16']['ci95_pct'][0]:+.2f}, {v['gap_to_bf16']['ci95_pct'][1]:+.2f}]"
+        if v["gap_to_bf16"]["ci95_pct"] else "") for m, v in rep["modes"].items() if v.get("gap_to_bf16")]
+    bx.set_title("\n".join(gaps), fontsize=8)
+    bx.legend()
+    fig.suptitle(f"{plan['preset']}: {plan["tokens_per_run"] / 1e6:.3g} M tokens per run, "
+                 f"{', '.join(rep['devices'])}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# --- command line -----------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    r = sub.add_parser("run", help="train every (mode, seed) and write their curves and final validation losses")
+    r.add_argument("--preset", choices=list(PRESETS), required=True)
+    r.add_argument("--modes", nargs="+", choices=list(MODES), default=["bf16", "coat"])
+    r.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    r.add_argument("--data", required=True, help="folder written by benchmarks/fidelity_data.py")
+    r.add_argument("--parallel", type=int, default=2, help="runs at once on the GPU")
+    r.add_argument("--time-budget", type=float, default=540, help="seconds for this whole invocation")
+    r.add_argument("--min-run-s", type=float, default=60, help="start no run with less time than this left")
+    r.add_argument("--stop-margin-s", type=float, default=45, help="runs are told to stop this long before the end")
+    r.add_argument("--compile", action="store_true", help="--compile for every mode")
+    r.add_argument("--save-checkpoint", nargs="*", default=[], metavar="MODE:SEED",
+                   help="keep this run's final checkpoint (for 'grads')")
+    r.add_argument("--workdir", default=os.path.join(ROOT, ".cache", "fidelity_runs"))
+    r.add_argument("--port-base", type=int, default=29700)
+    g = sub.add_parser("grads", help="gradient agreement and moment quantization error on a trained checkpoint")
+    g.add_argument("--checkpoint", required=True)
+    g.add_argument("--data", required=True)
+    g.add_argument("--modes", nargs="+", default=["fp32", "fp8-linear", "coat"],
+                   choices=["fp32", "fp8-linear", "coat"], help="compared with bf16")
+    g.add_argument("--batch-size", type=int, default=8)
+    for q in (r, g):
+        q.add_argument("--out", required=True, help="JSON path")
+    rep = sub.add_parser("report", help="merge run (and grads) JSON files: statistics, JSON and PNG")
+    rep.add_argument("inputs", nargs="+")
+    rep.add_argument("--out", required=True, help="JSON path; the PNG goes beside it")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.what == "run":
+            if args.parallel < 1 or args.time_budget <= 0:
+                raise UserError("--parallel and --time-budget must be positive")
+            result = run(args)
+        elif args.what == "grads":
+            if args.batch_size < 1:
+                raise UserError("--batch-size must be positive")
+            result = grads(args)
+        else:
+            result = report(args.inputs)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    tmp = f"{args.out}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, args.out)
+    print("wrote", args.out)
+    if args.what == "report":
+        png = os.path.splitext(args.out)[0] + ".png"
+        plot(result, png)
+        print("wrote", png)
+        for mode, m in result["modes"].items():
+            gap = m.get("gap_to_bf16")
+            ci = gap["ci95_pct"] if gap else None
+            print(f"{mode:18s} n={len(m['seeds'])} mean {m['mean']:.4f}" + (
+                f"  gap {gap['mean_pct']:+.3f}%" if gap else "") + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
