@@ -486,7 +486,7 @@ def plot(rep: dict, path: str) -> None:
         if v["gap_to_bf16"]["ci95_pct"] else "") for m, v in rep["modes"].items() if v.get("gap_to_bf16")]
     bx.set_title("\n".join(gaps), fontsize=8)
     bx.legend()
-    fig.suptitle(f"{plan['preset']}: {plan["tokens_per_run"] / 1e6:.3g} M tokens per run, "
+    fig.suptitle(f"{plan['preset']}: {plan['tokens_per_run'] / 1e6:.3g} M tokens per run, "
                  f"{', '.join(rep['devices'])}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
