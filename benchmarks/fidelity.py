@@ -57,7 +57,7 @@ PRESETS = {
     "ablation": dict(model=MODEL_125M, seq=1024, tokens=20e6, gbs=32, mbs=16, lr=6e-4, val_points=2),
     # a CPU check of this script (tests/benchmarks/test_fidelity.py), not a measurement
     "tiny": dict(model=["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
-                        "--num-attention-heads", "4"], seq=32, tokens=6 * 8 * 32, gbs=8, mbs=8, lr=1e-3, val_points=2),
+                        "--num-attention-heads", "4"], seq=32, tokens=4 * 8 * 32, gbs=8, mbs=8, lr=1e-3, val_points=2),
 }
 TARGET_MEAN_PCT, TARGET_CI_PCT, TARGET_GRAD_COSINE = 0.25, 0.5, 0.98
 

@@ -1,0 +1,144 @@
+"""benchmarks/fidelity.py: the confidence-interval arithmetic on known numbers, and the whole script (data,
+runs, gradients, report) end to end on the CPU in a tiny configuration."""
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "benchmarks", "fidelity.py")
+DATA_SCRIPT = os.path.join(ROOT, "benchmarks", "fidelity_data.py")
+
+spec = importlib.util.spec_from_file_location("fidelity", SCRIPT)
+fidelity = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fidelity)
+
+
+@pytest.mark.parametrize("df, quantile", [(1, 12.706204736174707), (2, 4.302652729911275),
+                                          (4, 2.7764451051977987), (30, 2.0422724563012373)])
+def test_student_t_quantile_matches_tables(df, quantile):
+    assert fidelity.student_t_quantile(0.975, df) == pytest.approx(quantile, rel=1e-9)
+
+
+def test_paired_gap_on_known_numbers():
+    base = {1: 2.0, 2: 4.0, 3: 5.0, 9: 1.0}          # seed 9 has no partner: not counted
+    mode = {1: 2.02, 2: 4.0, 3: 4.95, 7: 3.0}        # +1%, 0%, -1%
+    gap = fidelity.paired_gap(mode, base)
+    assert gap["seeds"] == [1, 2, 3]
+    assert gap["relative_gap_pct"] == pytest.approx([1.0, 0.0, -1.0])
+    assert gap["mean_pct"] == pytest.approx(0.0, abs=1e-12) and gap["std_pct"] == pytest.approx(1.0)
+    half = 4.302652729911275 / math.sqrt(3)           # t(0.975, 2) * std / sqrt(n)
+    assert gap["ci95_pct"] == pytest.approx([-half, half])
+    assert gap["meets_target"] is False               # the interval is wider than +-0.5%
+    tight = fidelity.paired_gap({1: 1.001, 2: 1.002}, {1: 1.0, 2: 1.0})  # +0.1%, +0.2%: t(0.975, 1) = 12.71
+    assert tight["ci95_pct"] == pytest.approx([0.15 - 12.706204736174707 * 0.05, 0.15 + 12.706204736174707 * 0.05])
+    one = fidelity.paired_gap({1: 1.01}, {1: 1.0})
+    assert one["mean_pct"] == pytest.approx(1.0) and one["ci95_pct"] is None
+    assert fidelity.paired_gap({1: 1.0}, {2: 1.0}) is None
+
+
+def _run(*args, timeout=600):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """Real text in one-file folders (each its own group): a few small standard-library modules."""
+    src = tmp_path_factory.mktemp("sources")
+    stdlib = sysconfig.get_paths()["stdlib"]
+    for name in ("this", "antigravity", "keyword", "bisect", "colorsys", "glob", "fnmatch", "stat", "heapq"):
+        os.makedirs(src / name)
+        shutil.copy(os.path.join(stdlib, f"{name}.py"), src / name)
+    out = tmp_path_factory.mktemp("data") / "fidelity_data"
+    proc = _run(DATA_SCRIPT, "--out", str(out), "--packages", "none", "--source-dir",
+                *sorted(str(p) for p in src.iterdir()), "--doc-dir", "--vocab-size", "400", "--valid-bytes", "1600",
+                "--max-group-fraction", "1", "--min-valid-tokens", "300", "--tokenizer-sentences", "2000",
+                "--workers", "1")
+    assert proc.returncode == 0, proc.stderr
+    return str(out)
+
+
+def test_data_split_is_by_file_and_fixed(tiny_data):
+    with open(os.path.join(tiny_data, "manifest.json")) as f:
+        m = json.load(f)
+    n_train, n_valid, n_test = map(int, m["split"].split(","))
+    assert (n_train, n_valid, n_test) == (m["train"]["documents"], m["valid"]["documents"], 0)
+    assert n_valid >= 1 and m["valid"]["tokens"] >= 300
+    with open(os.path.join(tiny_data, "files.tsv")) as f:
+        rows = [line.rstrip("\n").split("\t") for line in f][1:]
+    sides = {path: side for side, _, _, path in rows}
+    assert sorted(sides.values()).count("valid") == n_valid
+    groups = {}
+    for side, group, _, _ in rows:  # a group lies on one side only
+        groups.setdefault(group, set()).add(side)
+    assert all(len(s) == 1 for s in groups.values())
+
+
+@pytest.mark.slow
+def test_end_to_end_tiny(tiny_data, tmp_path):
+    runs_json, grads_json, report_json = (str(tmp_path / n) for n in ("runs.json", "grads.json", "report.json"))
+    proc = _run(SCRIPT, "run", "--preset", "tiny", "--modes", "bf16", "coat", "--seeds", "1", "2", "--parallel", "4",
+                "--data", tiny_data, "--time-budget", "500", "--workdir", str(tmp_path / "runs"),
+                "--save-checkpoint", "bf16:1", "--port-base", "29850", "--out", runs_json)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(runs_json) as f:
+        runs = json.load(f)
+    assert runs["kind"] == "fidelity_runs" and runs["environment"]["device"] == "cpu"
+    assert runs["plan"]["eval_tokens"] <= runs["plan"]["held_out_tokens"] < runs["plan"]["eval_tokens"] + 9 * 8 * 32
+    assert {(r["mode"], r["seed"]) for r in runs["runs"]} == {("bf16", 1), ("coat", 1), ("bf16", 2), ("coat", 2)}
+    for r in runs["runs"]:
+        assert r["status"] == "ok", r
+        assert math.isfinite(r["final_val_loss"]) and r["val_loss"][-1] == [runs["plan"]["train_iters"],
+                                                                            r["final_val_loss"]]
+        assert len(r["train_loss"]) == runs["plan"]["train_iters"]
+    # Same seed, same data order and initial weights: the first logged losses of bf16 and coat are close (FP8
+    # rounding only), different seeds are not the same run.
+    first = {(r["mode"], r["seed"]): r["train_loss"][0][1] for r in runs["runs"]}
+    assert first[("bf16", 1)] != first[("bf16", 2)]
+    assert abs(first[("coat", 1)] - first[("bf16", 1)]) < 0.05 * first[("bf16", 1)]
+
+    checkpoint = next(r["checkpoint"] for r in runs["runs"] if r.get("checkpoint"))
+    proc = _run(SCRIPT, "grads", "--checkpoint", checkpoint, "--data", tiny_data, "--modes", "coat",
+                "--batch-size", "2", "--out", grads_json)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _run(SCRIPT, "report", runs_json, grads_json, "--out", report_json)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(report_json) as f:
+        rep = json.load(f)
+    assert os.path.isfile(str(tmp_path / "report.png"))
+    finals = {(r["mode"], r["seed"]): r["final_val_loss"] for r in runs["runs"]}
+    for mode in ("bf16", "coat"):
+        assert rep["modes"][mode]["seeds"] == [1, 2]
+        assert rep["modes"][mode]["mean"] == pytest.approx((finals[(mode, 1)] + finals[(mode, 2)]) / 2)
+    d = [100 * (finals[("coat", s)] - finals[("bf16", s)]) / finals[("bf16", s)] for s in (1, 2)]
+    mean, half = sum(d) / 2, 12.706204736174707 * abs(d[0] - d[1]) / math.sqrt(2) / math.sqrt(2)
+    assert rep["modes"]["coat"]["gap_to_bf16"]["ci95_pct"] == pytest.approx([mean - half, mean + half])
+    agreement = rep["gradient_agreement"][0]
+    coat = agreement["modes"]["coat"]
+    assert 0.9 < coat["block_min_cosine"] <= 1.0 + 1e-6 and coat["per_tensor"]
+    moments = agreement["moments"]
+    for variant in ("e4m3", "e5m2", "e4m3_expand", "e5m2_expand"):
+        assert 0 < moments[variant]["m_rel_mse"] < 1 and 0 < moments[variant]["v_rel_mse"] < 1
+
+    # Runs of other data cannot be merged: one error line, no traceback.
+    runs["data"]["data_id"] = "another"
+    other = str(tmp_path / "other.json")
+    with open(other, "w") as f:
+        json.dump(runs, f)
+    proc = _run(SCRIPT, "report", runs_json, other, "--out", str(tmp_path / "x.json"))
+    assert proc.returncode == 1 and proc.stderr.startswith("error:") and "data_id" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_data_is_one_error_line(tmp_path):
+    proc = _run(SCRIPT, "run", "--preset", "tiny", "--data", str(tmp_path / "nothing"), "--out",
+                str(tmp_path / "x.json"))
+    assert proc.returncode == 1 and proc.stderr.startswith("error: --data") and "Traceback" not in proc.stderr
