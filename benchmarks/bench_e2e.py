@@ -1,15 +1,14 @@
-"""End-to-end proof: the same model and data trained through `pretrain_gpt.py` in three modes,
+"""End-to-end speed: the same model and data trained through `pretrain_gpt.py` in three modes,
 `bf16`, `fp8-linear` (FP8 GEMMs, BF16 activations) and `coat` (CoatAdamW + the FP8 precision flow).
+Loss fidelity (several seeds, a fixed held-out set, confidence intervals) is benchmarks/fidelity.py.
 
     # (a) equal micro-batch and (b) each mode's largest micro-batch, ~1.3 B model, mock tokens
     python benchmarks/bench_e2e.py speed --micro-batch-size 4 --search 4,8,12,16,24 --compile
-    # convergence on real text, ~125 M model
-    python benchmarks/bench_e2e.py convergence --data-path shards/text --tokenizer-model tok.model --tokens 20e6
 
 Every run is a separate `pretrain_gpt.py` process (nothing leaks between modes); figures come from its
 `--log-json`: tokens/s is the mean over the logged intervals after the first (which holds compilation and
 warm-up), memory is `torch.cuda.max_memory_allocated`. Ratios are within this one invocation, same GPU.
-Writes JSON (and a PNG for convergence) under benchmarks/results/.
+Writes JSON under benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -37,8 +36,6 @@ MODEL_1P3B = ["--num-layers", "24", "--hidden-size", "2048", "--ffn-hidden-size"
               "--seq-length", "2048", "--vocab-size", "32000"]
 MODEL_TINY = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256", "--num-attention-heads", "4",
               "--seq-length", "64", "--vocab-size", "256"]  # a CPU smoke test of this script
-MODEL_125M = ["--num-layers", "12", "--hidden-size", "768", "--ffn-hidden-size", "2048", "--num-attention-heads", "12",
-              "--seq-length", "1024"]
 
 
 def environment() -> dict:
@@ -185,50 +182,6 @@ def speed(args) -> dict:
     return out
 
 
-def convergence(args) -> dict:
-    iters = int(float(args.tokens) // (args.global_batch_size * 1024))
-    common = MODEL_125M + ["--bf16", "--vocab-size", str(args.vocab_size), "--data-path", *args.data_path,
-                           "--tokenizer-model", args.tokenizer_model, "--split", "98,2,0",
-                           "--micro-batch-size", str(args.micro_batch_size),
-                           "--global-batch-size", str(args.global_batch_size), "--train-iters", str(iters),
-                           "--lr", "6e-4", "--min-lr", "6e-5", "--lr-warmup-iters", str(max(iters // 50, 10)),
-                           "--log-interval", str(args.log_interval), "--eval-interval", str(args.eval_interval),
-                           "--eval-iters", "10", "--zero-stage", "1"]
-    out = {"environment": environment(), "model": "12 layers, hidden 768, ffn 2048, seq 1024",
-           "compiled_modes": compiled_modes(args),
-           "tokens": iters * args.global_batch_size * 1024, "runs": {}}
-    for mode in args.modes:
-        out["runs"][mode] = run_pretrain(common + mode_flags(mode, args), args.timeout)
-        r = out["runs"][mode]
-        print(mode, r.get("val_losses", [])[-1:] or r.get("error"), flush=True)
-    runs = out["runs"]
-    if all(runs.get(m, {}).get("ok") for m in ("bf16", "coat")):
-        b, c = runs["bf16"]["val_losses"][-1][1], runs["coat"]["val_losses"][-1][1]
-        out["final_val_loss"] = {"bf16": b, "coat": c, "coat_relative_gap": (c - b) / b}
-    return out
-
-
-def plot_convergence(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for mode, run in result["runs"].items():
-        if run.get("ok") and run["val_losses"]:
-            xs, ys = zip(*run["val_losses"])
-            ax.plot(xs, ys, marker="o", label=f"{mode} (validation)")
-            xs, ys = zip(*run["losses"])
-            ax.plot(xs, ys, alpha=0.3, label=f"{mode} (train)")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("loss")
-    ax.set_title(f"{result['model']}, {result['tokens'] / 1e6:.0f}M tokens")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -243,31 +196,19 @@ def main() -> None:
     s.add_argument("--profile", action="store_true",
                    help="profile the last 2 iterations of each equal-micro-batch run (left out of tokens/s) and keep "
                         "the top operators by device time in the JSON: where the time goes")
-    c = sub.add_parser("convergence")
-    c.add_argument("--data-path", nargs="+", required=True)
-    c.add_argument("--tokenizer-model", required=True)
-    c.add_argument("--vocab-size", type=int, default=4096)
-    c.add_argument("--tokens", default="20e6")
-    c.add_argument("--micro-batch-size", type=int, default=16)
-    c.add_argument("--global-batch-size", type=int, default=32)
-    c.add_argument("--log-interval", type=int, default=20)
-    c.add_argument("--eval-interval", type=int, default=100)
-    for q in (s, c):
-        q.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-        q.add_argument("--compile", nargs="*", default=None, choices=list(MODES), metavar="MODE",
-                       help="--compile for these modes (flag alone: all). The FP8 modes run their own fused "
-                            "Triton kernels and are measured eager unless named")
-        q.add_argument("--timeout", type=int, default=600)
-        q.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_e2e_<what>.json)")
+    s.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    s.add_argument("--compile", nargs="*", default=None, choices=list(MODES), metavar="MODE",
+                   help="--compile for these modes (flag alone: all). The FP8 modes run their own fused "
+                        "Triton kernels and are measured eager unless named")
+    s.add_argument("--timeout", type=int, default=600)
+    s.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_e2e_<what>.json)")
     args = p.parse_args()
-    result = speed(args) if args.what == "speed" else convergence(args)
+    result = speed(args)
     path = args.out or os.path.join(RESULTS, f"bench_e2e_{args.what}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print("wrote", path)
-    if args.what == "convergence":
-        plot_convergence(result, path.replace(".json", ".png"))
 
 
 if __name__ == "__main__":

@@ -246,6 +246,13 @@ class Run:
         return out
 
 
+def parse_run(item: str, flag: str) -> tuple[str, int]:
+    mode, _, seed = item.partition(":")
+    if mode not in MODES or not seed.isdigit():
+        raise UserError(f"{flag} {item}: expected MODE:SEED with MODE one of {list(MODES)}")
+    return mode, int(seed)
+
+
 def run(args) -> dict:
     import torch
 
@@ -253,14 +260,16 @@ def run(args) -> dict:
     deadline = start + args.time_budget
     manifest = load_manifest(args.data)
     flags, plan = run_plan(args.preset, manifest, torch.cuda.is_available(), args.compile)
-    save = set()
-    for item in args.save_checkpoint:
-        mode, _, seed = item.partition(":")
-        if mode not in args.modes or not seed.isdigit() or int(seed) not in args.seeds:
-            raise UserError(f"--save-checkpoint {item}: expected MODE:SEED of a run here ({args.modes}, {args.seeds})")
-        save.add((mode, int(seed)))
+    # seed-major: the runs of one seed (a pair) start together
+    pairs = ([parse_run(item, "--runs") for item in args.runs] if args.runs
+             else [(m, s) for s in args.seeds for m in args.modes])
+    if len(set(pairs)) != len(pairs):
+        raise UserError(f"a run is named twice: {pairs}")
+    save = {parse_run(item, "--save-checkpoint") for item in args.save_checkpoint}
+    if save - set(pairs):
+        raise UserError(f"--save-checkpoint {sorted(save - set(pairs))}: not a run of this invocation")
     runs = [Run(m, s, os.path.join(args.workdir, f"{m}_s{s}"), flags, args.port_base + i, (m, s) in save)
-            for i, (s, m) in enumerate((s, m) for s in args.seeds for m in args.modes)]  # seed-major: pairs together
+            for i, (m, s) in enumerate(pairs)]
     queue, running, done = list(runs), [], []
     while queue or running:
         while queue and len(running) < args.parallel:
@@ -463,6 +472,8 @@ def plot(rep: dict, path: str) -> None:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5))
     for k, mode in enumerate(rep["modes"]):
         ok = [r for r in rep["runs"] if r["mode"] == mode and r["status"] == "ok"]
+        if not ok:
+            continue
         its = sorted(set.intersection(*[{it for it, _ in r["train_loss"]} for r in ok]))
         curves = np.array([[dict(map(tuple, r["train_loss"]))[it] for it in its] for r in ok])
         x = np.array(its) * tokens_per_iter / 1e6
@@ -476,8 +487,9 @@ def plot(rep: dict, path: str) -> None:
                     color=f"C{k}", marker="o", capsize=3, label=mode)
     ax.set_xlabel("training tokens (M)")
     ax.set_ylabel("training loss (mean ± std over seeds)")
-    lo = min(min(v for _, v in r["train_loss"][len(r["train_loss"]) // 5:]) for r in rep["runs"] if r["status"] == "ok")
-    ax.set_ylim(lo - 0.05, lo + 1.5)
+    tails = [v for r in rep["runs"] if r["status"] == "ok" for _, v in r["train_loss"][len(r["train_loss"]) // 5:]]
+    if tails:  # the last 80% of training, where the modes differ: the first steps' loss would flatten it
+        ax.set_ylim(min(tails) - 0.05, min(tails) + 1.5)
     ax.legend()
     bx.set_xlabel("training tokens (M)")
     bx.set_ylabel(f"validation loss, {plan['eval_tokens'] / 1e6:.2f} M held-out tokens")
@@ -500,6 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--preset", choices=list(PRESETS), required=True)
     r.add_argument("--modes", nargs="+", choices=list(MODES), default=["bf16", "coat"])
     r.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    r.add_argument("--runs", nargs="+", default=None, metavar="MODE:SEED",
+                   help="exactly these runs instead of --modes x --seeds (to split a plan over device calls)")
     r.add_argument("--data", required=True, help="folder written by benchmarks/fidelity_data.py")
     r.add_argument("--parallel", type=int, default=2, help="runs at once on the GPU")
     r.add_argument("--time-budget", type=float, default=540, help="seconds for this whole invocation")

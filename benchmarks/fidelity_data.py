@@ -360,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a group larger than this fraction of --valid-bytes stays in training")
     p.add_argument("--near-dup", type=float, default=0.5, help="estimated Jaccard that makes two files one group")
     p.add_argument("--max-file-bytes", type=int, default=1_000_000, help="larger files are skipped")
-    p.add_argument("--tokenizer-sentences", type=int, default=400_000)
+    p.add_argument("--tokenizer-sentences", type=int, default=150_000)
     p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 14))
     return p
 
