@@ -170,7 +170,7 @@ def group_files(rel: list[str], sigs: list, copied: list[list[str]], near_dup: f
     for i, r in enumerate(rel):
         parts = r.split("/")
         link(("dir", "/".join(parts[:-1])), i, "same_directory")
-        if len(parts) >= 3 and parts[-1] != "__init__.py":  # source/.../pkg/mod.py: pkg/mod.py across sources
+        if len(parts) >= 2 and parts[-1] != "__init__.py":  # .../pkg/mod.py: pkg/mod.py across sources
             link(("tail", "/".join(parts[-2:])), i, "same_module_path")
         if r.endswith(".py"):  # every dotted suffix: 'transformers.models.bert.modeling_bert', 'bert.modeling_bert'
             dotted = r[:-3].split("/")

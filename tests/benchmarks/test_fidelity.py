@@ -1,23 +1,15 @@
 """benchmarks/fidelity.py: the confidence-interval arithmetic on known numbers, and the whole script (data,
 runs, gradients, report) end to end on the CPU in a tiny configuration."""
-import importlib.util
 import json
 import math
 import os
-import shutil
-import subprocess
-import sys
-import sysconfig
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "benchmarks", "fidelity.py")
-DATA_SCRIPT = os.path.join(ROOT, "benchmarks", "fidelity_data.py")
+from tests.benchmarks.conftest import load_benchmark, run_script
 
-spec = importlib.util.spec_from_file_location("fidelity", SCRIPT)
-fidelity = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(fidelity)
+fidelity = load_benchmark("fidelity")
+SCRIPT = fidelity.__file__
 
 
 @pytest.mark.parametrize("df, quantile", [(1, 12.706204736174707), (2, 4.302652729911275),
@@ -43,49 +35,10 @@ def test_paired_gap_on_known_numbers():
     assert fidelity.paired_gap({1: 1.0}, {2: 1.0}) is None
 
 
-def _run(*args, timeout=600):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=ROOT)
-
-
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    """Real text in one-file folders (each its own group): a few small standard-library modules."""
-    src = tmp_path_factory.mktemp("sources")
-    stdlib = sysconfig.get_paths()["stdlib"]
-    for name in ("this", "antigravity", "keyword", "bisect", "colorsys", "glob", "fnmatch", "stat", "heapq"):
-        os.makedirs(src / name)
-        shutil.copy(os.path.join(stdlib, f"{name}.py"), src / name)
-    out = tmp_path_factory.mktemp("data") / "fidelity_data"
-    proc = _run(DATA_SCRIPT, "--out", str(out), "--packages", "none", "--source-dir",
-                *sorted(str(p) for p in src.iterdir()), "--doc-dir", "--vocab-size", "400", "--valid-bytes", "1600",
-                "--max-group-fraction", "1", "--min-valid-tokens", "300", "--tokenizer-sentences", "2000",
-                "--workers", "1")
-    assert proc.returncode == 0, proc.stderr
-    return str(out)
-
-
-def test_data_split_is_by_file_and_fixed(tiny_data):
-    with open(os.path.join(tiny_data, "manifest.json")) as f:
-        m = json.load(f)
-    n_train, n_valid, n_test = map(int, m["split"].split(","))
-    assert (n_train, n_valid, n_test) == (m["train"]["documents"], m["valid"]["documents"], 0)
-    assert n_valid >= 1 and m["valid"]["tokens"] >= 300
-    with open(os.path.join(tiny_data, "files.tsv")) as f:
-        rows = [line.rstrip("\n").split("\t") for line in f][1:]
-    sides = {path: side for side, _, _, path in rows}
-    assert sorted(sides.values()).count("valid") == n_valid
-    groups = {}
-    for side, group, _, _ in rows:  # a group lies on one side only
-        groups.setdefault(group, set()).add(side)
-    assert all(len(s) == 1 for s in groups.values())
-
-
 @pytest.mark.slow
 def test_end_to_end_tiny(tiny_data, tmp_path):
     runs_json, grads_json, report_json = (str(tmp_path / n) for n in ("runs.json", "grads.json", "report.json"))
-    proc = _run(SCRIPT, "run", "--preset", "tiny", "--modes", "bf16", "coat", "--seeds", "1", "2", "--parallel", "4",
+    proc = run_script(SCRIPT, "run", "--preset", "tiny", "--modes", "bf16", "coat", "--seeds", "1", "2", "--parallel", "4",
                 "--data", tiny_data, "--time-budget", "500", "--workdir", str(tmp_path / "runs"),
                 "--save-checkpoint", "bf16:1", "--port-base", "29850", "--out", runs_json)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -106,10 +59,10 @@ def test_end_to_end_tiny(tiny_data, tmp_path):
     assert abs(first[("coat", 1)] - first[("bf16", 1)]) < 0.05 * first[("bf16", 1)]
 
     checkpoint = next(r["checkpoint"] for r in runs["runs"] if r.get("checkpoint"))
-    proc = _run(SCRIPT, "grads", "--checkpoint", checkpoint, "--data", tiny_data, "--modes", "coat",
+    proc = run_script(SCRIPT, "grads", "--checkpoint", checkpoint, "--data", tiny_data, "--modes", "coat",
                 "--batch-size", "2", "--out", grads_json)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = _run(SCRIPT, "report", runs_json, grads_json, "--out", report_json)
+    proc = run_script(SCRIPT, "report", runs_json, grads_json, "--out", report_json)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(report_json) as f:
         rep = json.load(f)
@@ -133,12 +86,12 @@ def test_end_to_end_tiny(tiny_data, tmp_path):
     other = str(tmp_path / "other.json")
     with open(other, "w") as f:
         json.dump(runs, f)
-    proc = _run(SCRIPT, "report", runs_json, other, "--out", str(tmp_path / "x.json"))
+    proc = run_script(SCRIPT, "report", runs_json, other, "--out", str(tmp_path / "x.json"))
     assert proc.returncode == 1 and proc.stderr.startswith("error:") and "data_id" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_missing_data_is_one_error_line(tmp_path):
-    proc = _run(SCRIPT, "run", "--preset", "tiny", "--data", str(tmp_path / "nothing"), "--out",
+    proc = run_script(SCRIPT, "run", "--preset", "tiny", "--data", str(tmp_path / "nothing"), "--out",
                 str(tmp_path / "x.json"))
     assert proc.returncode == 1 and proc.stderr.startswith("error: --data") and "Traceback" not in proc.stderr
