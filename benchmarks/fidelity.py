@@ -394,10 +394,12 @@ def grads(args) -> dict:
            "precision": "bf16 weights and activations" if torch.cuda.is_available() else "fp32 (CPU)",
            "reference": "bf16", "modes": {m: compare_gradients(found["bf16"], found[m]) for m in args.modes}}
     ms, vs = checkpoint_moments(resolve_tag_dir(args.checkpoint))
+    out["moments"] = None
     if ms:
-        out["moments"] = dict(measure_moments(ms, vs), source="the checkpoint's Adam moments (ZeRO flat partitions)")
-    else:
-        out["moments"] = None
+        q = measure_moments(ms, vs)
+        q["expansion_lowers_error"] = {fmt: {x: q[f"{fmt}_expand"][f"{x}_rel_mse"] < q[fmt][f"{x}_rel_mse"]
+                                             for x in ("m", "v")} for fmt in ("e4m3", "e5m2")}
+        out["moments"] = dict(q, source="the checkpoint's Adam moments (ZeRO flat partitions)")
     return out
 
 

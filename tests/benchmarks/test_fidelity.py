@@ -80,6 +80,10 @@ def test_end_to_end_tiny(tiny_data, tmp_path):
     moments = agreement["moments"]
     for variant in ("e4m3", "e5m2", "e4m3_expand", "e5m2_expand"):
         assert 0 < moments[variant]["m_rel_mse"] < 1 and 0 < moments[variant]["v_rel_mse"] < 1
+    for fmt in ("e4m3", "e5m2"):
+        for x in ("m", "v"):
+            assert moments["expansion_lowers_error"][fmt][x] == (
+                moments[f"{fmt}_expand"][f"{x}_rel_mse"] < moments[fmt][f"{x}_rel_mse"])
 
     # Runs of other data cannot be merged: one error line, no traceback.
     runs["data"]["data_id"] = "another"
