@@ -16,9 +16,10 @@ same seed in two modes is a pair. The validation range is exactly the held-out f
 `--split`) and the trainer's validation samples do not depend on the seed, so every run is evaluated on the
 same samples: the whole held-out set, rounded down to whole global batches. `--time-budget` stops launching runs
 that would not finish and tells running ones to stop in time (they are then recorded as incomplete and left out
-of the statistics), so one invocation fits one device call; `report` merges the JSON of several calls.
+of the statistics), so one invocation fits one device call; `report` merges the JSON of several calls (the
+statistics are benchmarks/fidelity_stats.py).
 
-`grads`: on one fixed held-out batch, the gradient of every parameter tensor under each mode against bf16 (same
+`grads` (benchmarks/fidelity_grads.py): on one fixed held-out batch, the gradient of every parameter tensor under each mode against bf16 (same
 weights, from a trained checkpoint): cosine similarity and relative error. The optimizer does not enter a
 gradient, so `coat` here is the COAT activation flow. Also the FP8 quantization error of that checkpoint's real
 Adam moments (as stored: ZeRO's flat fp32 partitions), E4M3/E5M2 with and without dynamic range expansion.
@@ -26,9 +27,8 @@ Adam moments (as stored: ZeRO's flat fp32 partitions), E4M3/E5M2 with and withou
 from __future__ import annotations
 
 import argparse
-import glob
+import importlib.util
 import json
-import math
 import os
 import platform
 import statistics
@@ -38,6 +38,19 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+
+def load_script(relpath: str):
+    """A module of benchmarks/ or tools/ (folders of scripts, not packages) by its path."""
+    name = "_" + relpath.replace("/", "_").removesuffix(".py")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, relpath))
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+stats = load_script("benchmarks/fidelity_stats.py")
 
 MODES = {
     "bf16": [],
@@ -59,69 +72,10 @@ PRESETS = {
     "tiny": dict(model=["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
                         "--num-attention-heads", "4"], seq=32, tokens=4 * 8 * 32, gbs=8, mbs=8, lr=1e-3, val_points=2),
 }
-TARGET_MEAN_PCT, TARGET_CI_PCT, TARGET_GRAD_COSINE = 0.25, 0.5, 0.98
 
 
 class UserError(Exception):
     """Bad input: printed as one `error:` line, exit status 1."""
-
-
-# --- statistics -------------------------------------------------------------------------------------------------
-def _betacf(a: float, b: float, x: float) -> float:
-    """Continued fraction of the regularized incomplete beta function (Lentz's method)."""
-    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 300):
-        m2 = 2 * m
-        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
-            d = 1.0 + aa * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + aa / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return h
-
-
-def student_t_cdf(t: float, df: float) -> float:
-    x = df / (df + t * t)
-    front = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - math.lgamma(0.5)
-                     + (df / 2) * math.log(x) + 0.5 * math.log1p(-x)) if 0 < x < 1 else 0.0
-    ib = front * _betacf(df / 2, 0.5, x) / (df / 2) if x < (df / 2 + 1) / (df / 2 + 2.5) else \
-        1.0 - front * _betacf(0.5, df / 2, 1 - x) / 0.5
-    return 1.0 - 0.5 * ib if t >= 0 else 0.5 * ib
-
-
-def student_t_quantile(p: float, df: float) -> float:
-    """The p-quantile of Student's t with df degrees of freedom (bisection on the CDF; p in (0.5, 1))."""
-    lo, hi = 0.0, 1.0
-    while student_t_cdf(hi, df) < p:
-        hi *= 2
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if student_t_cdf(mid, df) < p else (lo, mid)
-    return (lo + hi) / 2
-
-
-def paired_gap(mode_losses: dict[int, float], base_losses: dict[int, float]) -> dict | None:
-    """Relative gap (%) of a mode to the baseline over the seeds both finished: mean, std and the 95% t-interval of
-    the per-seed differences 100 * (mode - base) / base. None without a common seed; no interval with one."""
-    seeds = sorted(set(mode_losses) & set(base_losses))
-    if not seeds:
-        return None
-    diffs = [100.0 * (mode_losses[s] - base_losses[s]) / base_losses[s] for s in seeds]
-    mean = statistics.fmean(diffs)
-    out = {"seeds": seeds, "relative_gap_pct": diffs, "mean_pct": mean, "std_pct": None, "ci95_pct": None}
-    if len(diffs) >= 2:
-        std = statistics.stdev(diffs)
-        half = student_t_quantile(0.975, len(diffs) - 1) * std / math.sqrt(len(diffs))
-        out.update(std_pct=std, ci95_pct=[mean - half, mean + half],
-                   meets_target=abs(mean) <= TARGET_MEAN_PCT and -TARGET_CI_PCT <= mean - half
-                   and mean + half <= TARGET_CI_PCT)
-    return out
 
 
 # --- environment and data -------------------------------------------------------------------------------------
@@ -295,114 +249,6 @@ def run(args) -> dict:
             "runs": [r.result(plan["train_iters"]) for r in runs]}
 
 
-# --- gradients and moments ------------------------------------------------------------------------------------
-def fixed_batch(manifest: dict, seq: int, size: int):
-    """The first `size` samples of the held-out range, in file order (no shuffle): the same batch every time."""
-    import numpy as np
-    import torch
-
-    from megacoat.data.builders import split_ranges
-    from megacoat.data.gpt_dataset import GPTDataset
-    from megacoat.data.indexed_dataset import IndexedDataset
-
-    indexed = IndexedDataset(manifest["data_prefix"])
-    lo, hi = split_ranges(len(indexed), manifest["split"])[1]
-    ds = GPTDataset(indexed, lo, hi, seq, size, seed=0, name="fidelity_grads")
-    batch = torch.from_numpy(np.stack([ds[i] for i in range(size)]))
-    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-
-
-def mode_gradients(model_cfg, state: dict, mode: str, tokens, labels) -> dict:
-    """{parameter name: fp32 gradient} of the loss on (tokens, labels) with the checkpoint's weights in `mode`
-    ('fp32', 'bf16', 'fp8-linear' or 'coat'); bf16 and FP8 modes hold bf16 weights on CUDA, as the trainer does."""
-    import torch
-
-    from megacoat.fp8.config import FP8Config
-    from megacoat.fp8.convert import convert_to_fp8
-    from megacoat.model.gpt import GPT
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.float32 if mode == "fp32" or device.type == "cpu" else torch.bfloat16
-    with torch.device(device):
-        model = GPT(model_cfg)
-    model.load_state_dict(state)
-    if mode not in ("fp32", "bf16"):
-        model = convert_to_fp8(model, FP8Config(mode=mode))
-    model = model.to(device=device, dtype=dtype)
-    loss = model(tokens.to(device), labels.to(device))
-    loss.backward()
-    return {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
-
-
-def compare_gradients(ref: dict, other: dict) -> dict:
-    per = {}
-    for name, g in ref.items():
-        h = other[name]
-        gn, hn = float(g.norm()), float(h.norm())
-        per[name] = {"cosine": float((g * h).sum() / (gn * hn)) if gn and hn else float("nan"),
-                     "relative_error": float((h - g).norm()) / gn if gn else float("nan")}
-    block = {n: v for n, v in per.items() if n.startswith("layers.")}
-    worst = min(block, key=lambda n: block[n]["cosine"]) if block else None
-    below = sorted(n for n, v in block.items() if not v["cosine"] >= TARGET_GRAD_COSINE)
-    return {"per_tensor": per, "block_min_cosine": block[worst]["cosine"] if worst else None,
-            "block_min_cosine_tensor": worst,
-            "block_median_relative_error": statistics.median(v["relative_error"] for v in block.values())
-            if block else None, "block_tensors_below_target": below, "meets_target": not below}
-
-
-def checkpoint_moments(tag_dir: str):
-    """Every (exp_avg, exp_avg_sq) pair in the checkpoint's optimizer files, as the optimizer holds them."""
-    import torch
-
-    ms, vs = [], []
-
-    def walk(obj):
-        if isinstance(obj, dict):
-            if torch.is_tensor(obj.get("exp_avg")) and torch.is_tensor(obj.get("exp_avg_sq")):
-                ms.append(obj["exp_avg"].float().reshape(-1))
-                vs.append(obj["exp_avg_sq"].float().reshape(-1))
-            for v in obj.values():
-                walk(v)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                walk(v)
-
-    for path in sorted(glob.glob(os.path.join(tag_dir, "*optim_states.pt"))):
-        walk(torch.load(path, map_location="cpu", weights_only=False))
-    return ms, vs
-
-
-def grads(args) -> dict:
-    import torch
-
-    from benchmarks.fp8_quant_error import measure_moments
-    from tools.convert_to_hf import load_megacoat_checkpoint, resolve_tag_dir
-
-    manifest = load_manifest(args.data)
-    try:
-        model_cfg, state, meta = load_megacoat_checkpoint(args.checkpoint)
-    except (FileNotFoundError, ValueError) as e:
-        raise UserError(f"--checkpoint: {e}") from None
-    tokens, labels = fixed_batch(manifest, model_cfg.seq_length, args.batch_size)
-    found = {}
-    for mode in ["bf16", *args.modes]:
-        torch.manual_seed(0)
-        found[mode] = mode_gradients(model_cfg, state, mode, tokens, labels)
-    out = {"kind": "fidelity_gradients", "environment": environment(), "checkpoint": args.checkpoint,
-           "checkpoint_iteration": meta.get("iteration"), "data_id": manifest["data_id"],
-           "batch": {"samples": args.batch_size, "seq_length": model_cfg.seq_length, "source": "held-out, file order"},
-           "precision": "bf16 weights and activations" if torch.cuda.is_available() else "fp32 (CPU)",
-           "reference": "bf16", "modes": {m: compare_gradients(found["bf16"], found[m]) for m in args.modes}}
-    ms, vs = checkpoint_moments(resolve_tag_dir(args.checkpoint))
-    out["moments"] = None
-    if ms:
-        q = measure_moments(ms, vs)
-        q["expansion_lowers_error"] = {fmt: {x: q[f"{fmt}_expand"][f"{x}_rel_mse"] < q[fmt][f"{x}_rel_mse"]
-                                             for x in ("m", "v")} for fmt in ("e4m3", "e5m2")}
-        out["moments"] = dict(q, source="the checkpoint's Adam moments (ZeRO flat partitions)")
-    return out
-
-
 # --- report ---------------------------------------------------------------------------------------------------------
 def report(paths: list[str]) -> dict:
     runs_files, grads_files = [], []
@@ -450,13 +296,13 @@ def report(paths: list[str]) -> dict:
         modes[mode] = {"seeds": sorted(finals[mode]), "final_val_loss": finals[mode],
                        "mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else None}
         if mode != "bf16" and "bf16" in finals:
-            modes[mode]["gap_to_bf16"] = paired_gap(finals[mode], finals["bf16"])
+            modes[mode]["gap_to_bf16"] = stats.paired_gap(finals[mode], finals["bf16"])
     devices = sorted({doc["environment"]["device"] for _, doc in runs_files})
     return {"kind": "fidelity_report", "inputs": paths, "devices": devices,
             "environment": first["environment"], "plan": first["plan"], "data": first["data"],
             "common_flags": first["common_flags"],
-            "targets": {"gap_mean_within_pct": TARGET_MEAN_PCT, "gap_ci95_within_pct": TARGET_CI_PCT,
-                        "block_gradient_cosine_at_least": TARGET_GRAD_COSINE},
+            "targets": {"gap_mean_within_pct": stats.TARGET_MEAN_PCT, "gap_ci95_within_pct": stats.TARGET_CI_PCT,
+                        "block_gradient_cosine_at_least": stats.TARGET_GRAD_COSINE},
             "modes": modes, "gradient_agreement": [doc for _, doc in grads_files],
             "runs": runs,
             "not_counted": [f"{r['mode']} seed {r['seed']}: {r['status']}" for r in runs if r["status"] != "ok"]}
@@ -550,7 +396,12 @@ def main(argv=None) -> int:
         elif args.what == "grads":
             if args.batch_size < 1:
                 raise UserError("--batch-size must be positive")
-            result = grads(args)
+            manifest = load_manifest(args.data)
+            try:
+                result = load_script("benchmarks/fidelity_grads.py").gradient_agreement(
+                    args.checkpoint, manifest, args.modes, args.batch_size, environment())
+            except (FileNotFoundError, ValueError) as e:
+                raise UserError(f"--checkpoint {args.checkpoint}: {e}") from None
         else:
             result = report(args.inputs)
     except UserError as e:
