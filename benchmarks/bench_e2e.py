@@ -1,4 +1,5 @@
-"""End-to-end speed and convergence: the same model trained in each mode, every run a separate process.
+"""End-to-end speed: the same model trained in each mode, every run a separate process. Loss fidelity (several
+seeds, a fixed held-out set, confidence intervals) is benchmarks/fidelity.py.
 
 Modes (`--modes`; `MODE+compile` compiles each transformer block, torchtitan-style):
   bf16, fp8-linear, coat, coat-lean   pretrain_gpt.py: BF16; FP8 GEMMs with BF16 activations; CoatAdamW + the FP8
@@ -13,8 +14,6 @@ Modes (`--modes`; `MODE+compile` compiles each transformer block, torchtitan-sty
         --modes bf16+compile plain-llama torchao-float8 coat coat+compile
     # the largest micro-batch of each mode
     python benchmarks/bench_e2e.py speed --micro-batch-size 8 --search 8,12,16,24 --modes bf16+compile coat+compile
-    # convergence on real text, ~125 M model
-    python benchmarks/bench_e2e.py convergence --data-path shards/text --tokenizer-model tok.model --tokens 20e6
 
 Speed method: each point (mode, micro-batch) runs --repeats times, each in its own process, repeats interleaved
 with the other modes so that a drift of the machine spreads over all of them. A run trains --warmup iterations
@@ -64,8 +63,6 @@ MODEL_1P3B = ["--num-layers", "24", "--hidden-size", "2048", "--ffn-hidden-size"
               "--seq-length", "2048", "--vocab-size", "32000"]
 MODEL_TINY = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256", "--num-attention-heads", "4",
               "--seq-length", "64", "--vocab-size", "256"]  # a CPU smoke test of this script
-MODEL_125M = ["--num-layers", "12", "--hidden-size", "768", "--ffn-hidden-size", "2048", "--num-attention-heads", "12",
-              "--seq-length", "1024"]
 
 
 def mode_spec(spec: str) -> str:
@@ -312,54 +309,6 @@ def speed(args) -> dict:
     return out
 
 
-def convergence(args) -> dict:
-    iters = int(float(args.tokens) // (args.global_batch_size * 1024))
-    common = MODEL_125M + ["--vocab-size", str(args.vocab_size), "--data-path", *args.data_path,
-                           "--tokenizer-model", args.tokenizer_model, "--split", "98,2,0",
-                           "--micro-batch-size", str(args.micro_batch_size),
-                           "--global-batch-size", str(args.global_batch_size), "--train-iters", str(iters),
-                           "--lr", "6e-4", "--min-lr", "6e-5", "--lr-warmup-iters", str(max(iters // 50, 10)),
-                           "--log-interval", str(args.log_interval), "--eval-interval", str(args.eval_interval),
-                           "--eval-iters", "10", "--zero-stage", "1"]
-    out = {"environment": environment(), "model": "12 layers, hidden 768, ffn 2048, seq 1024",
-           "tokens": iters * args.global_batch_size * 1024, "runs": {}}
-    for spec in args.modes:
-        script, flags = mode_command(spec)
-        missing = torchao_missing(spec)
-        r = {"ok": False, "skipped": missing} if missing else run_pretrain(common + flags, args.timeout, script=script)
-        if r["ok"]:
-            r.update(throughput(r.pop("records")))
-        out["runs"][spec] = r
-        print(spec, r.get("val_losses", [])[-1:] or r.get("error") or r.get("skipped"), flush=True)
-        save(out, args.path)
-    runs = {spec.partition("+")[0]: r for spec, r in out["runs"].items()}
-    if all(runs.get(m, {}).get("ok") for m in ("bf16", "coat")):
-        b, c = runs["bf16"]["val_losses"][-1][1], runs["coat"]["val_losses"][-1][1]
-        out["final_val_loss"] = {"bf16": b, "coat": c, "coat_relative_gap": (c - b) / b}
-    return out
-
-
-def plot_convergence(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for mode, run in result["runs"].items():
-        if run.get("ok") and run["val_losses"]:
-            xs, ys = zip(*run["val_losses"])
-            ax.plot(xs, ys, marker="o", label=f"{mode} (validation)")
-            xs, ys = zip(*run["losses"])
-            ax.plot(xs, ys, alpha=0.3, label=f"{mode} (train)")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("loss")
-    ax.set_title(f"{result['model']}, {result['tokens'] / 1e6:.0f}M tokens")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -379,16 +328,7 @@ def main() -> None:
                         "(not timed): GPU-busy fraction, kernels per step and layer, top operators")
     s.add_argument("--traces", default=None, metavar="DIR",
                    help="with --profile, keep each profiled run's Chrome trace as DIR/<mode>_mb<N>_zero<S>.json.gz")
-    c = sub.add_parser("convergence")
-    c.add_argument("--data-path", nargs="+", required=True)
-    c.add_argument("--tokenizer-model", required=True)
-    c.add_argument("--vocab-size", type=int, default=4096)
-    c.add_argument("--tokens", default="20e6")
-    c.add_argument("--micro-batch-size", type=int, default=16)
-    c.add_argument("--global-batch-size", type=int, default=32)
-    c.add_argument("--log-interval", type=int, default=20)
-    c.add_argument("--eval-interval", type=int, default=100)
-    for q, default in ((s, ["bf16+compile", "fp8-linear", "coat", "coat+compile"]), (c, ["bf16+compile", "coat"])):
+    for q, default in ((s, ["bf16+compile", "fp8-linear", "coat", "coat+compile"]),):
         q.add_argument("--modes", nargs="+", type=mode_spec, default=default, metavar="MODE[+compile]",
                        help=f"modes: {', '.join(MODES)}; +compile compiles each block ({', '.join(ALWAYS_COMPILED)} "
                             "always are)")
@@ -405,14 +345,10 @@ def main() -> None:
             if getattr(args, name) % args.log_interval:
                 p.error(f"--{name} ({getattr(args, name)}) must be a multiple of --log-interval "
                         f"({args.log_interval}): the timed window is made of whole log intervals")
-    elif "plain-llama" in args.modes:
-        p.error("--modes plain-llama: its tokens are random; convergence needs the trainer's data")
     args.path = args.out or os.path.join(RESULTS, f"bench_e2e_{args.what}.json")
-    result = speed(args) if args.what == "speed" else convergence(args)
+    result = speed(args)
     save(result, args.path)
     print("wrote", args.path)
-    if args.what == "convergence":
-        plot_convergence(result, args.path.replace(".json", ".png"))
 
 
 if __name__ == "__main__":

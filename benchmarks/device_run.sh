@@ -24,7 +24,11 @@
 #   e2e-eager   (~8 min, 1 GPU) the same, FP8 modes eager (compiled bf16 as the baseline)       issue 10 (a)
 #   e2e-search  (~9 min, 1 GPU) the largest micro-batch of the modes named after it (default: bf16 coat;
 #               a second call with fp8-linear)                                                  issue 10 (b)
-#   convergence (~9 min, 1 GPU) 125 M model, bf16 vs coat, 20 M tokens of real text             issue 10
+#   fidelity PRESET NAME MODE:SEED... (<= 9.5 min, 1 GPU) benchmarks/fidelity.py: the named runs of one preset
+#               (125m, 350m, ablation) at once on the GPU, within the call's time; GRADS=1 keeps the first run's
+#               checkpoint (make it a bf16 run) and measures gradient agreement and moment error on it. The text
+#               (benchmarks/fidelity_data.py) and the CoatAdamW build are cached under .cache/ while the machine
+#               stays warm (~2-3 min on a fresh one). Merge the calls' JSON with fidelity.py report   issue 19
 #   quality     (~6 min, 1 GPU) CoatAdamW vs AdamW on a larger model; coat vs bf16 300 steps    issues 5, 6
 #   parallel2   (~9 min, nvidia-h200-x2) TP=2, PP=2, DP=2 x bf16/coat, 1.3 B model              issue 8
 #   parallel4   (~9 min, nvidia-h200-x4) TP2xPP2, TP2xDP2 x bf16/coat, 7 B model, micro-batch 1  issue 11
@@ -119,20 +123,26 @@ e2e-search)
     step e2e_search 570 $E2E_QUICK --micro-batch-size 8 --search 8,12,16,24 --modes $SPECS \
         --out "$OUT/bench_e2e_speed_search_${MODES// /_}.json"
     ;;
-convergence)
-    # Real text beyond the default corpus (3.7 M tokens would be repeated 5 times): the Python sources of the
-    # machine's `transformers` package (~20 M tokens), tokenized with the default corpus's tokenizer.
-    python3 - <<'EOF' > "$LOGS/corpus.txt" 2>&1
-from megacoat.data.default_corpus import prepare_default_corpus
-c = prepare_default_corpus(workers=12)
-open("/tmp/corpus_tokenizer", "w").write(c.tokenizer_model + "\n")
-EOF
-    read -r TOK < /tmp/corpus_tokenizer || { echo "corpus preparation failed"; cat "$LOGS/corpus.txt"; exit 1; }
-    TF=$(python3 -c "import os, transformers; print(os.path.dirname(transformers.__file__))")/models
-    step preprocess 180 python3 tools/preprocess_data.py --input "$TF" --output-prefix /tmp/conv/tf \
-        --tokenizer-model "$TOK" --workers 14 --no-progress
-    step convergence 420 python3 benchmarks/bench_e2e.py convergence --data-path /tmp/conv/tf --tokenizer-model "$TOK" \
-        --tokens 20e6 --modes bf16+compile coat --timeout 200 --out "$OUT/bench_e2e_convergence.json"
+fidelity)
+    PRESET=${2:?fidelity needs PRESET NAME MODE:SEED...}; NAME=${3:?fidelity needs a NAME for the JSON}
+    RUNS=("${@:4}")
+    [ ${#RUNS[@]} -gt 0 ] || { echo "fidelity needs at least one MODE:SEED run"; exit 2; }
+    export TORCH_EXTENSIONS_DIR=$PWD/.cache/ext  # kept between calls while the machine stays warm
+    step fidelity_data 300 python3 benchmarks/fidelity_data.py --out .cache/fidelity_data --workers 14
+    cp .cache/fidelity_data/manifest.json "$OUT/fidelity_data_manifest.json" || exit 1
+    GRADS_S=0; SAVE=()
+    if [ "${GRADS:-0}" = 1 ]; then GRADS_S=60; SAVE=(--save-checkpoint "${RUNS[0]}"); fi
+    BUDGET=$((565 - SECONDS - GRADS_S))
+    step fidelity_run $((BUDGET + 40)) python3 benchmarks/fidelity.py run --preset "$PRESET" --runs "${RUNS[@]}" \
+        --parallel ${#RUNS[@]} --data .cache/fidelity_data --time-budget $BUDGET "${SAVE[@]}" \
+        --out "$OUT/fidelity_${PRESET}_${NAME}.json"
+    if [ "${GRADS:-0}" = 1 ]; then
+        R=${RUNS[0]}
+        step fidelity_grads 80 python3 benchmarks/fidelity.py grads --data .cache/fidelity_data \
+            --checkpoint ".cache/fidelity_runs/${R%%:*}_s${R##*:}/checkpoint" --out "$OUT/fidelity_${PRESET}_grads.json"
+    fi
+    python3 benchmarks/fidelity.py report "$OUT/fidelity_${PRESET}_${NAME}.json" --out /tmp/fidelity_report.json \
+        2>&1 | tail -n 12
     ;;
 quality)
     step optimizer_quality 300 python3 benchmarks/optimizer_quality.py --name larger_gpu --out-dir "$OUT" \

@@ -38,8 +38,11 @@ def split_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
 
 def build_train_valid_test_datasets(data_config: DataConfig, seq_length: int, train_samples: int,
                                     valid_samples: int, test_samples: int, seed: int, *,
-                                    vocab_size: int | None = None):
+                                    vocab_size: int | None = None, eval_seed: int | None = None):
     """(train, valid, test); a split asked for 0 samples is None. Items are int64 arrays of seq_length + 1.
+
+    `seed` orders the training samples; `eval_seed` (default: `seed`) the validation and test samples, so that
+    runs of different seeds can be evaluated on exactly the same batches.
 
     With several --data-path prefixes each one is split by --split and the splits are blended by weight.
     A split that is asked for samples but has too little data raises, naming the prefix and split.
@@ -47,10 +50,11 @@ def build_train_valid_test_datasets(data_config: DataConfig, seq_length: int, tr
     wanted = (train_samples, valid_samples, test_samples)
     if any(n < 0 for n in wanted):
         raise ValueError(f"sample counts must be >= 0, got {wanted}")
+    eval_seed = seed if eval_seed is None else eval_seed
     if data_config.mock_data:
         if vocab_size is None:
             raise ValueError("mock data needs vocab_size= (the model's vocabulary)")
-        return tuple(MockGPTDataset(n, seq_length, vocab_size, seed + i, name) if n else None
+        return tuple(MockGPTDataset(n, seq_length, vocab_size, (eval_seed if i else seed) + i, name) if n else None
                      for i, (n, name) in enumerate(zip(wanted, SPLIT_NAMES)))
     if not data_config.data_path:
         raise ValueError("no --data-path given: pass shard prefixes, --mock-data, or use "
@@ -81,7 +85,7 @@ def build_train_valid_test_datasets(data_config: DataConfig, seq_length: int, tr
                 raise ValueError(f"--split {data_config.split}: the {name} split of {ds.prefix!r} gets none of its "
                                  f"{len(ds)} documents; give it a larger share (e.g. --split 90,10,0){hint}")
             # Every component gets at least one sample so that a small request still validates all of them.
-            parts.append(GPTDataset(ds, lo, hi, seq_length, max(int(count), 1), seed,
+            parts.append(GPTDataset(ds, lo, hi, seq_length, max(int(count), 1), seed if s == 0 else eval_seed,
                                     cache_dir=cache_dir, name=name))
         out.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, n))
     return tuple(out)

@@ -68,6 +68,11 @@ def resolve_data(cfg: MegacoatConfig, logger: TrainingLogger) -> MegacoatConfig:
     return replace(cfg, data=data)
 
 
+# The validation samples do not depend on --seed: runs of different seeds are evaluated on the same batches, so
+# their validation losses differ only by what training did.
+VALIDATION_SEED = 0
+
+
 def build_data(cfg: MegacoatConfig):
     from megacoat.data import build_train_valid_test_datasets
 
@@ -77,7 +82,7 @@ def build_data(cfg: MegacoatConfig):
         cfg.data, cfg.model.seq_length,
         train_samples=t.train_iters * t.global_batch_size,
         valid_samples=t.eval_iters * t.global_batch_size if evals else 0,
-        test_samples=0, seed=t.seed, vocab_size=cfg.model.vocab_size)
+        test_samples=0, seed=t.seed, vocab_size=cfg.model.vocab_size, eval_seed=VALIDATION_SEED)
 
 
 def max_memory_bytes(device: torch.device) -> int:

@@ -67,6 +67,17 @@ def test_blended_train_valid_test(two_corpora, tmp_path):
     assert all(np.array_equal(train[i], again[i]) for i in range(0, 2000, 97))
 
 
+def test_eval_seed_fixes_validation_samples_across_training_seeds(two_corpora, tmp_path):
+    a, _ = two_corpora
+    cfg = DataConfig(data_path=[a], split="80,20", cache_dir=str(tmp_path / "cache"))
+    runs = [build_train_valid_test_datasets(cfg, 16, 200, 50, 0, seed=s, eval_seed=0) for s in (1, 2)]
+    (train1, valid1, _), (train2, valid2, _) = runs
+    assert all(np.array_equal(valid1[i], valid2[i]) for i in range(50))
+    assert not all(np.array_equal(train1[i], train2[i]) for i in range(200))
+    default = build_train_valid_test_datasets(cfg, 16, 200, 50, 0, seed=2)[1]  # eval_seed defaults to seed
+    assert not all(np.array_equal(default[i], valid1[i]) for i in range(50))
+
+
 def test_unweighted_prefixes_blend_by_size(two_corpora):
     a, b = two_corpora
     cfg = DataConfig(data_path=[a, b], split="1")

@@ -1,0 +1,429 @@
+"""Loss fidelity of the FP8 modes against BF16: the same model, data and schedule trained by `pretrain_gpt.py`
+in several modes over several seeds, the final validation loss on one fixed held-out set, and the gap to bf16
+with a 95% confidence interval from seed-paired differences.
+
+    python benchmarks/fidelity_data.py --out .cache/fidelity_data                       # the text, once
+    python benchmarks/fidelity.py run --preset 125m --modes bf16 coat --seeds 1 --parallel 2 \\
+        --data .cache/fidelity_data --time-budget 500 --out benchmarks/results/fidelity_125m_s1.json
+    python benchmarks/fidelity.py grads --checkpoint RUNDIR/bf16_s1/checkpoint --data .cache/fidelity_data \\
+        --out benchmarks/results/fidelity_125m_grads.json
+    python benchmarks/fidelity.py report benchmarks/results/fidelity_125m_s*.json fidelity_125m_grads.json \\
+        --out benchmarks/results/fidelity_125m.json                                     # + .png
+
+`run`: every (mode, seed) is its own `pretrain_gpt.py` process, `--parallel N` of them at once on one GPU, each
+with its own MASTER_PORT and folder. The seed sets both the initial weights and the training data order, so the
+same seed in two modes is a pair. The validation range is exactly the held-out files (the data manifest's
+`--split`) and the trainer's validation samples do not depend on the seed, so every run is evaluated on the
+same samples: the whole held-out set, rounded down to whole global batches. `--time-budget` stops launching runs
+that would not finish and tells running ones to stop in time (they are then recorded as incomplete and left out
+of the statistics), so one invocation fits one device call; `report` merges the JSON of several calls (the
+statistics are benchmarks/fidelity_stats.py).
+
+`grads` (benchmarks/fidelity_grads.py): on one fixed held-out batch, the gradient of every parameter tensor under each mode against bf16 (same
+weights, from a trained checkpoint): cosine similarity and relative error. The optimizer does not enter a
+gradient, so `coat` here is the COAT activation flow. Also the FP8 quantization error of that checkpoint's real
+Adam moments (as stored: ZeRO's flat fp32 partitions), E4M3/E5M2 with and without dynamic range expansion.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def load_script(relpath: str):
+    """A module of benchmarks/ or tools/ (folders of scripts, not packages) by its path."""
+    name = "_" + relpath.replace("/", "_").removesuffix(".py")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, relpath))
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+stats = load_script("benchmarks/fidelity_stats.py")
+
+MODES = {
+    "bf16": [],
+    "coat": ["--coat-fp8"],
+    "fp8-optimizer": ["--fp8-optimizer"],
+    "fp8-activations": ["--fp8-activations", "coat"],
+    "fp8-linear": ["--fp8-activations", "fp8-linear"],
+    "coat-no-expansion": ["--coat-fp8", "--fp8-no-expansion"],
+    "coat-v-e5m2": ["--coat-fp8", "--fp8-v-dtype", "e5m2"],
+}
+MODEL_125M = ["--num-layers", "12", "--hidden-size", "768", "--ffn-hidden-size", "2048", "--num-attention-heads", "12"]
+MODEL_350M = ["--num-layers", "24", "--hidden-size", "1024", "--ffn-hidden-size", "2816", "--num-attention-heads", "16"]
+PRESETS = {
+    # model flags, sequence length, tokens per run, global/micro batch, peak LR, validation points per run
+    "125m": dict(model=MODEL_125M, seq=1024, tokens=50e6, gbs=32, mbs=16, lr=6e-4, val_points=4),
+    "350m": dict(model=MODEL_350M, seq=1024, tokens=30e6, gbs=32, mbs=16, lr=3e-4, val_points=4),
+    "ablation": dict(model=MODEL_125M, seq=1024, tokens=20e6, gbs=32, mbs=16, lr=6e-4, val_points=2),
+    # a CPU check of this script (tests/benchmarks/test_fidelity.py), not a measurement
+    "tiny": dict(model=["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+                        "--num-attention-heads", "4"], seq=32, tokens=4 * 8 * 32, gbs=8, mbs=8, lr=1e-3, val_points=2),
+}
+
+
+class UserError(Exception):
+    """Bad input: printed as one `error:` line, exit status 1."""
+
+
+# --- environment and data -------------------------------------------------------------------------------------
+def environment() -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": "cpu"}
+    for name in ("deepspeed", "triton"):
+        try:
+            env[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    if torch.cuda.is_available():
+        env.update(device=torch.cuda.get_device_name(), cuda=torch.version.cuda)
+    return env
+
+
+def load_manifest(data_dir: str) -> dict:
+    path = os.path.join(data_dir, "manifest.json")
+    if not os.path.isfile(path):
+        raise UserError(f"--data {data_dir}: no manifest.json (build it with benchmarks/fidelity_data.py)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def eval_iters_for(manifest: dict, seq: int, gbs: int) -> tuple[int, int]:
+    """(eval iterations, held-out tokens they cover): one pass over the held-out samples in whole global batches."""
+    samples = (manifest["valid"]["tokens"] - 1) // seq
+    iters = samples // gbs
+    if iters < 1:
+        raise UserError(f"the held-out set ({manifest['valid']['tokens']} tokens) is smaller than one global batch "
+                        f"of {gbs} x {seq} tokens")
+    return iters, iters * gbs * seq
+
+
+def run_plan(preset: str, manifest: dict, on_cuda: bool, compile_: bool) -> tuple[list[str], dict]:
+    """The pretrain_gpt.py flags every mode shares, and a description of them for the JSON."""
+    p = PRESETS[preset]
+    iters = max(int(p["tokens"] // (p["gbs"] * p["seq"])), 1)
+    eval_iters, eval_tokens = eval_iters_for(manifest, p["seq"], p["gbs"])
+    flags = [*p["model"], "--seq-length", str(p["seq"]), "--vocab-size", str(manifest["vocab_size"]),
+             "--data-path", manifest["data_prefix"], "--split", manifest["split"],
+             "--tokenizer-model", manifest["tokenizer_model"],
+             "--micro-batch-size", str(p["mbs"]), "--global-batch-size", str(p["gbs"]), "--train-iters", str(iters),
+             "--lr", str(p["lr"]), "--min-lr", str(p["lr"] / 10), "--lr-warmup-iters", str(max(iters // 50, 2)),
+             "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0",
+             "--log-interval", str(max(iters // 100, 1)), "--eval-interval", str(max(iters // p["val_points"], 1)),
+             "--eval-iters", str(eval_iters), "--zero-stage", "1", "--bf16" if on_cuda else "--fp32"]
+    if compile_:
+        flags.append("--compile")
+    desc = {"preset": preset, **{k: v for k, v in p.items() if k != "model"}, "model_flags": p["model"],
+            "train_iters": iters, "tokens_per_run": iters * p["gbs"] * p["seq"], "eval_iters": eval_iters,
+            "eval_tokens": eval_tokens, "held_out_tokens": manifest["valid"]["tokens"],
+            "compile": compile_, "precision": "bf16" if on_cuda else "fp32"}
+    return flags, desc
+
+
+# --- run ----------------------------------------------------------------------------------------------------------
+def parse_log(path: str) -> dict:
+    records = [json.loads(line) for line in open(path)] if os.path.isfile(path) else []
+    train = [r for r in records if "loss" in r]
+    steady = train[1:] or train
+    return {"train_loss": [(r["iteration"], r["loss"]) for r in train],
+            "val_loss": [(r["iteration"], r["val_loss"]) for r in records if "val_loss" in r],
+            "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in steady) if steady else None,
+            "max_memory_gib": max((r["max_memory_bytes"] for r in train), default=0) / 2**30}
+
+
+class Run:
+    """One pretrain_gpt.py process: launched, polled, then summarised."""
+
+    def __init__(self, mode: str, seed: int, folder: str, flags: list[str], port: int, save: bool):
+        self.mode, self.seed, self.folder, self.port = mode, seed, folder, port
+        os.makedirs(folder, exist_ok=True)
+        self.log = os.path.join(folder, "log.jsonl")
+        if os.path.exists(self.log):
+            os.remove(self.log)
+        self.checkpoint = os.path.join(folder, "checkpoint") if save else None
+        self.argv = [*flags, *MODES[mode], "--seed", str(seed), "--log-json", self.log]
+        if save:
+            self.argv += ["--save", self.checkpoint]
+        self.proc, self.started, self.wall = None, None, None
+
+    def launch(self, stop_after_s: float) -> None:
+        env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port))
+        argv = self.argv + ["--exit-duration-in-mins", f"{max(stop_after_s, 30) / 60:.3f}"]
+        self.stdout = open(os.path.join(self.folder, "stdout.txt"), "w")
+        self.started = time.time()
+        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv], cwd=ROOT,
+                                     env=env, stdout=self.stdout, stderr=subprocess.STDOUT)
+        print(f"[{time.strftime('%H:%M:%S')}] start {self.mode} seed {self.seed} (port {self.port})", flush=True)
+
+    def poll(self, kill_at: float) -> bool:
+        if self.proc.poll() is None and time.time() > kill_at:
+            self.proc.kill()
+        if self.proc.poll() is None:
+            return False
+        self.wall = time.time() - self.started
+        self.stdout.close()
+        return True
+
+    def result(self, train_iters: int) -> dict:
+        out = {"mode": self.mode, "seed": self.seed, "flags": MODES[self.mode], "argv": self.argv,
+               "folder": self.folder, "wall_s": self.wall}
+        if self.proc is None:
+            return dict(out, status="not_started", final_val_loss=None)
+        out.update(parse_log(self.log))
+        last = out["train_loss"][-1][0] if out["train_loss"] else 0
+        final = [v for it, v in out["val_loss"] if it == train_iters]
+        if self.proc.returncode != 0:
+            with open(os.path.join(self.folder, "stdout.txt"), errors="replace") as f:
+                out.update(status="failed", error=f.read()[-3000:], final_val_loss=None)
+        elif last < train_iters or not final:
+            out.update(status="incomplete", final_val_loss=None)
+        else:
+            out.update(status="ok", final_val_loss=final[0])
+        if self.checkpoint and out["status"] == "ok":
+            out["checkpoint"] = self.checkpoint
+        return out
+
+
+def parse_run(item: str, flag: str) -> tuple[str, int]:
+    mode, _, seed = item.partition(":")
+    if mode not in MODES or not seed.isdigit():
+        raise UserError(f"{flag} {item}: expected MODE:SEED with MODE one of {list(MODES)}")
+    return mode, int(seed)
+
+
+def run(args) -> dict:
+    import torch
+
+    start = time.time()
+    deadline = start + args.time_budget
+    manifest = load_manifest(args.data)
+    flags, plan = run_plan(args.preset, manifest, torch.cuda.is_available(), args.compile)
+    # seed-major: the runs of one seed (a pair) start together
+    pairs = ([parse_run(item, "--runs") for item in args.runs] if args.runs
+             else [(m, s) for s in args.seeds for m in args.modes])
+    if len(set(pairs)) != len(pairs):
+        raise UserError(f"a run is named twice: {pairs}")
+    save = {parse_run(item, "--save-checkpoint") for item in args.save_checkpoint}
+    if save - set(pairs):
+        raise UserError(f"--save-checkpoint {sorted(save - set(pairs))}: not a run of this invocation")
+    runs = [Run(m, s, os.path.join(args.workdir, f"{m}_s{s}"), flags, args.port_base + i, (m, s) in save)
+            for i, (m, s) in enumerate(pairs)]
+    queue, running, done = list(runs), [], []
+    while queue or running:
+        while queue and len(running) < args.parallel:
+            left = deadline - time.time()
+            longest = max((r.wall for r in done if r.wall), default=0.0)
+            if left < args.min_run_s or longest > left:
+                break
+            r = queue.pop(0)
+            r.launch(left - args.stop_margin_s)
+            running.append(r)
+        if not running:
+            break
+        time.sleep(1.0)
+        for r in [r for r in running if r.poll(deadline + 30)]:
+            running.remove(r)
+            done.append(r)
+            res = r.result(plan["train_iters"])
+            print(f"[{time.strftime('%H:%M:%S')}] {r.mode} seed {r.seed}: {res['status']}, final validation loss "
+                  f"{res['final_val_loss']}, {r.wall:.0f} s", flush=True)
+    return {"kind": "fidelity_runs", "environment": environment(), "plan": plan, "common_flags": flags,
+            "data": {k: manifest[k] for k in ("data_id", "split", "vocab_size", "train", "valid", "sources")},
+            "parallel": args.parallel, "time_budget_s": args.time_budget, "wall_s": time.time() - start,
+            "runs": [r.result(plan["train_iters"]) for r in runs]}
+
+
+# --- report ---------------------------------------------------------------------------------------------------------
+def report(paths: list[str]) -> dict:
+    runs_files, grads_files = [], []
+    for path in paths:
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"{path}: cannot read ({e})") from None
+        kind = doc.get("kind") if isinstance(doc, dict) else None
+        if kind == "fidelity_runs":
+            runs_files.append((path, doc))
+        elif kind == "fidelity_gradients":
+            grads_files.append((path, doc))
+        else:
+            raise UserError(f"{path}: not a fidelity.py run or grads JSON (kind {kind!r})")
+    if not runs_files:
+        raise UserError("report needs at least one JSON written by 'fidelity.py run'")
+    first_path, first = runs_files[0]
+    for path, doc in runs_files[1:]:
+        for key, a, b in (("data_id", first["data"]["data_id"], doc["data"]["data_id"]),
+                          ("plan", first["plan"], doc["plan"])):
+            if a != b:
+                raise UserError(f"{path} and {first_path} differ in {key}: runs of different data or schedule "
+                                f"cannot be compared")
+    for path, doc in grads_files:
+        if doc["data_id"] != first["data"]["data_id"]:
+            raise UserError(f"{path}: gradients measured on data {doc['data_id']}, runs on {first['data']['data_id']}")
+    runs, seen = [], {}
+    for path, doc in runs_files:
+        for r in doc["runs"]:
+            key = (r["mode"], r["seed"])
+            if r["status"] == "ok" and key in seen:
+                raise UserError(f"{r['mode']} seed {r['seed']} finished in both {seen[key]} and {path}")
+            if r["status"] == "ok":
+                seen[key] = path
+            runs.append(dict(r, source=path))
+    finals: dict[str, dict[int, float]] = {}
+    for r in runs:
+        if r["status"] == "ok":
+            finals.setdefault(r["mode"], {})[r["seed"]] = r["final_val_loss"]
+    modes = {}
+    for mode in [m for m in MODES if m in finals]:
+        vals = list(finals[mode].values())
+        modes[mode] = {"seeds": sorted(finals[mode]), "final_val_loss": finals[mode],
+                       "mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else None}
+        if mode != "bf16" and "bf16" in finals:
+            modes[mode]["gap_to_bf16"] = stats.paired_gap(finals[mode], finals["bf16"])
+    devices = sorted({doc["environment"]["device"] for _, doc in runs_files})
+    return {"kind": "fidelity_report", "inputs": paths, "devices": devices,
+            "environment": first["environment"], "plan": first["plan"], "data": first["data"],
+            "common_flags": first["common_flags"],
+            "targets": {"gap_mean_within_pct": stats.TARGET_MEAN_PCT, "gap_ci95_within_pct": stats.TARGET_CI_PCT,
+                        "block_gradient_cosine_at_least": stats.TARGET_GRAD_COSINE},
+            "modes": modes, "gradient_agreement": [doc for _, doc in grads_files],
+            "runs": runs,
+            "not_counted": [f"{r['mode']} seed {r['seed']}: {r['status']}" for r in runs if r["status"] != "ok"]}
+
+
+def plot(rep: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    plan = rep["plan"]
+    tokens_per_iter = plan["gbs"] * plan["seq"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for k, mode in enumerate(rep["modes"]):
+        ok = [r for r in rep["runs"] if r["mode"] == mode and r["status"] == "ok"]
+        if not ok:
+            continue
+        its = sorted(set.intersection(*[{it for it, _ in r["train_loss"]} for r in ok]))
+        curves = np.array([[dict(map(tuple, r["train_loss"]))[it] for it in its] for r in ok])
+        x = np.array(its) * tokens_per_iter / 1e6
+        mean, std = curves.mean(0), curves.std(0, ddof=1) if len(ok) > 1 else np.zeros(len(its))
+        ax.plot(x, mean, color=f"C{k}", label=f"{mode} (n={len(ok)})")
+        ax.fill_between(x, mean - std, mean + std, color=f"C{k}", alpha=0.2)
+        vits = sorted(set.intersection(*[{it for it, _ in r["val_loss"]} for r in ok]))
+        vals = np.array([[dict(map(tuple, r["val_loss"]))[it] for it in vits] for r in ok])
+        verr = vals.std(0, ddof=1) if len(ok) > 1 else None
+        bx.errorbar(np.array(vits) * tokens_per_iter / 1e6 + 0.004 * k * x[-1], vals.mean(0), yerr=verr,
+                    color=f"C{k}", marker="o", capsize=3, label=mode)
+    ax.set_xlabel("training tokens (M)")
+    ax.set_ylabel("training loss (mean ± std over seeds)")
+    tails = [v for r in rep["runs"] if r["status"] == "ok" for _, v in r["train_loss"][len(r["train_loss"]) // 5:]]
+    if tails:  # the last 80% of training, where the modes differ: the first steps' loss would flatten it
+        ax.set_ylim(min(tails) - 0.05, min(tails) + 1.5)
+    ax.legend()
+    bx.set_xlabel("training tokens (M)")
+    bx.set_ylabel(f"validation loss, {plan['eval_tokens'] / 1e6:.2f} M held-out tokens")
+    gaps = [f"{m}: {v['gap_to_bf16']['mean_pct']:+.2f}%" + (
+        f" [{v['gap_to_bf16']['ci95_pct'][0]:+.2f}, {v['gap_to_bf16']['ci95_pct'][1]:+.2f}]"
+        if v["gap_to_bf16"]["ci95_pct"] else "") for m, v in rep["modes"].items() if v.get("gap_to_bf16")]
+    bx.set_title("\n".join(gaps), fontsize=8)
+    bx.legend()
+    fig.suptitle(f"{plan['preset']}: {plan['tokens_per_run'] / 1e6:.3g} M tokens per run, "
+                 f"{', '.join(rep['devices'])}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# --- command line -----------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    r = sub.add_parser("run", help="train every (mode, seed) and write their curves and final validation losses")
+    r.add_argument("--preset", choices=list(PRESETS), required=True)
+    r.add_argument("--modes", nargs="+", choices=list(MODES), default=["bf16", "coat"])
+    r.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    r.add_argument("--runs", nargs="+", default=None, metavar="MODE:SEED",
+                   help="exactly these runs instead of --modes x --seeds (to split a plan over device calls)")
+    r.add_argument("--data", required=True, help="folder written by benchmarks/fidelity_data.py")
+    r.add_argument("--parallel", type=int, default=2, help="runs at once on the GPU")
+    r.add_argument("--time-budget", type=float, default=540, help="seconds for this whole invocation")
+    r.add_argument("--min-run-s", type=float, default=60, help="start no run with less time than this left")
+    r.add_argument("--stop-margin-s", type=float, default=45, help="runs are told to stop this long before the end")
+    r.add_argument("--compile", action="store_true", help="--compile for every mode")
+    r.add_argument("--save-checkpoint", nargs="*", default=[], metavar="MODE:SEED",
+                   help="keep this run's final checkpoint (for 'grads')")
+    r.add_argument("--workdir", default=os.path.join(ROOT, ".cache", "fidelity_runs"))
+    r.add_argument("--port-base", type=int, default=29700)
+    g = sub.add_parser("grads", help="gradient agreement and moment quantization error on a trained checkpoint")
+    g.add_argument("--checkpoint", required=True)
+    g.add_argument("--data", required=True)
+    g.add_argument("--modes", nargs="+", default=["fp32", "fp8-linear", "coat"],
+                   choices=["fp32", "fp8-linear", "coat"], help="compared with bf16")
+    g.add_argument("--batch-size", type=int, default=8)
+    for q in (r, g):
+        q.add_argument("--out", required=True, help="JSON path")
+    rep = sub.add_parser("report", help="merge run (and grads) JSON files: statistics, JSON and PNG")
+    rep.add_argument("inputs", nargs="+")
+    rep.add_argument("--out", required=True, help="JSON path; the PNG goes beside it")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.what == "run":
+            if args.parallel < 1 or args.time_budget <= 0:
+                raise UserError("--parallel and --time-budget must be positive")
+            result = run(args)
+        elif args.what == "grads":
+            if args.batch_size < 1:
+                raise UserError("--batch-size must be positive")
+            manifest = load_manifest(args.data)
+            try:
+                result = load_script("benchmarks/fidelity_grads.py").gradient_agreement(
+                    args.checkpoint, manifest, args.modes, args.batch_size, environment())
+            except (FileNotFoundError, ValueError) as e:
+                raise UserError(f"--checkpoint {args.checkpoint}: {e}") from None
+        else:
+            result = report(args.inputs)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    tmp = f"{args.out}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, args.out)
+    print("wrote", args.out)
+    if args.what == "report":
+        png = os.path.splitext(args.out)[0] + ".png"
+        plot(result, png)
+        print("wrote", png)
+        for mode, m in result["modes"].items():
+            gap = m.get("gap_to_bf16")
+            ci = gap["ci95_pct"] if gap else None
+            print(f"{mode:18s} n={len(m['seeds'])} mean {m['mean']:.4f}" + (
+                f"  gap {gap['mean_pct']:+.3f}%" if gap else "") + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
