@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.tools.conftest import TOOLS, load_tool
-from tests.training.checkpoint_runs import env, run
+from tests.training.checkpoint_runs import env, losses, run, same_sequence
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +65,17 @@ def test_bad_input_is_one_error_line(tmp_path):
     proc = subprocess.run([sys.executable, f"{TOOLS}/convert_checkpoint.py", "--load", str(tmp_path), "--output",
                            str(tmp_path / "o"), "--tensor-model-parallel-size", "0"], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --tensor-model-parallel-size must be >= 1, got 0"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", [[], ["--fp8-optimizer"]], ids=["adamw", "coat"])
+def test_resuming_from_the_layout_free_form_on_the_same_layout_is_exact(tmp_path, optimizer):
+    """Same layout, so the same CoatAdamW groups: weights, dequantized-and-requantized moments, step, LR schedule
+    and data position come back exactly, and the resumed losses equal the uninterrupted run's bit for bit."""
+    argv = ["--train-iters", "6", "--fp32", "--zero-stage", "1"] + optimizer
+    run(tmp_path, argv, tmp_path / "full.json")
+    run(tmp_path, argv + ["--save", str(tmp_path / "ckpt"), "--exit-interval", "3"], tmp_path / "log.json")
+    assert load_tool("convert_checkpoint").main(["--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "free")]) == 0
+    proc = run(tmp_path, argv + ["--load", str(tmp_path / "free")], tmp_path / "log.json")
+    assert f"resumed from {tmp_path / 'free' / 'iter_0000003'} at iteration 3" in proc.stdout
+    assert same_sequence(losses(tmp_path / "full.json"), losses(tmp_path / "log.json"))
