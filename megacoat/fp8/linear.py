@@ -33,22 +33,44 @@ _generation = 0  # bumped by invalidate_fp8_weight_caches(); every cache compare
 
 
 def invalidate_fp8_weight_caches() -> None:
-    """Mark every FP8 weight copy stale. Call after each optimizer step when weights are updated in a way
-    autograd's version counter cannot see (DeepSpeed writes `param.data`, which keeps `_version`)."""
+    """Mark every FP8 weight copy stale for eager forwards. Call after each optimizer step when weights are updated
+    in a way autograd's version counter cannot see (DeepSpeed writes `param.data`, which keeps `_version`).
+    Compiled forwards do not check staleness: they need refresh_fp8_weights(model)."""
     global _generation
     _generation += 1
+
+
+def refresh_fp8_weights(model: nn.Module) -> int:
+    """Re-quantize every persistent FP8 weight copy in `model` from its current weights, in place (the copies stay
+    the same tensors, so compiled graphs keep reading them and a CUDA graph's addresses stay valid). The trainer
+    calls it after each optimizer step and after loading a checkpoint: a compiled forward only reads the copies
+    (the staleness check is Python, outside any graph). Returns how many caches were refreshed."""
+    n = 0
+    for module in model.modules():
+        pairs = module.fp8_weight_caches() if hasattr(module, "fp8_weight_caches") else ()
+        for cache, weights in pairs:
+            if cache.persistent:
+                cache.refresh(weights)
+                n += 1
+    return n
+
+
+def _weights_key(weights: Sequence[torch.Tensor]) -> tuple:
+    return (_generation,) + tuple((w.data_ptr(), w._version, tuple(w.shape)) for w in weights)
 
 
 class Fp8WeightCache:
     """E4M3 copies of one weight, or of several concatenated along the output dim (w1|w3, wq|wk|wv) so that
     they run as one GEMM, in both layouts, with one per-tensor scale.
 
-    persistent (--fp8-weight-cache step, the default): both copies are kept and rebuilt when any weight's
-    version counter or storage changes (in-place updates by torch optimizers bump `_version`), or after
-    invalidate_fp8_weight_caches(); micro-batches between two optimizer steps reuse them. Costs 2 bytes per
-    block-linear parameter for the whole run (~2.3 GiB for a 1.3 B model).
+    persistent (--fp8-weight-cache step, the default): both copies are kept from one optimizer step to the next,
+    so micro-batches between two steps reuse them. Costs 2 bytes per block-linear parameter for the whole run
+    (~2.3 GiB for a 1.3 B model). `refresh` rewrites them in place. An eager forward refreshes them itself when a
+    weight's version counter or storage changed (in-place updates by torch optimizers bump `_version`) or after
+    invalidate_fp8_weight_caches(); a compiled forward only reads them (refresh_fp8_weights before it).
     Not persistent (--fp8-weight-cache none): forward makes W8 and drops it after its GEMM, and backward makes
-    W8^T again from the weight (fp8_weight_t): nothing is kept, for ~3 extra reads of the weight per micro-batch.
+    W8^T again from the weight (fp8_weight_t): nothing is kept, for ~3 extra reads of the weight per micro-batch;
+    compiled, these quantizations are part of the graph.
     """
 
     def __init__(self, persistent: bool = True):
@@ -57,19 +79,34 @@ class Fp8WeightCache:
         self.builds = 0  # how many times the copies were made (tests check the reuse)
         self.w8 = self.w8t = self.scale = None
 
+    def refresh(self, weights: Sequence[torch.Tensor]) -> None:
+        """Quantize `weights` into the copies: in place when copies of that shape and device exist."""
+        with torch.no_grad():
+            w8, w8t, scale = quantize_transpose(_joined(weights), E4M3.dtype)
+            if self.w8 is not None and self.w8.shape == w8.shape and self.w8.device == w8.device:
+                self.w8.copy_(w8)
+                self.w8t.copy_(w8t)
+                self.scale.copy_(scale)
+            else:
+                self.w8, self.w8t, self.scale = w8, w8t, scale
+        self._key = _weights_key(weights)
+        self.builds += 1
+
     def get(self, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(W8, W8^T, scale); W8^T is None when the cache is not persistent (backward calls fp8_weight_t)."""
+        compiling = torch.compiler.is_compiling()
         if not self.persistent:
-            self.builds += 1
+            if not compiling:
+                self.builds += 1
             with torch.no_grad():
                 w8, _, scale = quantize_transpose(_joined(weights), E4M3.dtype, rowwise=True, transpose=False)
             return w8, None, scale
-        key = (_generation,) + tuple((w.data_ptr(), w._version, tuple(w.shape)) for w in weights)
-        if key != self._key:
-            with torch.no_grad():
-                self.w8, self.w8t, self.scale = quantize_transpose(_joined(weights), E4M3.dtype)
-            self._key = key
-            self.builds += 1
+        if compiling:
+            if self.w8 is None:
+                raise RuntimeError("a compiled FP8 forward reads the FP8 weight copies: call "
+                                   "megacoat.fp8.linear.refresh_fp8_weights(model) before it")
+        elif _weights_key(weights) != self._key:
+            self.refresh(weights)
         return self.w8, self.w8t, self.scale
 
 
@@ -146,13 +183,13 @@ def quantize_grad(g: torch.Tensor, grad_dtype: torch.dtype, rowwise: bool = True
 
 
 class Fp8LinearFunction(torch.autograd.Function):
-    """y = x @ W^T in FP8. x [M, K] in the activation dtype, x_fp8 its (x8, x8^T, scale) made by the caller
-    (possibly shared with sibling linears); returns [M, N] in x's dtype."""
+    """y = x @ W^T in FP8. x [M, K] in the activation dtype; x8, x8t, x_scale its FP8 copies and w8, w8t,
+    w_scale the weight's, made by the caller (x's possibly shared with sibling linears, W's cached; w8t None: made
+    again from `weight` in backward); returns [M, N] in x's dtype. Only tensors and constants cross apply(), so
+    torch.compile traces forward and backward into its graphs."""
 
     @staticmethod
-    def forward(ctx, x, weight, cache, grad_dtype, x_fp8):
-        w8, w8t, w_scale = (cache or Fp8WeightCache()).get((weight,))
-        x8, x8t, x_scale = x_fp8
+    def forward(ctx, x, weight, w8, w8t, w_scale, x8, x8t, x_scale, grad_dtype):
         out = scaled_mm(x8, w8.t(), x_scale, w_scale, x.dtype)
         ctx.save_for_backward(x8t, x_scale)  # FP8 input, transposed for wgrad: the only activation saved
         ctx.w8t, ctx.w_scale, ctx.grad_dtype, ctx.w_dtype = w8t, w_scale, grad_dtype, weight.dtype
@@ -170,10 +207,9 @@ class Fp8LinearFunction(torch.autograd.Function):
             dx = scaled_mm(g8, w8t.t(), g_scale, ctx.w_scale, grad_out.dtype)
         if need_dw:
             dw = scaled_mm(g8t, x8t.t(), g_scale, x_scale, ctx.w_dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
-@torch.compiler.disable  # runs its own Triton kernels; torch.compile graph-breaks around it
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | None = None,
                grad_dtype: str | torch.dtype = "e5m2", input_cache: Fp8InputCache | None = None) -> torch.Tensor:
     """FP8 x @ weight^T over any leading dims. `cache` keeps the weight's FP8 copies across micro-batches
@@ -184,8 +220,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | No
     if grad:
         check_gemm_dims(tokens_per_micro_batch=lead.numel())  # wgrad contracts over the tokens
     transpose = grad and weight.requires_grad  # x^T only feeds wgrad
-    x_fp8 = input_cache.get(x, transpose) if input_cache is not None else quantize_x(x, transpose)
-    out = Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, cache, get_format(grad_dtype).dtype, x_fp8)
+    # compiled, each linear quantizes its own input: the siblings' identical quantizations are common
+    # subexpressions of one graph (Fp8InputCache's weakref and version checks are eager-only Python)
+    shared = input_cache is not None and not torch.compiler.is_compiling()
+    x8, x8t, x_scale = input_cache.get(x, transpose) if shared else quantize_x(x, transpose)
+    if cache is None:  # no cache: both layouts made here, for this call only
+        with torch.no_grad():
+            w8, w8t, w_scale = quantize_transpose(weight.detach(), E4M3.dtype)
+    else:
+        w8, w8t, w_scale = cache.get((weight,))
+    out = Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, w8, w8t, w_scale, x8, x8t, x_scale,
+                                  get_format(grad_dtype).dtype)
     return out.view(*lead, weight.shape[0])
 
 
@@ -209,6 +254,10 @@ class Fp8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.fp8_cache, self.grad_dtype, self.input_cache)
+
+    def fp8_weight_caches(self):
+        """(cache, weights) pairs for refresh_fp8_weights."""
+        return ((self.fp8_cache, (self.weight,)),)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8=e4m3, grad={self.grad_dtype}"
