@@ -51,6 +51,7 @@ def convert_to_fp8(model: nn.Module, fp8: FP8Config) -> nn.Module:
             model.layers[i] = CoatTransformerBlock(block, fp8)
         elif fp8.mode == "fp8-linear":
             shared = Fp8InputCache()
+            block.register_forward_hook(shared.clear)  # a compiled forward's entry ends with the block
             for parent in block.modules():
                 for child_name, child in list(parent.named_children()):
                     if type(child) is nn.Linear:

@@ -131,10 +131,16 @@ class Fp8InputCache:
     A hit needs the very same tensor object at the same version counter (in-place ops bump it; writes through
     `.data` do not, and no forward does that between two sibling linears). The copies are dropped when the
     input dies, so the cache never keeps a micro-batch's activations alive.
+
+    Under torch.compile the weakref and version checks cannot be traced: a hit is then the same tensor of the
+    graph being traced (`is`), and the block's forward hook `clear` (convert_to_fp8 registers it) drops the entry
+    at the end of the block, so nothing traced outlives the block's forward (Inductor does not merge the siblings'
+    quantizations by itself: their amax reductions and casts stay separate launches).
     """
 
     def __init__(self):
         self._ref = self._version = self._value = None
+        self._traced_x = self._traced_value = None
         self.hits = 0  # how many quantizations were saved (tests check the sharing)
 
     def __getstate__(self):  # copies and pickles start empty: the cached tensors belong to one forward
@@ -148,7 +154,19 @@ class Fp8InputCache:
         if ref is self._ref:
             self._ref = self._value = None
 
+    def clear(self, *hook_args) -> None:
+        """Forget the traced entry (a forward hook of the block: called with (module, inputs, output))."""
+        self._traced_x = self._traced_value = None
+
+    def _get_traced(self, x: torch.Tensor, transpose: bool):
+        if self._traced_x is x and (self._traced_value[1] is not None or not transpose):
+            return self._traced_value
+        self._traced_x, self._traced_value = x, quantize_x(x, transpose)
+        return self._traced_value
+
     def get(self, x: torch.Tensor, transpose: bool):
+        if torch.compiler.is_compiling():
+            return self._get_traced(x, transpose)
         if x.is_inference():  # inference tensors have no version counter: nothing to key a hit on
             return quantize_x(x, transpose)
         if self._ref is not None and self._ref() is x and x._version == self._version \
@@ -220,10 +238,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | No
     if grad:
         check_gemm_dims(tokens_per_micro_batch=lead.numel())  # wgrad contracts over the tokens
     transpose = grad and weight.requires_grad  # x^T only feeds wgrad
-    # compiled, each linear quantizes its own input: the siblings' identical quantizations are common
-    # subexpressions of one graph (Fp8InputCache's weakref and version checks are eager-only Python)
-    shared = input_cache is not None and not torch.compiler.is_compiling()
-    x8, x8t, x_scale = input_cache.get(x, transpose) if shared else quantize_x(x, transpose)
+    x8, x8t, x_scale = input_cache.get(x, transpose) if input_cache is not None else quantize_x(x, transpose)
     if cache is None:  # no cache: both layouts made here, for this call only
         with torch.no_grad():
             w8, w8t, w_scale = quantize_transpose(weight.detach(), E4M3.dtype)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megacoat.config import MegacoatConfig
 from megacoat.data.config import parse_data_path
-from megacoat.fp8.linear import invalidate_fp8_weight_caches
+from megacoat.fp8.linear import refresh_fp8_weights
 from megacoat.parallel import initialize_parallel_state
 from megacoat.parallel.grad_norm import global_grad_norm
 from megacoat.training.checkpointing import Layout, TrainState, file_identity, load_checkpoint, save_checkpoint
@@ -113,6 +113,7 @@ class Trainer:
         self.logger.info(f"parallel: TP {p.tp_size} x PP {p.pp_size} x DP {p.dp_size}"
                          + (", sequence parallel" if p.sequence_parallel else ""))
         self.engine, self.scheduler = build_engine(cfg, model, self.ds_config, self.device, self.parallel)
+        refresh_fp8_weights(self.engine.module)  # FP8 weight copies of the weights as the engine holds them
 
         self.train_ds, self.valid_ds, _ = build_data(cfg)
         self.layout = Layout(world_size=self.world_size, data_parallel_size=self.dp_size,
@@ -163,7 +164,7 @@ class Trainer:
             if boundary:  # DeepSpeed updates weights through .data, which autograd's version counter misses
                 clear_skip_flag(self.engine)
                 applied = self.engine.was_step_applied()
-                invalidate_fp8_weight_caches()
+                refresh_fp8_weights(self.engine.module)  # in place: compiled forwards only read the copies
             losses.append(loss.detach())
         norm = self.engine.get_global_grad_norm()
         if norm is None:
@@ -179,7 +180,7 @@ class Trainer:
         """One step of DeepSpeed's 1F1B schedule over grad_accum micro-batches; the loss it returns is already
         averaged over micro-batches and data-parallel ranks and broadcast to every stage."""
         loss = self.engine.train_batch(self._micro_batches(data_iter, self.grad_accum))
-        invalidate_fp8_weight_caches()
+        refresh_fp8_weights(self.engine.module)
         norm = self.engine.get_global_grad_norm()
         return loss.detach().float(), None if norm is None else float(norm), not self.engine.was_step_applied()
 
@@ -220,6 +221,7 @@ class Trainer:
             self.logger.info(f"--load {directory}: no checkpoint there yet, starting from scratch")
             return
         path, self.state = loaded
+        refresh_fp8_weights(self.engine.module)
         self.logger.info(f"resumed from {path} at iteration {self.state.iteration}")
 
     # --- the loop ---------------------------------------------------------------------------------------------
