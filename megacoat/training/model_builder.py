@@ -41,7 +41,12 @@ def apply_compile(model: nn.Module) -> None:
     times) and the loss. Compiled, the fp32 cross-entropy over the vocabulary is fused with its cast: backward
     keeps the bf16 logits (2 bytes per logit) instead of the fp32 log-softmax (4), recomputing the softmax, and
     the fp32 copies eager makes around the loss (the cast, the log-softmax, its gradient) are never materialised.
-    A tensor-parallel model keeps its vocab-parallel loss."""
+    A tensor-parallel model keeps its vocab-parallel loss.
+
+    Every activation mode compiles a block as one graph (no graph break): the FP8 flow's kernels are megacoat::
+    operators that torch.compile traces through. Compiled FP8 forwards read the FP8 weight copies without checking
+    them: call megacoat.fp8.linear.refresh_fp8_weights(model) once the weights are final (the trainer does, after
+    building the engine, after each optimizer step and after loading a checkpoint)."""
     for block in model.layers:
         block.compile()
     if getattr(model, "loss_fn", None) is cross_entropy_loss:
