@@ -12,8 +12,10 @@ so each operand is cast once into both layouts it needs (ops.cast_transpose). Al
 M (tokens per micro-batch) must be multiples of 16: cuBLASLt's FP8 kernels need 16-byte aligned leading
 dimensions. Shapes that break this get a ValueError naming the dimension (no silent fallback to BF16).
 
-The weight's FP8 copies are made once per optimizer step and reused by every micro-batch: see Fp8WeightCache.
+The weight's FP8 copies are made once per optimizer step and reused by every micro-batch: see Fp8WeightCache
+and refresh_fp8_weights (in place, so compiled forwards read them without a Python check).
 Linears that read the very same input tensor (wq, wk, wv; w1, w3) quantize it once: see Fp8InputCache.
+Only tensors and constants cross the autograd function, so torch.compile traces fp8_linear with no graph break.
 
 No host sync anywhere (scales stay on the device; tests/fp8/test_no_host_sync.py checks it), and per GEMM
 operand two launches (amax, fused cast+transpose that also writes the scale): see ops/cast_transpose.py.
