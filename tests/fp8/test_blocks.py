@@ -4,7 +4,8 @@ backward, and the compiled block computes what the eager one does.
 On CPU the megacoat:: operators trace into their torch references, the functions eager runs on CPU. With the
 aot_eager backend the traced graph runs those very aten ops in the same order, so compiled == eager bit for bit.
 With Inductor the same graph becomes fused C++ loops that reorder fp32 arithmetic: a few fp32 ulps on the
-O(1) values (see the tolerances there). The CUDA path (Triton kernels through wrap_triton) is checked by the
+O(1) values (see the tolerances there). Tensor parallelism (TP=2 on gloo, with and without sequence
+parallelism): the same, with the TP region's collectives in the graph. The CUDA path (Triton kernels through wrap_triton) is checked by the
 gpu-marked test.
 """
 import collections
@@ -130,6 +131,46 @@ def test_compiled_forward_without_refreshed_copies_is_refused():
     x = torch.randn(2, CFG["seq_length"], CFG["hidden_size"])
     with pytest.raises(Exception, match="refresh_fp8_weights"):
         torch.compile(model.layers[0], fullgraph=True, backend="aot_eager")(x, cos, sin)
+
+
+def _tp_block_equal(mode: str, sequence_parallel: bool) -> bool:
+    """On each rank of a TP group: block 0 of the tensor-parallel model, compiled fullgraph (AOTAutograd), equals
+    its eager run bit for bit, forward and backward (the TP region's collectives are traced into the graph)."""
+    import torch.distributed as dist
+
+    from megacoat.parallel.config import ParallelConfig
+    from megacoat.parallel.state import initialize_parallel_state
+    from megacoat.parallel.tensor_parallel import apply_tp
+
+    cfg = ModelConfig(**dict(CFG, hidden_size=128, ffn_hidden_size=256))  # shards stay multiples of 16
+    torch.manual_seed(0)
+    model = convert_to_fp8(GPT(cfg), FP8Config(mode=mode, group_size=64))
+    state = initialize_parallel_state(ParallelConfig(tensor_model_parallel_size=dist.get_world_size(),
+                                                     sequence_parallel=sequence_parallel), cfg)
+    apply_tp(model, state)
+    refresh_fp8_weights(model)
+    cos, sin = model._rope(torch.device("cpu"))
+    seq = cfg.seq_length // (dist.get_world_size() if sequence_parallel else 1)
+    x = torch.randn(2, seq, cfg.hidden_size, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    block = model.layers[0]
+    eager = _run(block, block, x, cos, sin)
+    torch._dynamo.reset()
+    compiled = _run(torch.compile(block, fullgraph=True, backend="aot_eager"), block, x, cos, sin)
+    return (torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+            and all(torch.equal(compiled[2][n], g) for n, g in eager[2].items()))
+
+
+def _tp_cases(cases):
+    return [_tp_block_equal(*case) for case in cases]
+
+
+@pytest.mark.slow
+def test_tp2_blocks_compile_fullgraph():
+    from tests.parallel.dist_helpers import run_ranks
+
+    cases = [(mode, sp) for mode in MODES for sp in (False, True)]
+    per_rank = run_ranks(2, _tp_cases, cases, timeout=900)
+    assert per_rank == [[True] * len(cases)] * 2, dict(zip(cases, zip(*per_rank)))
 
 
 def _rel(a, b):
