@@ -10,6 +10,7 @@ from megacoat.model.config import ModelConfig
 from megacoat.optim.config import DECAY_STYLES, OptimizerConfig
 from megacoat.parallel.config import ParallelConfig
 from megacoat.training.config import TrainingConfig
+from megacoat.training.cuda_graph import check_cuda_graph
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     prec.add_argument("--fp32", action="store_true", help="fp32 everywhere (default on CPU)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block (as torchtitan does); first steps are slower")
+    g.add_argument("--enable-cuda-graph", action="store_true",
+                   help="--compile with CUDA graphs: each block compiled in mode reduce-overhead (cudagraph trees: "
+                        "replayed forward and backward, static shapes, a private memory pool); CUDA, no pipeline")
     g.add_argument("--log-interval", type=int, default=t.log_interval)
     g.add_argument("--log-json", default=None, help="append one JSON object per logged iteration to this file")
     g.add_argument("--eval-interval", type=int, default=t.eval_interval)
@@ -149,10 +153,13 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         keep_last=args.keep_last, exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
         max_skipped_steps=args.max_skipped_steps, tensorboard_dir=args.tensorboard_dir,
         wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
-        compile=args.compile, profile_dir=args.profile_dir, profile_step_start=args.profile_step_start,
+        compile=args.compile or args.enable_cuda_graph, enable_cuda_graph=args.enable_cuda_graph,
+        profile_dir=args.profile_dir, profile_step_start=args.profile_step_start,
         profile_step_end=args.profile_step_end)
     if data.mock_data and data.data_path:
         raise ValueError("--mock-data and --data-path are exclusive")
+    if training.enable_cuda_graph:
+        check_cuda_graph(parallel)
     return MegacoatConfig(model=model, optim=optim, data=data, fp8=fp8, parallel=parallel, training=training)
 
 

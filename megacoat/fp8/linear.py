@@ -91,6 +91,8 @@ class Fp8WeightCache:
                 self.scale.copy_(scale)
             else:
                 self.w8, self.w8t, self.scale = w8, w8t, scale
+                for t in (w8, w8t, scale):  # fixed addresses: a CUDA graph reads them in place, without a copy
+                    torch._dynamo.mark_static_address(t)
         self._key = _weights_key(weights)
         self.builds += 1
 

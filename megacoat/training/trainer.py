@@ -154,6 +154,8 @@ class Trainer:
         applied = True
         for _ in range(self.grad_accum):
             tokens, labels = self._split(next(data_iter))
+            if self.cfg.training.enable_cuda_graph:  # a new micro-batch: earlier graph outputs may be reused
+                torch.compiler.cudagraph_mark_step_begin()
             loss = self.engine(tokens, labels)
             self.engine.backward(loss)
             grad_norm = self._grad_norm_if_boundary()
