@@ -12,6 +12,7 @@ from megacoat.model.config import ModelConfig
 from megacoat.optim.config import DECAY_STYLES, MAIN_GRADS_DTYPES, MAIN_PARAMS_DTYPES, OptimizerConfig
 from megacoat.parallel.config import ParallelConfig
 from megacoat.training.config import TrainingConfig
+from megacoat.training.cuda_graph import check_cuda_graph
 
 # A negative number, scientific notation included (-1e-3, -.5, -2E+4): a value, never a flag. argparse's own
 # pattern (`^-\d+$|^-\d*\.\d+$`) misses exponents and takes `--lr -1e-3` for a missing argument.
@@ -117,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     prec.add_argument("--fp32", action="store_true", help="fp32 everywhere (default on CPU)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block (as torchtitan does); first steps are slower")
+    g.add_argument("--enable-cuda-graph", action="store_true",
+                   help="--compile with CUDA graphs: each block compiled in mode reduce-overhead (cudagraph trees: "
+                        "replayed forward and backward, static shapes, a private memory pool); CUDA, no pipeline")
     g.add_argument("--log-interval", type=int, default=t.log_interval)
     g.add_argument("--log-json", default=None, help="append one JSON object per logged iteration to this file")
     g.add_argument("--eval-interval", type=int, default=t.eval_interval)
@@ -209,7 +213,8 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         keep_last=args.keep_last, exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
         max_skipped_steps=args.max_skipped_steps, tensorboard_dir=args.tensorboard_dir,
         wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
-        compile=args.compile, profile_dir=args.profile_dir, profile_step_start=args.profile_step_start,
+        compile=args.compile or args.enable_cuda_graph, enable_cuda_graph=args.enable_cuda_graph,
+        profile_dir=args.profile_dir, profile_step_start=args.profile_step_start,
         profile_step_end=args.profile_step_end, debug=args.debug, finetune=args.finetune,
         override_optimizer_state=args.override_optimizer_state)
     if precision == "fp32" and (optim.main_grads_dtype == "bf16" or optim.main_params_dtype == "bf16-remainder"):
@@ -226,6 +231,8 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
                              "> 1 (untested with DeepSpeed's pipeline engine)")
     if data.mock_data and data.data_path:
         raise ValueError("--mock-data and --data-path are exclusive")
+    if training.enable_cuda_graph:
+        check_cuda_graph(parallel)
     return MegacoatConfig(model=model, optim=optim, data=data, fp8=fp8, parallel=parallel, training=training)
 
 

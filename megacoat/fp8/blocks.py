@@ -86,3 +86,10 @@ class CoatTransformerBlock(nn.Module):
                        ff.w2.weight, self.w13_cache, self.w2_cache, self.ffn_norm.eps, self.group_size,
                        self.grad_dtype)
         return h + region.exit(out)
+
+    def fp8_weight_caches(self):
+        """(cache, weights) pairs for refresh_fp8_weights (wo's cache belongs to its Fp8Linear)."""
+        a, ff = self.attention, self.feed_forward
+        return ((self.qkv_cache, (a.wq.weight, a.wk.weight, a.wv.weight)),
+                (self.w13_cache, (ff.w1.weight, ff.w3.weight)),
+                (self.w2_cache, (ff.w2.weight,)))

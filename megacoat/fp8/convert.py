@@ -13,8 +13,9 @@ the vocabulary need not meet FP8 GEMM alignment, and the logits feed a softmax o
 It is the one way FP8 is applied, with or without tensor parallelism: it runs on the full model, before
 megacoat.parallel.apply_tp shards whatever it finds (as torchtitan converts to float8 before apply_tp).
 
-After an optimizer step that writes weights behind autograd's back (`param.data`), call
-megacoat.fp8.linear.invalidate_fp8_weight_caches() so the next forward re-quantizes them.
+After an optimizer step, call megacoat.fp8.linear.refresh_fp8_weights(model): it rewrites the FP8 weight copies
+in place, which compiled forwards need (they only read them). Eager forwards also notice in-place updates by
+themselves, and writes behind autograd's back (`param.data`) after invalidate_fp8_weight_caches().
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def convert_to_fp8(model: nn.Module, fp8: FP8Config) -> nn.Module:
             model.layers[i] = CoatTransformerBlock(block, fp8)
         elif fp8.mode == "fp8-linear":
             shared = Fp8InputCache()
+            block.register_forward_hook(shared.clear)  # a compiled forward's entry ends with the block
             for parent in block.modules():
                 for child_name, child in list(parent.named_children()):
                     if type(child) is nn.Linear:

@@ -12,8 +12,10 @@ so each operand is cast once into both layouts it needs (ops.cast_transpose). Al
 M (tokens per micro-batch) must be multiples of 16: cuBLASLt's FP8 kernels need 16-byte aligned leading
 dimensions. Shapes that break this get a ValueError naming the dimension (no silent fallback to BF16).
 
-The weight's FP8 copies are made once per optimizer step and reused by every micro-batch: see Fp8WeightCache.
+The weight's FP8 copies are made once per optimizer step and reused by every micro-batch: see Fp8WeightCache
+and refresh_fp8_weights (in place, so compiled forwards read them without a Python check).
 Linears that read the very same input tensor (wq, wk, wv; w1, w3) quantize it once: see Fp8InputCache.
+Only tensors and constants cross the autograd function, so torch.compile traces fp8_linear with no graph break.
 
 No host sync anywhere (scales stay on the device; tests/fp8/test_no_host_sync.py checks it), and per GEMM
 operand two launches (amax, fused cast+transpose that also writes the scale): see ops/cast_transpose.py.
@@ -33,22 +35,44 @@ _generation = 0  # bumped by invalidate_fp8_weight_caches(); every cache compare
 
 
 def invalidate_fp8_weight_caches() -> None:
-    """Mark every FP8 weight copy stale. Call after each optimizer step when weights are updated in a way
-    autograd's version counter cannot see (DeepSpeed writes `param.data`, which keeps `_version`)."""
+    """Mark every FP8 weight copy stale for eager forwards. Call after each optimizer step when weights are updated
+    in a way autograd's version counter cannot see (DeepSpeed writes `param.data`, which keeps `_version`).
+    Compiled forwards do not check staleness: they need refresh_fp8_weights(model)."""
     global _generation
     _generation += 1
+
+
+def refresh_fp8_weights(model: nn.Module) -> int:
+    """Re-quantize every persistent FP8 weight copy in `model` from its current weights, in place (the copies stay
+    the same tensors, so compiled graphs keep reading them and a CUDA graph's addresses stay valid). The trainer
+    calls it after each optimizer step and after loading a checkpoint: a compiled forward only reads the copies
+    (the staleness check is Python, outside any graph). Returns how many caches were refreshed."""
+    n = 0
+    for module in model.modules():
+        pairs = module.fp8_weight_caches() if hasattr(module, "fp8_weight_caches") else ()
+        for cache, weights in pairs:
+            if cache.persistent:
+                cache.refresh(weights)
+                n += 1
+    return n
+
+
+def _weights_key(weights: Sequence[torch.Tensor]) -> tuple:
+    return (_generation,) + tuple((w.data_ptr(), w._version, tuple(w.shape)) for w in weights)
 
 
 class Fp8WeightCache:
     """E4M3 copies of one weight, or of several concatenated along the output dim (w1|w3, wq|wk|wv) so that
     they run as one GEMM, in both layouts, with one per-tensor scale.
 
-    persistent (--fp8-weight-cache step, the default): both copies are kept and rebuilt when any weight's
-    version counter or storage changes (in-place updates by torch optimizers bump `_version`), or after
-    invalidate_fp8_weight_caches(); micro-batches between two optimizer steps reuse them. Costs 2 bytes per
-    block-linear parameter for the whole run (~2.3 GiB for a 1.3 B model).
+    persistent (--fp8-weight-cache step, the default): both copies are kept from one optimizer step to the next,
+    so micro-batches between two steps reuse them. Costs 2 bytes per block-linear parameter for the whole run
+    (~2.3 GiB for a 1.3 B model). `refresh` rewrites them in place. An eager forward refreshes them itself when a
+    weight's version counter or storage changed (in-place updates by torch optimizers bump `_version`) or after
+    invalidate_fp8_weight_caches(); a compiled forward only reads them (refresh_fp8_weights before it).
     Not persistent (--fp8-weight-cache none): forward makes W8 and drops it after its GEMM, and backward makes
-    W8^T again from the weight (fp8_weight_t): nothing is kept, for ~3 extra reads of the weight per micro-batch.
+    W8^T again from the weight (fp8_weight_t): nothing is kept, for ~3 extra reads of the weight per micro-batch;
+    compiled, these quantizations are part of the graph.
     """
 
     def __init__(self, persistent: bool = True):
@@ -57,19 +81,36 @@ class Fp8WeightCache:
         self.builds = 0  # how many times the copies were made (tests check the reuse)
         self.w8 = self.w8t = self.scale = None
 
+    def refresh(self, weights: Sequence[torch.Tensor]) -> None:
+        """Quantize `weights` into the copies: in place when copies of that shape and device exist."""
+        with torch.no_grad():
+            w8, w8t, scale = quantize_transpose(_joined(weights), E4M3.dtype)
+            if self.w8 is not None and self.w8.shape == w8.shape and self.w8.device == w8.device:
+                self.w8.copy_(w8)
+                self.w8t.copy_(w8t)
+                self.scale.copy_(scale)
+            else:
+                self.w8, self.w8t, self.scale = w8, w8t, scale
+                for t in (w8, w8t, scale):  # fixed addresses: a CUDA graph reads them in place, without a copy
+                    torch._dynamo.mark_static_address(t)
+        self._key = _weights_key(weights)
+        self.builds += 1
+
     def get(self, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(W8, W8^T, scale); W8^T is None when the cache is not persistent (backward calls fp8_weight_t)."""
+        compiling = torch.compiler.is_compiling()
         if not self.persistent:
-            self.builds += 1
+            if not compiling:
+                self.builds += 1
             with torch.no_grad():
                 w8, _, scale = quantize_transpose(_joined(weights), E4M3.dtype, rowwise=True, transpose=False)
             return w8, None, scale
-        key = (_generation,) + tuple((w.data_ptr(), w._version, tuple(w.shape)) for w in weights)
-        if key != self._key:
-            with torch.no_grad():
-                self.w8, self.w8t, self.scale = quantize_transpose(_joined(weights), E4M3.dtype)
-            self._key = key
-            self.builds += 1
+        if compiling:
+            if self.w8 is None:
+                raise RuntimeError("a compiled FP8 forward reads the FP8 weight copies: call "
+                                   "megacoat.fp8.linear.refresh_fp8_weights(model) before it")
+        elif _weights_key(weights) != self._key:
+            self.refresh(weights)
         return self.w8, self.w8t, self.scale
 
 
@@ -94,10 +135,16 @@ class Fp8InputCache:
     A hit needs the very same tensor object at the same version counter (in-place ops bump it; writes through
     `.data` do not, and no forward does that between two sibling linears). The copies are dropped when the
     input dies, so the cache never keeps a micro-batch's activations alive.
+
+    Under torch.compile the weakref and version checks cannot be traced: a hit is then the same tensor of the
+    graph being traced (`is`), and the block's forward hook `clear` (convert_to_fp8 registers it) drops the entry
+    at the end of the block, so nothing traced outlives the block's forward (Inductor does not merge the siblings'
+    quantizations by itself: their amax reductions and casts stay separate launches).
     """
 
     def __init__(self):
         self._ref = self._version = self._value = None
+        self._traced_x = self._traced_value = None
         self.hits = 0  # how many quantizations were saved (tests check the sharing)
 
     def __getstate__(self):  # copies and pickles start empty: the cached tensors belong to one forward
@@ -111,7 +158,19 @@ class Fp8InputCache:
         if ref is self._ref:
             self._ref = self._value = None
 
+    def clear(self, *hook_args) -> None:
+        """Forget the traced entry (a forward hook of the block: called with (module, inputs, output))."""
+        self._traced_x = self._traced_value = None
+
+    def _get_traced(self, x: torch.Tensor, transpose: bool):
+        if self._traced_x is x and (self._traced_value[1] is not None or not transpose):
+            return self._traced_value
+        self._traced_x, self._traced_value = x, quantize_x(x, transpose)
+        return self._traced_value
+
     def get(self, x: torch.Tensor, transpose: bool):
+        if torch.compiler.is_compiling():
+            return self._get_traced(x, transpose)
         if x.is_inference():  # inference tensors have no version counter: nothing to key a hit on
             return quantize_x(x, transpose)
         if self._ref is not None and self._ref() is x and x._version == self._version \
@@ -146,13 +205,13 @@ def quantize_grad(g: torch.Tensor, grad_dtype: torch.dtype, rowwise: bool = True
 
 
 class Fp8LinearFunction(torch.autograd.Function):
-    """y = x @ W^T in FP8. x [M, K] in the activation dtype, x_fp8 its (x8, x8^T, scale) made by the caller
-    (possibly shared with sibling linears); returns [M, N] in x's dtype."""
+    """y = x @ W^T in FP8. x [M, K] in the activation dtype; x8, x8t, x_scale its FP8 copies and w8, w8t,
+    w_scale the weight's, made by the caller (x's possibly shared with sibling linears, W's cached; w8t None: made
+    again from `weight` in backward); returns [M, N] in x's dtype. Only tensors and constants cross apply(), so
+    torch.compile traces forward and backward into its graphs."""
 
     @staticmethod
-    def forward(ctx, x, weight, cache, grad_dtype, x_fp8):
-        w8, w8t, w_scale = (cache or Fp8WeightCache()).get((weight,))
-        x8, x8t, x_scale = x_fp8
+    def forward(ctx, x, weight, w8, w8t, w_scale, x8, x8t, x_scale, grad_dtype):
         out = scaled_mm(x8, w8.t(), x_scale, w_scale, x.dtype)
         ctx.save_for_backward(x8t, x_scale)  # FP8 input, transposed for wgrad: the only activation saved
         ctx.w8t, ctx.w_scale, ctx.grad_dtype, ctx.w_dtype = w8t, w_scale, grad_dtype, weight.dtype
@@ -170,10 +229,9 @@ class Fp8LinearFunction(torch.autograd.Function):
             dx = scaled_mm(g8, w8t.t(), g_scale, ctx.w_scale, grad_out.dtype)
         if need_dw:
             dw = scaled_mm(g8t, x8t.t(), g_scale, x_scale, ctx.w_dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
-@torch.compiler.disable  # runs its own Triton kernels; torch.compile graph-breaks around it
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | None = None,
                grad_dtype: str | torch.dtype = "e5m2", input_cache: Fp8InputCache | None = None) -> torch.Tensor:
     """FP8 x @ weight^T over any leading dims. `cache` keeps the weight's FP8 copies across micro-batches
@@ -184,8 +242,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | No
     if grad:
         check_gemm_dims(tokens_per_micro_batch=lead.numel())  # wgrad contracts over the tokens
     transpose = grad and weight.requires_grad  # x^T only feeds wgrad
-    x_fp8 = input_cache.get(x, transpose) if input_cache is not None else quantize_x(x, transpose)
-    out = Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, cache, get_format(grad_dtype).dtype, x_fp8)
+    x8, x8t, x_scale = input_cache.get(x, transpose) if input_cache is not None else quantize_x(x, transpose)
+    if cache is None:  # no cache: both layouts made here, for this call only
+        with torch.no_grad():
+            w8, w8t, w_scale = quantize_transpose(weight.detach(), E4M3.dtype)
+    else:
+        w8, w8t, w_scale = cache.get((weight,))
+    out = Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, w8, w8t, w_scale, x8, x8t, x_scale,
+                                  get_format(grad_dtype).dtype)
     return out.view(*lead, weight.shape[0])
 
 
@@ -209,6 +273,10 @@ class Fp8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.fp8_cache, self.grad_dtype, self.input_cache)
+
+    def fp8_weight_caches(self):
+        """(cache, weights) pairs for refresh_fp8_weights."""
+        return ((self.fp8_cache, (self.weight,)),)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8=e4m3, grad={self.grad_dtype}"

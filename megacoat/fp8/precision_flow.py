@@ -11,6 +11,9 @@ scales): FP8 only. The GEMM inputs that wgrad needs (normed x, silu(a1)*a3) are 
 are made again in backward, transposed (normed x by the norm's output kernel, silu(a1)*a3 by SwiGLU's
 backward pass, which reads the pair anyway). Gradients between the layers are FP8 too (E5M2 by default):
 SwiGLU's backward writes da1|da3 straight into the layouts of the two GEMMs that consume it.
+
+The kernels are megacoat:: operators under torch.compile, and the weights' FP8 copies are passed in as tensors
+(read from their caches by the wrappers), so a compiled block traces both functions with no graph break.
 """
 from __future__ import annotations
 
@@ -29,10 +32,9 @@ class CoatNormLinearFunction(torch.autograd.Function):
     """out = RMSNorm(x) @ cat(weights)^T with the normed x in FP8; x [M, H] → [M, sum of out dims]."""
 
     @staticmethod
-    def forward(ctx, x, norm_weight, cache, eps, group_size, grad_dtype, *weights):
+    def forward(ctx, x, norm_weight, w8, w8t, w_scale, eps, group_size, grad_dtype, *weights):
         x8, xs, rstd, y_scale = rmsnorm_fp8_fwd(x, norm_weight, eps, group_size)
         y8 = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, group_size, transpose=False)
-        w8, w8t, w_scale = cache.get(weights)
         out = scaled_mm(y8, w8.t(), y_scale, w_scale, x.dtype)
         ctx.save_for_backward(x8, xs, rstd, y_scale, norm_weight)
         ctx.w8t, ctx.w_scale, ctx.group_size, ctx.grad_dtype = w8t, w_scale, group_size, grad_dtype
@@ -49,22 +51,21 @@ class CoatNormLinearFunction(torch.autograd.Function):
         y8t = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, ctx.group_size, transpose=True)
         dw = scaled_mm(g8t, y8t.t(), g_scale, y_scale, ctx.w_dtype)
         dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, ctx.group_size)
-        return (dx, dnorm.to(norm_weight.dtype), None, None, None, None, *_split_rows(dw, ctx.sizes))
+        return (dx, dnorm.to(norm_weight.dtype), None, None, None, None, None, None, *_split_rows(dw, ctx.sizes))
 
 
 class CoatMLPFunction(torch.autograd.Function):
     """w2(silu(w1 n) * w3 n) with n = RMSNorm(x), all in the FP8 flow; x [M, H] → [M, H]."""
 
     @staticmethod
-    def forward(ctx, x, norm_weight, w1, w3, w2, cache13, cache2, eps, group_size, grad_dtype):
+    def forward(ctx, x, norm_weight, w1, w3, w2, w13_8, w13_8t, w13_scale, w2_8, w2_8t, w2_scale, eps, group_size,
+                grad_dtype):
         x8, xs, rstd, y_scale = rmsnorm_fp8_fwd(x, norm_weight, eps, group_size)
         y8 = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, group_size, transpose=False)
-        w13_8, w13_8t, w13_scale = cache13.get((w1, w3))
         a13 = scaled_mm(y8, w13_8.t(), y_scale, w13_scale, x.dtype)  # [M, 2F]: gate | up
         a1_8, s1, a3_8, s3, s_scale = swiglu_fp8_fwd(a13, group_size)
         del a13  # the BF16 GEMM output dies here; backward keeps its FP8 copy
         s8 = swiglu_fp8_out(a1_8, s1, a3_8, s3, s_scale, group_size, transpose=False)
-        w2_8, w2_8t, w2_scale = cache2.get((w2,))
         out = scaled_mm(s8, w2_8.t(), s_scale, w2_scale, x.dtype)
         ctx.save_for_backward(x8, xs, rstd, y_scale, a1_8, s1, a3_8, s3, s_scale, norm_weight)
         ctx.w13_8t, ctx.w13_scale, ctx.w2_8t, ctx.w2_scale = w13_8t, w13_scale, w2_8t, w2_scale
@@ -93,26 +94,25 @@ class CoatMLPFunction(torch.autograd.Function):
         dw13 = scaled_mm(da8t, y8t.t(), da_scale, y_scale, ctx.w_dtype)
         dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, g)
         dw1, dw3 = _split_rows(dw13, [ctx.ffn, ctx.ffn])
-        return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, None, None, None, None, None
+        return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, *(None,) * 9
 
 
-@torch.compiler.disable  # the fused functions run their own Triton kernels: torch.compile graph-breaks
 def coat_norm_linear(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, group_size: int,
                      grad_dtype: torch.dtype):
     lead = x.shape[:-1]
     if torch.is_grad_enabled():
         check_gemm_dims(tokens_per_micro_batch=lead.numel())  # wgrad contracts over the tokens
-    out = CoatNormLinearFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, cache, eps, group_size,
+    w8, w8t, w_scale = cache.get(weights)
+    out = CoatNormLinearFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w8, w8t, w_scale, eps, group_size,
                                        grad_dtype, *weights)
     return out.view(*lead, out.shape[-1])
 
 
-@torch.compiler.disable
 def coat_mlp(x, norm_weight, w1, w3, w2, cache13: Fp8WeightCache, cache2: Fp8WeightCache, eps: float,
              group_size: int, grad_dtype: torch.dtype):
     if torch.is_grad_enabled():
         check_gemm_dims(tokens_per_micro_batch=x[..., 0].numel())
-    out = CoatMLPFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w1, w3, w2, cache13, cache2, eps,
-                                group_size, grad_dtype)
+    out = CoatMLPFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w1, w3, w2, *cache13.get((w1, w3)),
+                                *cache2.get((w2,)), eps, group_size, grad_dtype)
     return out.view(x.shape)
 

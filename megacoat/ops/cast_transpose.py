@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.numerics import AMAX_FLOOR, RESCALE, RESCALE_BELOW, cast_with_scale, pick, scale_from_amax
+from megacoat.ops.numerics import (AMAX_FLOOR, RESCALE, RESCALE_BELOW, cast_with_scale, launcher, pick,
+                                   scale_from_amax, traced_body)
 
 RESCALE, RESCALE_BELOW = tl.constexpr(RESCALE), tl.constexpr(RESCALE_BELOW)
 
@@ -91,7 +92,7 @@ def _launch(x, amax, scale, out_dtype, rowwise, transpose):
     dummy = out if out is not None else outt
     bm, bn = 64, 64
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _cast_transpose_kernel[grid](x, amax if amax is not None else scale, scale, out if rowwise else dummy,
+    launcher(_cast_transpose_kernel)[grid](x, amax if amax is not None else scale, scale, out if rowwise else dummy,
                                  outt if transpose else dummy, m, n, torch.finfo(out_dtype).max, AMAX_FLOOR,
                                  FROM_AMAX=amax is not None, ROWWISE=rowwise, TRANSPOSE=transpose,
                                  BM=bm, BN=bn, num_warps=4)
@@ -127,6 +128,19 @@ def quantize_transpose_triton(x: torch.Tensor, out_dtype: torch.dtype, rowwise: 
 
 
 def quantize_transpose(x: torch.Tensor, out_dtype: torch.dtype, rowwise: bool = True, transpose: bool = True):
-    """Per-tensor FP8 quantization of a 2-D tensor into the layouts _scaled_mm needs: (q, q^T, scale).
-    Two launches on CUDA (amax, cast), nothing read back to the host."""
-    return pick(x, quantize_transpose_triton, quantize_transpose_ref)(x, out_dtype, rowwise, transpose)
+    """Per-tensor FP8 quantization of a 2-D tensor into the layouts _scaled_mm needs: (q, q^T, scale), a layout
+    not asked for is None. Two launches on CUDA (amax, cast), nothing read back to the host."""
+    if not torch.compiler.is_compiling():
+        return pick(x, quantize_transpose_triton, quantize_transpose_ref)(x, out_dtype, rowwise, transpose)
+    q, qt, scale = _quantize_transpose_op(x, out_dtype, rowwise, transpose)
+    return (q if rowwise else None), (qt if transpose else None), scale
+
+
+@torch.library.triton_op("megacoat::quantize_transpose", mutates_args=())
+def _quantize_transpose_op(x: torch.Tensor, out_dtype: torch.dtype, rowwise: bool,
+                           transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_transpose as an operator (an operator returns tensors: a layout not asked for is empty). The
+    amax is a plain torch reduction in the graph, which Inductor may fuse with the op that produces x."""
+    q, qt, scale = traced_body(x, quantize_transpose_triton, quantize_transpose_ref, x, out_dtype, rowwise, transpose)
+    return (x.new_empty(0, dtype=out_dtype) if q is None else q,
+            x.new_empty(0, dtype=out_dtype) if qt is None else qt, scale)

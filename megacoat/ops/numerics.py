@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
+from torch.library import wrap_triton
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 GROUP_SIZES = (16, 32, 64, 128, 256)  # 1xG quantization groups: a power of two that a warp's lanes divide
@@ -68,6 +70,37 @@ def pick(x: torch.Tensor, kernel, reference):
     """The backend choice of every op: the kernel for CUDA tensors, the torch reference elsewhere. (CPU tests run
     the Triton kernels under the interpreter by calling them by name.)"""
     return kernel if x.is_cuda else reference
+
+
+# --- registered operators -------------------------------------------------------------------------------------
+# Every kernel of the FP8 flow is also a PyTorch operator, megacoat::<name> (torch.library.triton_op), so that
+# torch.compile traces through it with no graph break: Inductor sees the Triton launches (wrap_triton) on CUDA
+# and the torch references on CPU, i.e. the same choice `pick` makes. Eager calls skip the operator (its Python
+# dispatch costs more than a small kernel) and launch the kernels directly: `dispatch` below.
+_traced = threading.local()
+
+
+def launcher(kernel):
+    """How the Triton functions launch `kernel`: wrap_triton(kernel) while an operator's body is traced (so the
+    launch is a node of the graph), the kernel itself otherwise (no higher-order-op dispatch in eager)."""
+    return wrap_triton(kernel) if getattr(_traced, "on", False) else kernel
+
+
+def traced_body(x: torch.Tensor, kernel, reference, *args):
+    """The body of a megacoat:: operator: pick's choice, with launches made traceable (see launcher)."""
+    prev = getattr(_traced, "on", False)
+    _traced.on = True
+    try:
+        return pick(x, kernel, reference)(*args)
+    finally:
+        _traced.on = prev
+
+
+def dispatch(op, x: torch.Tensor, kernel, reference, *args):
+    """Run one FP8 op: the registered operator `op` under torch.compile, else the kernel (CUDA) or reference."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    return pick(x, kernel, reference)(*args)
 
 
 def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:

@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from megacoat.ops.tensor_scale import fold_amax_to_scale, scale_workspace
-from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, group_dequantize, group_quantize, pick,
-                                   scale_from_amax)
+from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, group_dequantize, group_quantize,
+                                   launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate
 
 E4M3 = torch.float8_e4m3fn
@@ -166,7 +166,7 @@ def rmsnorm_fp8_fwd_triton(x, weight, eps: float, group_size: int, out_dtype=E4M
     y_scale = torch.empty((1,), dtype=torch.float32, device=x.device)
     amax, count = scale_workspace(x.device)
     ngp = triton.next_power_of_2(ng)
-    _fwd_kernel[(m,)](x, weight, x8, xs, rstd, amax, count, y_scale, h, ng, eps, torch.finfo(E4M3).max,
+    launcher(_fwd_kernel)[(m,)](x, weight, x8, xs, rstd, amax, count, y_scale, h, ng, eps, torch.finfo(E4M3).max,
                       torch.finfo(out_dtype).max, AMAX_FLOOR, G=group_size, NGP=ngp, FAST=FAST,
                       num_warps=_warps(ngp * group_size, 1024))
     return x8, xs, rstd, y_scale
@@ -183,7 +183,7 @@ def rmsnorm_fp8_out_triton(x8, x_scales, rstd, weight, y_scale, group_size: int,
     m, h = x8.shape
     y = torch.empty((h, m) if transpose else (m, h), dtype=out_dtype, device=x8.device)
     bm = 64
-    _out_kernel[(triton.cdiv(m, bm), x_scales.shape[1])](
+    launcher(_out_kernel)[(triton.cdiv(m, bm), x_scales.shape[1])](
         x8, x_scales, rstd, weight, y_scale, y, m, h, x_scales.shape[1], torch.finfo(out_dtype).max,
         TRANSPOSE=transpose, G=group_size, BM=bm, FAST=FAST, num_warps=4)
     return y
@@ -206,19 +206,43 @@ def rmsnorm_fp8_bwd_triton(dy, x8, x_scales, rstd, weight, group_size: int):
     grid = _persistent_programs(m, warps, dy.device)
     dx = torch.empty((m, h), dtype=dy.dtype, device=dy.device)
     dwp = torch.empty((grid, h), dtype=torch.float32, device=dy.device)
-    _bwd_kernel[(grid,)](dy, x8, x_scales, rstd, weight, dx, dwp, m, h, ng, G=group_size, NGP=ngp, num_warps=warps)
+    launcher(_bwd_kernel)[(grid,)](dy, x8, x_scales, rstd, weight, dx, dwp, m, h, ng, G=group_size, NGP=ngp, num_warps=warps)
     return dx, dwp.sum(0)
 
 
 # ---------------------------------------------------------------------------------------------- dispatchers
+# Eager: the kernel (CUDA) or the reference; under torch.compile: the megacoat:: operators (numerics.dispatch).
+Tensor = torch.Tensor
+
+
 def rmsnorm_fp8_fwd(x, weight, eps: float, group_size: int, out_dtype=E4M3):
-    return pick(x, rmsnorm_fp8_fwd_triton, rmsnorm_fp8_fwd_ref)(x, weight, eps, group_size, out_dtype)
+    return dispatch(_fwd_op, x, rmsnorm_fp8_fwd_triton, rmsnorm_fp8_fwd_ref, x, weight, eps, group_size, out_dtype)
 
 
 def rmsnorm_fp8_out(x8, x_scales, rstd, weight, y_scale, group_size: int, transpose: bool, out_dtype=E4M3):
-    return pick(x8, rmsnorm_fp8_out_triton, rmsnorm_fp8_out_ref)(
-        x8, x_scales, rstd, weight, y_scale, group_size, transpose, out_dtype)
+    return dispatch(_out_op, x8, rmsnorm_fp8_out_triton, rmsnorm_fp8_out_ref,
+                    x8, x_scales, rstd, weight, y_scale, group_size, transpose, out_dtype)
 
 
 def rmsnorm_fp8_bwd(dy, x8, x_scales, rstd, weight, group_size: int):
-    return pick(dy, rmsnorm_fp8_bwd_triton, rmsnorm_fp8_bwd_ref)(dy, x8, x_scales, rstd, weight, group_size)
+    return dispatch(_bwd_op, dy, rmsnorm_fp8_bwd_triton, rmsnorm_fp8_bwd_ref, dy, x8, x_scales, rstd, weight,
+                    group_size)
+
+
+@torch.library.triton_op("megacoat::rmsnorm_fp8_fwd", mutates_args=())
+def _fwd_op(x: Tensor, weight: Tensor, eps: float, group_size: int,
+            out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return traced_body(x, rmsnorm_fp8_fwd_triton, rmsnorm_fp8_fwd_ref, x, weight, eps, group_size, out_dtype)
+
+
+@torch.library.triton_op("megacoat::rmsnorm_fp8_out", mutates_args=())
+def _out_op(x8: Tensor, x_scales: Tensor, rstd: Tensor, weight: Tensor, y_scale: Tensor, group_size: int,
+            transpose: bool, out_dtype: torch.dtype) -> Tensor:
+    return traced_body(x8, rmsnorm_fp8_out_triton, rmsnorm_fp8_out_ref, x8, x_scales, rstd, weight, y_scale,
+                       group_size, transpose, out_dtype)
+
+
+@torch.library.triton_op("megacoat::rmsnorm_fp8_bwd", mutates_args=())
+def _bwd_op(dy: Tensor, x8: Tensor, x_scales: Tensor, rstd: Tensor, weight: Tensor,
+            group_size: int) -> tuple[Tensor, Tensor]:
+    return traced_body(dy, rmsnorm_fp8_bwd_triton, rmsnorm_fp8_bwd_ref, dy, x8, x_scales, rstd, weight, group_size)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.numerics import pick
+from megacoat.ops.numerics import dispatch, launcher, traced_body
 
 
 def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -63,14 +63,20 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
     out = torch.empty((b, s, nh, d), dtype=x.dtype, device=x.device)
     bd = triton.next_power_of_2(d // 2)
     bh = min(triton.next_power_of_2(nh), max(1, 4096 // (2 * bd)))  # up to 4096 elements per program
-    _rope_kernel[(b * s, triton.cdiv(nh, bh))](
+    launcher(_rope_kernel)[(b * s, triton.cdiv(nh, bh))](
         x, cos.contiguous(), sin.contiguous(), out, s, nh, x.stride(0), x.stride(1), x.stride(2),
         -1.0 if inverse else 1.0, HALF=d // 2, BH=bh, BD=bd, num_warps=4)
     return out
 
 
 def _rope(x, cos, sin, inverse=False):
-    return pick(x, rope_triton, rope_ref)(x, cos, sin, inverse)
+    return dispatch(_rope_op, x, rope_triton, rope_ref, x, cos, sin, inverse)
+
+
+@torch.library.triton_op("megacoat::rope", mutates_args=())
+def _rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """The rotation as an operator (torch.compile traces through it; eager calls skip it: numerics.dispatch)."""
+    return traced_body(x, rope_triton, rope_ref, x, cos, sin, inverse)
 
 
 class RopeFunction(torch.autograd.Function):
@@ -84,7 +90,6 @@ class RopeFunction(torch.autograd.Function):
         return _rope(grad_out.contiguous(), *ctx.tables, inverse=True), None, None
 
 
-@torch.compiler.disable  # runs its own Triton kernel; torch.compile graph-breaks around it
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [batch, seq, heads, head_dim] (any strides, unit last stride); returns a contiguous tensor."""
     return RopeFunction.apply(x, cos, sin)

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from megacoat.ops.tensor_scale import fold_amax_to_scale, scale_workspace
-from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, group_dequantize, group_quantize, pick,
-                                   scale_from_amax)
+from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, group_dequantize, group_quantize,
+                                   launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate, sigmoid
 
 E4M3 = torch.float8_e4m3fn
@@ -212,7 +212,7 @@ def swiglu_fp8_fwd_triton(a13, group_size: int, out_dtype=E4M3):
     s1, s3 = (torch.empty((m, ng), dtype=torch.float32, device=dev) for _ in range(2))
     s_scale = torch.empty((1,), dtype=torch.float32, device=dev)
     amax, count = scale_workspace(dev)
-    _fwd_kernel[grid](a13, a1_8, s1, a3_8, s3, amax, count, s_scale, m, f, ng, torch.finfo(E4M3).max,
+    launcher(_fwd_kernel)[grid](a13, a1_8, s1, a3_8, s3, amax, count, s_scale, m, f, ng, torch.finfo(E4M3).max,
                       torch.finfo(out_dtype).max, AMAX_FLOOR, G=group_size, BM=_BM, FAST=FAST, num_warps=4)
     return a1_8, s1, a3_8, s3, s_scale
 
@@ -220,7 +220,7 @@ def swiglu_fp8_fwd_triton(a13, group_size: int, out_dtype=E4M3):
 def swiglu_fp8_out_triton(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpose: bool, out_dtype=E4M3):
     m, f = a1_8.shape
     y = torch.empty((f, m) if transpose else (m, f), dtype=out_dtype, device=a1_8.device)
-    _out_kernel[(triton.cdiv(m, _BM), s1.shape[1])](
+    launcher(_out_kernel)[(triton.cdiv(m, _BM), s1.shape[1])](
         a1_8, s1, a3_8, s3, s_scale, y, m, f, s1.shape[1], torch.finfo(out_dtype).max,
         TRANSPOSE=transpose, G=group_size, BM=_BM, FAST=FAST, num_warps=4)
     return y
@@ -247,28 +247,33 @@ def _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dty
     write_st = s_scale is not None
     st = torch.empty((f, m), dtype=out_dtype, device=dev) if write_st else None
     args = (ds, a1_8, s1, a3_8, s3, amax)
-    _bwd_amax_kernel[(triton.cdiv(m, _BM), ng)](
+    launcher(_bwd_amax_kernel)[(triton.cdiv(m, _BM), ng)](
         *args, s_scale if write_st else amax, st if write_st else amax, m, f, ng,
         torch.finfo(out_dtype).max if write_st else 0.0, G=group_size, BM=_BM, FAST=FAST, WRITE_ST=write_st,
         num_warps=4)
-    _bwd_cast_kernel[(triton.cdiv(m, _BM_T), ng)](*args, scale, da, dat, m, f, ng, torch.finfo(grad_dtype).max,
+    launcher(_bwd_cast_kernel)[(triton.cdiv(m, _BM_T), ng)](*args, scale, da, dat, m, f, ng, torch.finfo(grad_dtype).max,
                                                   AMAX_FLOOR, G=group_size, BM=_BM_T, FAST=FAST,
                                                   num_warps=_WARPS_T)
     return (da, dat, scale, st) if write_st else (da, dat, scale)
 
 
 # ---------------------------------------------------------------------------------------------- dispatchers
+# Eager: the kernel (CUDA) or the reference; under torch.compile: the megacoat:: operators (numerics.dispatch).
+Tensor = torch.Tensor
+
+
 def swiglu_fp8_fwd(a13, group_size: int, out_dtype=E4M3):
-    return pick(a13, swiglu_fp8_fwd_triton, swiglu_fp8_fwd_ref)(a13, group_size, out_dtype)
+    return dispatch(_fwd_op, a13, swiglu_fp8_fwd_triton, swiglu_fp8_fwd_ref, a13, group_size, out_dtype)
 
 
 def swiglu_fp8_out(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpose: bool, out_dtype=E4M3):
-    return pick(a1_8, swiglu_fp8_out_triton, swiglu_fp8_out_ref)(
-        a1_8, s1, a3_8, s3, s_scale, group_size, transpose, out_dtype)
+    return dispatch(_out_op, a1_8, swiglu_fp8_out_triton, swiglu_fp8_out_ref,
+                    a1_8, s1, a3_8, s3, s_scale, group_size, transpose, out_dtype)
 
 
 def swiglu_fp8_bwd(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=torch.float8_e5m2):
-    return pick(ds, swiglu_fp8_bwd_triton, swiglu_fp8_bwd_ref)(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype)
+    return dispatch(_bwd_op, ds, swiglu_fp8_bwd_triton, swiglu_fp8_bwd_ref, ds, a1_8, s1, a3_8, s3, group_size,
+                    grad_dtype)
 
 
 def swiglu_fp8_bwd_out_t(ds, a1_8, s1, a3_8, s3, s_scale, group_size: int, grad_dtype=torch.float8_e5m2,
@@ -276,5 +281,30 @@ def swiglu_fp8_bwd_out_t(ds, a1_8, s1, a3_8, s3, s_scale, group_size: int, grad_
     """swiglu_fp8_bwd plus the forward's output transposed (s^T [F, M], the down projection's wgrad operand),
     written by the backward's amax pass from the pair it reads anyway: one launch and one read of the pair
     (2 bytes per element) fewer than swiglu_fp8_out(transpose=True) beside swiglu_fp8_bwd."""
-    return pick(ds, swiglu_fp8_bwd_out_t_triton, swiglu_fp8_bwd_out_t_ref)(
-        ds, a1_8, s1, a3_8, s3, s_scale, group_size, grad_dtype, out_dtype)
+    return dispatch(_bwd_out_t_op, ds, swiglu_fp8_bwd_out_t_triton, swiglu_fp8_bwd_out_t_ref,
+                    ds, a1_8, s1, a3_8, s3, s_scale, group_size, grad_dtype, out_dtype)
+
+
+@torch.library.triton_op("megacoat::swiglu_fp8_fwd", mutates_args=())
+def _fwd_op(a13: Tensor, group_size: int, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return traced_body(a13, swiglu_fp8_fwd_triton, swiglu_fp8_fwd_ref, a13, group_size, out_dtype)
+
+
+@torch.library.triton_op("megacoat::swiglu_fp8_out", mutates_args=())
+def _out_op(a1_8: Tensor, s1: Tensor, a3_8: Tensor, s3: Tensor, s_scale: Tensor, group_size: int, transpose: bool,
+            out_dtype: torch.dtype) -> Tensor:
+    return traced_body(a1_8, swiglu_fp8_out_triton, swiglu_fp8_out_ref, a1_8, s1, a3_8, s3, s_scale, group_size,
+                       transpose, out_dtype)
+
+
+@torch.library.triton_op("megacoat::swiglu_fp8_bwd", mutates_args=())
+def _bwd_op(ds: Tensor, a1_8: Tensor, s1: Tensor, a3_8: Tensor, s3: Tensor, group_size: int,
+            grad_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    return traced_body(ds, swiglu_fp8_bwd_triton, swiglu_fp8_bwd_ref, ds, a1_8, s1, a3_8, s3, group_size, grad_dtype)
+
+
+@torch.library.triton_op("megacoat::swiglu_fp8_bwd_out_t", mutates_args=())
+def _bwd_out_t_op(ds: Tensor, a1_8: Tensor, s1: Tensor, a3_8: Tensor, s3: Tensor, s_scale: Tensor, group_size: int,
+                  grad_dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return traced_body(ds, swiglu_fp8_bwd_out_t_triton, swiglu_fp8_bwd_out_t_ref, ds, a1_8, s1, a3_8, s3, s_scale,
+                       group_size, grad_dtype, out_dtype)

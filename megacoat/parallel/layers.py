@@ -82,6 +82,10 @@ class _ShardedLinear(nn.Module):
             return F.linear(x, self.weight)
         return fp8_linear(x, self.weight, self.fp8_cache, self.fp8_grad_dtype, self.input_cache)
 
+    def fp8_weight_caches(self):
+        """(cache, weights) pairs for megacoat.fp8.linear.refresh_fp8_weights."""
+        return () if self.fp8_cache is None else ((self.fp8_cache, (self.weight,)),)
+
     def extra_repr(self) -> str:
         fp8 = "" if self.fp8_grad_dtype is None else f", fp8=e4m3, grad={self.fp8_grad_dtype}"
         return f"in_features={self.in_features}, out_features={self.out_features} (this rank's shard){fp8}"

@@ -31,6 +31,7 @@ class TrainingConfig:
     wandb_project: str | None = None
     wandb_run_name: str | None = None
     compile: bool = False  # torch.compile each transformer block (fuses norms, RoPE, SwiGLU element-wise work)
+    enable_cuda_graph: bool = False  # compile the blocks in mode reduce-overhead (CUDA graphs); needs compile
     profile_dir: str | None = None  # torch.profiler trace + top operators of iterations (start, end]
     profile_step_start: int = 10
     profile_step_end: int = 12
@@ -69,6 +70,8 @@ class TrainingConfig:
             raise ValueError("--finetune needs --load DIR")
         if self.override_optimizer_state not in (None, "convert"):
             raise ValueError(f"--override-optimizer-state must be 'convert', got {self.override_optimizer_state!r}")
+        if self.enable_cuda_graph and not self.compile:
+            raise ValueError("--enable-cuda-graph captures the compiled blocks: it needs --compile")
 
     def gradient_accumulation_steps(self, data_parallel_size: int) -> int:
         """Micro-batches per rank per step; the global batch must split evenly over the DP ranks."""

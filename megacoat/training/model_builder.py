@@ -39,7 +39,7 @@ def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState 
     if model_converter is not None:
         model = model_converter(model)
     if cfg.training.compile:
-        apply_compile(model)
+        apply_compile(model, cuda_graph=cfg.training.enable_cuda_graph)
     if pipelined:
         from megacoat.parallel.pipeline import build_pipeline
 
@@ -47,14 +47,22 @@ def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState 
     return model.to(device)
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, cuda_graph: bool = False) -> None:
     """torch.compile each transformer block (as torchtitan does: one graph reused by every layer, short compile
     times) and the loss. Compiled, the fp32 cross-entropy over the vocabulary is fused with its cast: backward
     keeps the bf16 logits (2 bytes per logit) instead of the fp32 log-softmax (4), recomputing the softmax, and
     the fp32 copies eager makes around the loss (the cast, the log-softmax, its gradient) are never materialised.
-    A tensor-parallel model keeps its vocab-parallel loss."""
+    A tensor-parallel model keeps its vocab-parallel loss.
+
+    Every activation mode compiles a block as one graph (no graph break): the FP8 flow's kernels are megacoat::
+    operators that torch.compile traces through. Compiled FP8 forwards read the FP8 weight copies without checking
+    them: call megacoat.fp8.linear.refresh_fp8_weights(model) once the weights are final (the trainer does, after
+    building the engine, after each optimizer step and after loading a checkpoint).
+
+    cuda_graph (--enable-cuda-graph): the blocks compile in mode "reduce-overhead" (cudagraph trees, see
+    megacoat.training.cuda_graph); the loss stays in the default mode."""
     for block in model.layers:
-        block.compile()
+        block.compile(mode="reduce-overhead" if cuda_graph else None)
     if getattr(model, "loss_fn", None) is cross_entropy_loss:
         model.loss_fn = torch.compile(cross_entropy_loss)
 

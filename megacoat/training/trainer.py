@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megacoat.config import MegacoatConfig
 from megacoat.data.config import parse_data_path
-from megacoat.fp8.linear import invalidate_fp8_weight_caches
+from megacoat.fp8.linear import refresh_fp8_weights
 from megacoat.parallel import initialize_parallel_state
 from megacoat.parallel.grad_norm import global_grad_norm
 from megacoat.training.banner import startup_banner
@@ -130,6 +130,7 @@ class Trainer:
 
         model = build_model(cfg, self.device, self.parallel, model_converter)
         self.engine, self.scheduler = build_engine(cfg, model, self.ds_config, self.device, self.parallel)
+        refresh_fp8_weights(self.engine.module)  # FP8 weight copies of the weights as the engine holds them
         if t.profile_dir:
             annotate_engine(self.engine)  # the profiled window's idle time, split by phase (profiling.py)
         # Plain fp32 data parallelism is the one engine that would apply a non-finite step (stability.py).
@@ -168,6 +169,8 @@ class Trainer:
         applied = True
         for _ in range(self.grad_accum):
             tokens, labels = self._split(next(data_iter))
+            if self.cfg.training.enable_cuda_graph:  # a new micro-batch: earlier graph outputs may be reused
+                torch.compiler.cudagraph_mark_step_begin()
             loss = self.engine(tokens, labels)
             self.engine.backward(loss)
             grad_norm = self._grad_norm_if_boundary()
@@ -178,7 +181,7 @@ class Trainer:
             if boundary:  # DeepSpeed updates weights through .data, which autograd's version counter misses
                 clear_skip_flag(self.engine)
                 applied = self.engine.was_step_applied()
-                invalidate_fp8_weight_caches()
+                refresh_fp8_weights(self.engine.module)  # in place: compiled forwards only read the copies
             losses.append(loss.detach())
         norm = self.engine.get_global_grad_norm()
         if norm is None:
@@ -194,7 +197,7 @@ class Trainer:
         """One step of DeepSpeed's 1F1B schedule over grad_accum micro-batches; the loss it returns is already
         averaged over micro-batches and data-parallel ranks and broadcast to every stage."""
         loss = self.engine.train_batch(self._micro_batches(data_iter, self.grad_accum))
-        invalidate_fp8_weight_caches()
+        refresh_fp8_weights(self.engine.module)
         return loss.detach().float(), self.engine.get_global_grad_norm(), not self.engine.was_step_applied()
 
     def _grad_norm_if_boundary(self) -> float | None:
@@ -248,7 +251,7 @@ class Trainer:
         path, self.state = load_checkpoint(self.engine, directory, self.cfg.to_dict(), self.layout,
                                            self.tokenizer_identity, tag=tag, tp_rank=self.parallel.tp_rank,
                                            finetune=t.finetune, convert_optimizer=t.override_optimizer_state == "convert")
-        invalidate_fp8_weight_caches()
+        refresh_fp8_weights(self.engine.module)
         for line in describe_resume(path, self.cfg.to_dict(), self.layout, t.finetune):
             self.logger.info(line)
         self.logger.info(f"{'fine-tuning from' if t.finetune else 'resumed from'} {path} "

@@ -1,0 +1,23 @@
+"""--enable-cuda-graph: which settings CUDA graphs support, checked before any work.
+
+The blocks are compiled with torch.compile's mode "reduce-overhead" (cudagraph trees: each block's forward and
+backward are captured after warm-up and replayed from a private memory pool, so a step launches one graph per
+block instead of its kernels one by one). That needs what a graph replay cannot change: a CUDA device, static
+shapes (the trainer's micro-batches all have one shape), and no host work inside the block (the FP8 weight copies
+are refreshed in place outside the graph: megacoat.fp8.linear.refresh_fp8_weights). DeepSpeed's pipeline engine
+runs its own schedule of partial forwards and sends between stages, which this capture does not cover: refused.
+"""
+from __future__ import annotations
+
+import torch
+
+from megacoat.parallel.config import ParallelConfig
+
+
+def check_cuda_graph(parallel: ParallelConfig, cuda_available: bool | None = None) -> None:
+    """Raise ValueError naming the flag for a setting CUDA graphs cannot run with."""
+    if not (torch.cuda.is_available() if cuda_available is None else cuda_available):
+        raise ValueError("--enable-cuda-graph needs a CUDA device (CUDA graphs replay GPU work; none is available)")
+    if parallel.pipeline_model_parallel_size > 1:
+        raise ValueError("--enable-cuda-graph does not support --pipeline-model-parallel-size > 1 (DeepSpeed's "
+                         f"pipeline schedule is not captured), got {parallel.pipeline_model_parallel_size}")

@@ -1,0 +1,65 @@
+"""--enable-cuda-graph: settings CUDA graphs cannot run with are refused before any work, with one line naming
+the flag. (Capture and replay themselves need a GPU: tests/fp8/test_blocks.py and the commands in the report.)"""
+import pytest
+import torch
+
+from megacoat.arguments import parse_config
+from megacoat.parallel.config import ParallelConfig
+from megacoat.training.config import TrainingConfig
+from megacoat.training.cuda_graph import check_cuda_graph
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_no_cuda_device_is_refused_with_one_error_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--enable-cuda-graph", "--mock-data"])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert "error: --enable-cuda-graph needs a CUDA device" in err and "Traceback" not in err
+
+
+def test_pipeline_parallelism_is_refused():
+    with pytest.raises(ValueError, match="--enable-cuda-graph does not support --pipeline-model-parallel-size"):
+        check_cuda_graph(ParallelConfig(pipeline_model_parallel_size=2), cuda_available=True)
+    check_cuda_graph(ParallelConfig(tensor_model_parallel_size=2), cuda_available=True)  # TP is fine
+
+
+def test_cuda_graph_needs_the_compiled_blocks():
+    with pytest.raises(ValueError, match="--enable-cuda-graph .* needs --compile"):
+        TrainingConfig(enable_cuda_graph=True, compile=False)
+    assert TrainingConfig(enable_cuda_graph=True, compile=True).enable_cuda_graph
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16", "fp8-linear", "coat"])
+def test_gpu_graphed_block_equals_compiled_and_never_syncs(mode):
+    """One block compiled fullgraph in mode reduce-overhead (what --enable-cuda-graph does), three steps of fixed
+    inputs (warm-up, capture, replay): every step equals the same block compiled without CUDA graphs bit for bit
+    (the same Inductor kernels, launched by a graph instead of one by one), and the replayed step makes no host
+    sync (sync debug mode "error"). Results are cloned at once: a replay reuses its outputs' memory."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from tests.fp8.test_blocks import _block
+
+    block, x, cos, sin = _block(mode, dtype=torch.bfloat16, device="cuda")
+
+    def step(fn):
+        torch.compiler.cudagraph_mark_step_begin()
+        x.grad = None
+        block.zero_grad(set_to_none=True)
+        y = fn(x, cos, sin)
+        y.float().square().sum().backward()
+        return [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in block.parameters()]
+
+    torch._dynamo.reset()
+    plain = step(torch.compile(block, fullgraph=True))
+    graphed = torch.compile(block, fullgraph=True, mode="reduce-overhead")
+    runs = [step(graphed) for _ in range(2)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        runs.append(step(graphed))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for run in runs:
+        assert all(torch.equal(a, b) for a, b in zip(run, plain))
