@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.numerics import (AMAX_FLOOR, RESCALE, RESCALE_BELOW, cast_with_scale, launcher, pick,
-                                   scale_from_amax, traced_body)
+from megacoat.ops.numerics import (AMAX_FLOOR, RESCALE, RESCALE_BELOW, cast_with_scale, fp8_operator, launcher,
+                                   pick, scale_from_amax, traced_body)
 
 RESCALE, RESCALE_BELOW = tl.constexpr(RESCALE), tl.constexpr(RESCALE_BELOW)
 
@@ -136,7 +136,7 @@ def quantize_transpose(x: torch.Tensor, out_dtype: torch.dtype, rowwise: bool = 
     return (q if rowwise else None), (qt if transpose else None), scale
 
 
-@torch.library.triton_op("megacoat::quantize_transpose", mutates_args=())
+@fp8_operator("megacoat::quantize_transpose")
 def _quantize_transpose_op(x: torch.Tensor, out_dtype: torch.dtype, rowwise: bool,
                            transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """quantize_transpose as an operator (an operator returns tensors: a layout not asked for is empty). The

@@ -27,6 +27,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
+from torch._library.infer_schema import infer_schema
 from torch.library import wrap_triton
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -73,17 +74,38 @@ def pick(x: torch.Tensor, kernel, reference):
 
 
 # --- registered operators -------------------------------------------------------------------------------------
-# Every kernel of the FP8 flow is also a PyTorch operator, megacoat::<name> (torch.library.triton_op), so that
-# torch.compile traces through it with no graph break: Inductor sees the Triton launches (wrap_triton) on CUDA
-# and the torch references on CPU, i.e. the same choice `pick` makes. Eager calls skip the operator (its Python
-# dispatch costs more than a small kernel) and launch the kernels directly: `dispatch` below.
+# Every kernel of the FP8 flow is also a PyTorch operator, megacoat::<name> (fp8_operator), so that torch.compile
+# traces a block with no graph break. The operator is opaque to Inductor: at run time it launches the Triton kernels
+# itself (CUDA) or runs the torch reference (CPU), the choice `pick` makes; its fake (shapes and dtypes under
+# tracing) is the same body with the launches made graph nodes (wrap_triton), which do nothing on fake tensors.
+# (Letting Inductor re-compile the kernels from their wrap_triton nodes, torch.library.triton_op, failed on the
+# H100 with Triton 3.6: Python floats typed fp64, constants specialised to ints, unrealized as_strided views.)
+# Eager calls skip the operator (its Python dispatch costs more than a small kernel): `dispatch` below.
 _traced = threading.local()
 
 
 def launcher(kernel):
-    """How the Triton functions launch `kernel`: wrap_triton(kernel) while an operator's body is traced (so the
-    launch is a node of the graph), the kernel itself otherwise (no higher-order-op dispatch in eager)."""
-    return wrap_triton(kernel) if getattr(_traced, "on", False) else kernel
+    """How the Triton functions launch `kernel`: wrap_triton(kernel) while an operator's fake runs (so the launch
+    is a graph node, a no-op on fake tensors), the kernel itself otherwise."""
+    return wrap_triton(kernel) if getattr(_traced, "on", False) and not getattr(_traced, "direct", False) else kernel
+
+
+def fp8_operator(name: str):
+    """Register `body` (a function of tensors and plain values, returning tensors) as the custom operator `name`:
+    at run time `body` launches its kernels directly, under tracing it is its own fake."""
+    def register(body):
+        def run(*args):
+            prev = getattr(_traced, "direct", False)
+            _traced.direct = True
+            try:
+                return body(*args)
+            finally:
+                _traced.direct = prev
+
+        op = torch.library.custom_op(name, run, mutates_args=(), schema=infer_schema(body, mutates_args=()))
+        op.register_fake(body)
+        return op
+    return register
 
 
 def traced_body(x: torch.Tensor, kernel, reference, *args):

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from megacoat.ops.tensor_scale import fold_amax_to_scale, scale_workspace
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, group_dequantize, group_quantize,
-                                   launcher, scale_from_amax, traced_body)
+                                   fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate
 
 E4M3 = torch.float8_e4m3fn
@@ -229,20 +229,20 @@ def rmsnorm_fp8_bwd(dy, x8, x_scales, rstd, weight, group_size: int):
                     group_size)
 
 
-@torch.library.triton_op("megacoat::rmsnorm_fp8_fwd", mutates_args=())
+@fp8_operator("megacoat::rmsnorm_fp8_fwd")
 def _fwd_op(x: Tensor, weight: Tensor, eps: float, group_size: int,
             out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return traced_body(x, rmsnorm_fp8_fwd_triton, rmsnorm_fp8_fwd_ref, x, weight, eps, group_size, out_dtype)
 
 
-@torch.library.triton_op("megacoat::rmsnorm_fp8_out", mutates_args=())
+@fp8_operator("megacoat::rmsnorm_fp8_out")
 def _out_op(x8: Tensor, x_scales: Tensor, rstd: Tensor, weight: Tensor, y_scale: Tensor, group_size: int,
             transpose: bool, out_dtype: torch.dtype) -> Tensor:
     return traced_body(x8, rmsnorm_fp8_out_triton, rmsnorm_fp8_out_ref, x8, x_scales, rstd, weight, y_scale,
                        group_size, transpose, out_dtype)
 
 
-@torch.library.triton_op("megacoat::rmsnorm_fp8_bwd", mutates_args=())
+@fp8_operator("megacoat::rmsnorm_fp8_bwd")
 def _bwd_op(dy: Tensor, x8: Tensor, x_scales: Tensor, rstd: Tensor, weight: Tensor,
             group_size: int) -> tuple[Tensor, Tensor]:
     return traced_body(dy, rmsnorm_fp8_bwd_triton, rmsnorm_fp8_bwd_ref, dy, x8, x_scales, rstd, weight, group_size)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.numerics import dispatch, launcher, traced_body
+from megacoat.ops.numerics import dispatch, fp8_operator, launcher, traced_body
 
 
 def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -73,7 +73,7 @@ def _rope(x, cos, sin, inverse=False):
     return dispatch(_rope_op, x, rope_triton, rope_ref, x, cos, sin, inverse)
 
 
-@torch.library.triton_op("megacoat::rope", mutates_args=())
+@fp8_operator("megacoat::rope")
 def _rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     """The rotation as an operator (torch.compile traces through it; eager calls skip it: numerics.dispatch)."""
     return traced_body(x, rope_triton, rope_ref, x, cos, sin, inverse)

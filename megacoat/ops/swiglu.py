@@ -22,7 +22,7 @@ import triton.language as tl
 
 from megacoat.ops.tensor_scale import fold_amax_to_scale, scale_workspace
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, group_dequantize, group_quantize,
-                                   launcher, scale_from_amax, traced_body)
+                                   fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate, sigmoid
 
 E4M3 = torch.float8_e4m3fn
@@ -285,25 +285,25 @@ def swiglu_fp8_bwd_out_t(ds, a1_8, s1, a3_8, s3, s_scale, group_size: int, grad_
                     ds, a1_8, s1, a3_8, s3, s_scale, group_size, grad_dtype, out_dtype)
 
 
-@torch.library.triton_op("megacoat::swiglu_fp8_fwd", mutates_args=())
+@fp8_operator("megacoat::swiglu_fp8_fwd")
 def _fwd_op(a13: Tensor, group_size: int, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return traced_body(a13, swiglu_fp8_fwd_triton, swiglu_fp8_fwd_ref, a13, group_size, out_dtype)
 
 
-@torch.library.triton_op("megacoat::swiglu_fp8_out", mutates_args=())
+@fp8_operator("megacoat::swiglu_fp8_out")
 def _out_op(a1_8: Tensor, s1: Tensor, a3_8: Tensor, s3: Tensor, s_scale: Tensor, group_size: int, transpose: bool,
             out_dtype: torch.dtype) -> Tensor:
     return traced_body(a1_8, swiglu_fp8_out_triton, swiglu_fp8_out_ref, a1_8, s1, a3_8, s3, s_scale, group_size,
                        transpose, out_dtype)
 
 
-@torch.library.triton_op("megacoat::swiglu_fp8_bwd", mutates_args=())
+@fp8_operator("megacoat::swiglu_fp8_bwd")
 def _bwd_op(ds: Tensor, a1_8: Tensor, s1: Tensor, a3_8: Tensor, s3: Tensor, group_size: int,
             grad_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     return traced_body(ds, swiglu_fp8_bwd_triton, swiglu_fp8_bwd_ref, ds, a1_8, s1, a3_8, s3, group_size, grad_dtype)
 
 
-@torch.library.triton_op("megacoat::swiglu_fp8_bwd_out_t", mutates_args=())
+@fp8_operator("megacoat::swiglu_fp8_bwd_out_t")
 def _bwd_out_t_op(ds: Tensor, a1_8: Tensor, s1: Tensor, a3_8: Tensor, s3: Tensor, s_scale: Tensor, group_size: int,
                   grad_dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return traced_body(ds, swiglu_fp8_bwd_out_t_triton, swiglu_fp8_bwd_out_t_ref, ds, a1_8, s1, a3_8, s3, s_scale,
