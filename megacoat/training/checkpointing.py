@@ -258,7 +258,7 @@ def check_compatible(path: str, meta: dict, config_dict: dict, layout: Layout, t
     if diff:
         raise CheckpointMismatchError(f"--load {path}: the checkpoint's model differs from the flags "
                                       f"(field: (saved, now)): {diff}")
-    saved_layout = meta.get("layout", {})
+    saved_layout = meta.get("layout") or {}  # a layout-free checkpoint (e.g. from Hugging Face) has none
     masters = [f"{k}: saved {saved_layout[k]}, now {getattr(layout, k)}" for k in ("main_params_dtype", "main_grads_dtype")
                if k in saved_layout and saved_layout[k] != getattr(layout, k)]
     if masters and not finetune:
