@@ -217,5 +217,8 @@ def test_other_coat_adamw_state_format_is_refused_before_loading(tmp_path):
     ckpt.save_checkpoint(FakeEngine(), str(tmp_path), TrainState(1, 8), {**CONFIG, "optim": optim}, layout)
     meta = ckpt.read_meta(str(tmp_path), "iter_0000001")
     ckpt.check_compatible(str(tmp_path), meta, {**CONFIG, "optim": optim}, layout)
-    with pytest.raises(ValueError, match=r"CoatAdamW state .* \{'fp8_v_dtype': \('e4m3', 'e5m2'\)\}"):
-        ckpt.check_compatible(str(tmp_path), meta, {**CONFIG, "optim": {**optim, "fp8_v_dtype": "e5m2"}}, layout)
+    other = {**CONFIG, "optim": {**optim, "fp8_v_dtype": "e5m2"}}
+    with pytest.raises(ValueError, match=r"optimizer state is not this run's: fp8_v_dtype: saved 'e4m3', now 'e5m2'.*"
+                                         r"--override-optimizer-state convert"):
+        ckpt.check_compatible(str(tmp_path), meta, other, layout)
+    ckpt.check_compatible(str(tmp_path), meta, other, layout, convert_optimizer=True)  # converted on load instead
