@@ -259,16 +259,18 @@ def check_compatible(path: str, meta: dict, config_dict: dict, layout: Layout, t
         raise CheckpointMismatchError(f"--load {path}: the checkpoint's model differs from the flags "
                                       f"(field: (saved, now)): {diff}")
     saved_layout = meta.get("layout") or {}  # a layout-free checkpoint (e.g. from Hugging Face) has none
-    masters = [f"{k}: saved {saved_layout[k]}, now {getattr(layout, k)}" for k in ("main_params_dtype", "main_grads_dtype")
+    masters = [f"{k}: saved {saved_layout[k]}, now {getattr(layout, k)}"
+               for k in ("main_params_dtype", "main_grads_dtype")
                if k in saved_layout and saved_layout[k] != getattr(layout, k)]
     if masters and not finetune:
         raise CheckpointMismatchError(f"--load {path}: the checkpoint keeps its master weights and gradients otherwise "
                                       f"({'; '.join(masters)}): resume with the flags it was saved with, or --finetune")
     changed = optimizer_changes_of(meta, config_dict, finetune)
     if changed and not convert_optimizer:
-        raise CheckpointMismatchError(f"--load {path}: the checkpoint's optimizer state is not this run's: " + "; ".join(changed)
-                         + ". Pass --override-optimizer-state convert to convert it (moments kept as fp32 and "
-                         "re-quantized), or --finetune to start the optimizer afresh")
+        raise CheckpointMismatchError(
+            f"--load {path}: the checkpoint's optimizer state is not this run's: " + "; ".join(changed)
+            + ". Pass --override-optimizer-state convert to convert it (moments kept as fp32 and re-quantized), "
+            "or --finetune to start the optimizer afresh")
     if meta.get("tokenizer") and tokenizer and meta["tokenizer"]["sha256"] != tokenizer["sha256"]:
         raise ValueError(f"--load {path}: the checkpoint was trained with tokenizer {meta['tokenizer']['path']} "
                          f"(sha256 {meta['tokenizer']['sha256'][:12]}...), not {tokenizer['path']} "
