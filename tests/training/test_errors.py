@@ -103,7 +103,7 @@ CASES = {
                     "the checkpoint's model differs from the flags (field: (saved, now)): {'hidden_size': (64, 128)}"),
     "other-optimizer": (lambda d: TINY + ["--load", str(d / "ckpt"), "--fp8-optimizer", "--fp32",
                                      "--zero-stage", "0"],
-                        "incompatible parallel layout: fp8_optimizer: saved False, now True"),
+                        "optimizer state is not this run's: fp8_optimizer: saved False, now True"),
     "tp-above-world": (lambda d: TINY + ["--tensor-model-parallel-size", "2"],
                        "world size 1 is not divisible by --tensor-model-parallel-size 2"),
     "vocab-below-tokenizer": (lambda d: _data(d, "good") + ["--tokenizer-model", str(d / "tok.model")],
