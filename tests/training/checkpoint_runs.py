@@ -16,7 +16,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", 
 
 def env(tmp_path, **extra) -> dict:
     e = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             MEGACOAT_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", **extra)
+             MEGACOAT_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    e.update(extra)  # a caller's MEGACOAT_CACHE (say) replaces the default
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if key not in extra:
             e.pop(key, None)
