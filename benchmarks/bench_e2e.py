@@ -1,7 +1,8 @@
 """End-to-end speed: the same model trained in each mode, every run a separate process. Loss fidelity (several
 seeds, a fixed held-out set, confidence intervals) is benchmarks/fidelity.py.
 
-Modes (`--modes`; `MODE+compile` compiles each transformer block, torchtitan-style):
+Modes (`--modes`; `MODE+compile` compiles each transformer block, torchtitan-style; `MODE+cudagraph` compiles them
+and replays each block's forward and backward as CUDA graphs, `--enable-cuda-graph`):
   bf16, fp8-linear, coat, coat-lean   pretrain_gpt.py: BF16; FP8 GEMMs with BF16 activations; CoatAdamW + the FP8
                                       precision flow; coat without the per-step FP8 weight copies
   torchao-float8                      benchmarks/torchao_pretrain.py: the same trainer and model with torchao's
@@ -65,19 +66,24 @@ MODEL_TINY = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", 
               "--seq-length", "64", "--vocab-size", "256"]  # a CPU smoke test of this script
 
 
+SUFFIXES = {"": [], "compile": ["--compile"], "cudagraph": ["--compile", "--enable-cuda-graph"]}
+
+
 def mode_spec(spec: str) -> str:
-    """`MODE` or `MODE+compile` (argparse type): the canonical label, or an error naming the choices."""
+    """`MODE`, `MODE+compile` or `MODE+cudagraph` (argparse type): the canonical label, or an error naming the
+    choices."""
     mode, plus, what = spec.partition("+")
-    if mode not in MODES or (plus and what != "compile"):
-        raise argparse.ArgumentTypeError(f"{spec!r}: expected MODE or MODE+compile, MODE one of {', '.join(MODES)}")
+    if mode not in MODES or (plus and not what) or what not in SUFFIXES or (what == "cudagraph" and mode in ALWAYS_COMPILED):
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected MODE, MODE+compile or MODE+cudagraph, MODE one of "
+                                         f"{', '.join(MODES)} (+cudagraph: pretrain_gpt.py modes only)")
     return mode if mode in ALWAYS_COMPILED else spec
 
 
 def mode_command(spec: str) -> tuple[str, list[str]]:
     """(script, flags) of a mode label."""
-    mode, plus, _ = spec.partition("+")
+    mode, _, what = spec.partition("+")
     script, flags = MODES[mode]
-    return script, flags + (["--compile"] if plus or mode in ALWAYS_COMPILED else [])
+    return script, flags + (["--compile"] if mode in ALWAYS_COMPILED else SUFFIXES[what])
 
 
 def environment() -> dict:
@@ -329,8 +335,9 @@ def main() -> None:
     s.add_argument("--traces", default=None, metavar="DIR",
                    help="with --profile, keep each profiled run's Chrome trace as DIR/<mode>_mb<N>_zero<S>.json.gz")
     for q, default in ((s, ["bf16+compile", "fp8-linear", "coat", "coat+compile"]),):
-        q.add_argument("--modes", nargs="+", type=mode_spec, default=default, metavar="MODE[+compile]",
-                       help=f"modes: {', '.join(MODES)}; +compile compiles each block ({', '.join(ALWAYS_COMPILED)} "
+        q.add_argument("--modes", nargs="+", type=mode_spec, default=default, metavar="MODE[+compile|+cudagraph]",
+                       help=f"modes: {', '.join(MODES)}; +compile compiles each block, +cudagraph also replays it "
+                            "as CUDA graphs ({', '.join(ALWAYS_COMPILED)} "
                             "always are)")
         q.add_argument("--timeout", type=int, default=600, help="seconds per run")
         q.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_e2e_<what>.json)")

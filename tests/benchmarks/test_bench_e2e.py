@@ -26,10 +26,11 @@ def _records(rates, every=5, mfu_per_rate=None):
 def test_mode_labels_and_their_commands():
     assert mode_spec("coat+compile") == "coat+compile"
     assert mode_spec("plain-llama+compile") == "plain-llama"  # always compiled: one label for it
-    for bad in ("bogus", "coat+eager", "bf16+"):
-        with pytest.raises(argparse.ArgumentTypeError, match="MODE or MODE\\+compile"):
+    for bad in ("bogus", "coat+eager", "bf16+", "plain-llama+cudagraph"):
+        with pytest.raises(argparse.ArgumentTypeError, match="MODE, MODE\\+compile or MODE\\+cudagraph"):
             mode_spec(bad)
     assert mode_command("coat") == ("pretrain_gpt.py", ["--coat-fp8"])
+    assert mode_command("coat+cudagraph") == ("pretrain_gpt.py", ["--coat-fp8", "--compile", "--enable-cuda-graph"])
     assert mode_command("bf16+compile") == ("pretrain_gpt.py", ["--compile"])
     assert mode_command("torchao-float8") == ("benchmarks/torchao_pretrain.py", ["--compile"])
 
