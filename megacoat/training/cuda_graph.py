@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from torch import nn
+
 from megacoat.parallel.config import ParallelConfig
 
 
@@ -21,3 +23,20 @@ def check_cuda_graph(parallel: ParallelConfig, cuda_available: bool | None = Non
     if parallel.pipeline_model_parallel_size > 1:
         raise ValueError("--enable-cuda-graph does not support --pipeline-model-parallel-size > 1 (DeepSpeed's "
                          f"pipeline schedule is not captured), got {parallel.pipeline_model_parallel_size}")
+
+
+def own_graph_gradients(module: nn.Module) -> int:
+    """Copy parameter gradients out of the CUDA-graph memory pool; returns how many were copied.
+
+    A graphed backward writes its gradients into the pool, and the next micro-batch's replay writes there again.
+    Autograd's first accumulation into an empty .grad adopts the fresh gradient instead of copying it, so after
+    the first micro-batch of a step .grad is pool memory (cudagraph trees then refuse the next accumulation:
+    "accessing tensor output of CUDAGraphs that has been overwritten"). One copy after the first micro-batch
+    gives .grad memory of its own; later micro-batches add into it in place. With one micro-batch per step the
+    optimizer step reads the gradients before any replay, and nothing needs copying."""
+    copied = 0
+    for p in module.parameters():
+        if p.grad is not None:
+            p.grad = p.grad.clone()
+            copied += 1
+    return copied

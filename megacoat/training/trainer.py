@@ -21,6 +21,7 @@ from megacoat.parallel.grad_norm import global_grad_norm
 from megacoat.training.banner import startup_banner
 from megacoat.training.checkpointing import (Layout, TrainState, check_compatible, file_identity, load_checkpoint,
                                              read_meta, resolve_load, save_checkpoint)
+from megacoat.training.cuda_graph import own_graph_gradients
 from megacoat.training.deepspeed_config import build_deepspeed_config, quiet_tested_optimizer_warning
 from megacoat.training.reshard import describe_resume
 from megacoat.training.distributed import all_reduce_mean, init_distributed, is_main_process
@@ -167,12 +168,15 @@ class Trainer:
             return self._pipeline_step(data_iter)
         losses = []
         applied = True
-        for _ in range(self.grad_accum):
+        graphed = self.cfg.training.enable_cuda_graph
+        for micro in range(self.grad_accum):
             tokens, labels = self._split(next(data_iter))
-            if self.cfg.training.enable_cuda_graph:  # a new micro-batch: earlier graph outputs may be reused
+            if graphed:  # a new micro-batch: earlier graph outputs may be reused
                 torch.compiler.cudagraph_mark_step_begin()
             loss = self.engine(tokens, labels)
             self.engine.backward(loss)
+            if graphed and micro == 0 and self.grad_accum > 1:
+                own_graph_gradients(self.engine.module)  # the next replay would overwrite them
             grad_norm = self._grad_norm_if_boundary()
             boundary = self.engine.is_gradient_accumulation_boundary()
             if boundary and self.plain_fp32 and not math.isfinite(grad_norm):

@@ -32,13 +32,17 @@ def test_cuda_graph_needs_the_compiled_blocks():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["bf16", "fp8-linear", "coat"])
-def test_gpu_graphed_block_equals_compiled_and_never_syncs(mode):
+def test_gpu_graphed_block_equals_eager_and_never_syncs(mode):
     """One block compiled fullgraph in mode reduce-overhead (what --enable-cuda-graph does), three steps of fixed
     inputs (warm-up, capture, replay): every step equals the same block compiled without CUDA graphs bit for bit
-    (the same Inductor kernels, launched by a graph instead of one by one), and the replayed step makes no host
-    sync (sync debug mode "error"). Results are cloned at once: a replay reuses its outputs' memory."""
+    (the same Inductor kernels, launched by a graph instead of one by one) and, with Inductor rounding each bf16
+    intermediate as eager does (emulate_precision_casts, see tests/fp8/test_blocks.py), the eager block bit for
+    bit. The replayed step makes no host sync (sync debug mode "error"). Results are cloned at once: a replay
+    reuses its outputs' memory."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    import torch._inductor.config as inductor_config
+
     from tests.fp8.test_blocks import _block
 
     block, x, cos, sin = _block(mode, dtype=torch.bfloat16, device="cuda")
@@ -51,15 +55,62 @@ def test_gpu_graphed_block_equals_compiled_and_never_syncs(mode):
         y.float().square().sum().backward()
         return [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in block.parameters()]
 
+    eager = step(block)
     torch._dynamo.reset()
-    plain = step(torch.compile(block, fullgraph=True))
-    graphed = torch.compile(block, fullgraph=True, mode="reduce-overhead")
-    runs = [step(graphed) for _ in range(2)]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        runs.append(step(graphed))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    with inductor_config.patch(emulate_precision_casts=True):
+        plain = step(torch.compile(block, fullgraph=True))
+        graphed = torch.compile(block, fullgraph=True, mode="reduce-overhead")
+        runs = [step(graphed) for _ in range(2)]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            runs.append(step(graphed))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(a, b) for a, b in zip(plain, eager))
     for run in runs:
         assert all(torch.equal(a, b) for a, b in zip(run, plain))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16", "coat"])
+def test_gpu_graphed_gradient_accumulation_equals_compiled(mode):
+    """Two micro-batches per step, as the trainer runs them: gradients accumulate across graph replays (after
+    own_graph_gradients copies the first micro-batch's out of the pool) and equal the compiled block's, bit for
+    bit, at every step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from megacoat.training.cuda_graph import own_graph_gradients
+    from tests.fp8.test_blocks import _block
+
+    block, x, cos, sin = _block(mode, dtype=torch.bfloat16, device="cuda")
+    x2 = torch.randn_like(x)
+
+    def steps(fn, graphed):
+        out = []
+        for _ in range(3):  # warm-up, capture, replay
+            block.zero_grad(set_to_none=True)
+            for micro, xi in enumerate((x, x2)):
+                torch.compiler.cudagraph_mark_step_begin()
+                fn(xi.detach().requires_grad_(True), cos, sin).float().square().sum().backward()
+                if graphed and micro == 0:
+                    own_graph_gradients(block)
+            out.append([p.grad.clone() for p in block.parameters()])
+        return out
+
+    torch._dynamo.reset()
+    plain = steps(torch.compile(block, fullgraph=True), graphed=False)
+    graphed = steps(torch.compile(block, fullgraph=True, mode="reduce-overhead"), graphed=True)
+    for g, c in zip(graphed, plain):
+        assert all(torch.equal(a, b) for a, b in zip(g, c))
+
+
+def test_own_graph_gradients_copies_into_fresh_memory():
+    from megacoat.training.cuda_graph import own_graph_gradients
+
+    layer = torch.nn.Linear(4, 3)
+    layer(torch.randn(2, 4)).sum().backward()
+    before = {n: p.grad for n, p in layer.named_parameters()}
+    assert own_graph_gradients(layer) == 2
+    for n, p in layer.named_parameters():
+        assert torch.equal(p.grad, before[n]) and p.grad.data_ptr() != before[n].data_ptr()
