@@ -10,23 +10,25 @@ with a 95% confidence interval from seed-paired differences.
     python benchmarks/fidelity.py report benchmarks/results/fidelity_125m_s*.json fidelity_125m_grads.json \\
         --out benchmarks/results/fidelity_125m.json                                     # + .png
 
-`run`: every (mode, seed) is its own `pretrain_gpt.py` process, `--parallel N` of them at once on one GPU, each
-with its own MASTER_PORT and folder. The seed sets both the initial weights and the training data order, so the
-same seed in two modes is a pair. The validation range is exactly the held-out files (the data manifest's
-`--split`) and the trainer's validation samples do not depend on the seed, so every run is evaluated on the
-same samples: the whole held-out set, rounded down to whole global batches. `--time-budget` stops launching runs
-that would not finish and tells running ones to stop in time (they are then recorded as incomplete and left out
-of the statistics), so one invocation fits one device call; `report` merges the JSON of several calls (the
-statistics are benchmarks/fidelity_stats.py).
+`run`: every (mode, seed) is its own `pretrain_gpt.py` process, `--parallel N` of them at once on one GPU (on the
+CPU, each with 1/N of the cores' threads), each with its own MASTER_PORT and folder. The seed sets both the initial
+weights and the training data order, so the same seed in two modes is a pair. The validation range is exactly the
+held-out files (the data manifest's `--split`) and the trainer's validation samples do not depend on the seed, so
+every run is evaluated on the same samples: the whole held-out set, rounded down to whole global batches.
+`--time-budget` stops launching runs that would not finish and tells running ones to stop in time (they are then
+recorded as incomplete and left out of the statistics), so one invocation fits one device call; `report` merges the
+JSON of several calls (the statistics are benchmarks/fidelity_stats.py).
 
-`grads` (benchmarks/fidelity_grads.py): on one fixed held-out batch, the gradient of every parameter tensor under each mode against bf16 (same
-weights, from a trained checkpoint): cosine similarity and relative error. The optimizer does not enter a
-gradient, so `coat` here is the COAT activation flow. Also the FP8 quantization error of that checkpoint's real
-Adam moments (as stored: ZeRO's flat fp32 partitions), E4M3/E5M2 with and without dynamic range expansion.
+`grads` (benchmarks/fidelity_grads.py): on one fixed held-out batch, the gradient of every parameter tensor under
+each mode against bf16 (same weights, from a trained checkpoint): cosine similarity and relative error. The
+optimizer does not enter a gradient, so `coat` here is the COAT activation flow. Also the FP8 quantization error of
+that checkpoint's real Adam moments (as stored: ZeRO's flat fp32 partitions), E4M3/E5M2 with and without dynamic
+range expansion.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -86,9 +88,9 @@ def environment() -> dict:
            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": "cpu"}
     for name in ("deepspeed", "triton"):
-        try:
-            env[name] = __import__(name).__version__
-        except ImportError:
+        try:  # from the installed metadata: importing deepspeed only for its version costs about a second
+            env[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
             pass
     if torch.cuda.is_available():
         env.update(device=torch.cuda.get_device_name(), cuda=torch.version.cuda)
@@ -161,9 +163,12 @@ class Run:
             self.argv += ["--save", self.checkpoint]
         self.proc, self.started, self.wall = None, None, None
 
-    def launch(self, stop_after_s: float) -> None:
+    def launch(self, stop_after_s: float, cpu_threads: int | None = None) -> None:
+        """Start the process; `cpu_threads` caps its intra-op threads (CPU runs sharing the cores)."""
         env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port))
+        if cpu_threads and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(cpu_threads)
         argv = self.argv + ["--exit-duration-in-mins", f"{max(stop_after_s, 30) / 60:.3f}"]
         self.stdout = open(os.path.join(self.folder, "stdout.txt"), "w")
         self.started = time.time()
@@ -208,12 +213,16 @@ def parse_run(item: str, flag: str) -> tuple[str, int]:
 
 
 def run(args) -> dict:
-    import torch
-
     start = time.time()
     deadline = start + args.time_budget
-    manifest = load_manifest(args.data)
-    flags, plan = run_plan(args.preset, manifest, torch.cuda.is_available(), args.compile)
+    manifest = load_manifest(args.data)  # before importing torch: bad input fails at once
+    import torch
+
+    on_cuda = torch.cuda.is_available()
+    flags, plan = run_plan(args.preset, manifest, on_cuda, args.compile)
+    # On the CPU every run would otherwise start a thread per core: N runs then oversubscribe the cores and spin
+    # against each other (4 tiny runs on 2 cores took several times their serial time).
+    cpu_threads = None if on_cuda else max((os.cpu_count() or 1) // args.parallel, 1)
     # seed-major: the runs of one seed (a pair) start together
     pairs = ([parse_run(item, "--runs") for item in args.runs] if args.runs
              else [(m, s) for s in args.seeds for m in args.modes])
@@ -232,11 +241,11 @@ def run(args) -> dict:
             if left < args.min_run_s or longest > left:
                 break
             r = queue.pop(0)
-            r.launch(left - args.stop_margin_s)
+            r.launch(left - args.stop_margin_s, cpu_threads)
             running.append(r)
         if not running:
             break
-        time.sleep(1.0)
+        time.sleep(0.25)  # a finished run's slot is refilled within a quarter second (tiny CPU runs last seconds)
         for r in [r for r in running if r.poll(deadline + 30)]:
             running.remove(r)
             done.append(r)
