@@ -21,7 +21,7 @@ from megacoat.parallel.grad_norm import global_grad_norm
 from megacoat.training.banner import startup_banner
 from megacoat.training.checkpointing import (Layout, TrainState, check_compatible, file_identity, load_checkpoint,
                                              read_meta, resolve_load, save_checkpoint)
-from megacoat.training.cuda_graph import own_graph_gradients
+from megacoat.training.cuda_graph import GraphedWeightRefresh, own_graph_gradients
 from megacoat.training.deepspeed_config import build_deepspeed_config, quiet_tested_optimizer_warning
 from megacoat.training.reshard import describe_resume
 from megacoat.training.distributed import all_reduce_mean, init_distributed, is_main_process
@@ -132,6 +132,9 @@ class Trainer:
         model = build_model(cfg, self.device, self.parallel, model_converter)
         self.engine, self.scheduler = build_engine(cfg, model, self.ds_config, self.device, self.parallel)
         refresh_fp8_weights(self.engine.module)  # FP8 weight copies of the weights as the engine holds them
+        # After each optimizer step; as one CUDA graph under --enable-cuda-graph (the weights' addresses are fixed)
+        self.refresh_after_step = (GraphedWeightRefresh(self.engine.module) if t.enable_cuda_graph
+                                   else lambda: refresh_fp8_weights(self.engine.module))
         if t.profile_dir:
             annotate_engine(self.engine)  # the profiled window's idle time, split by phase (profiling.py)
         # Plain fp32 data parallelism is the one engine that would apply a non-finite step (stability.py).
@@ -185,7 +188,7 @@ class Trainer:
             if boundary:  # DeepSpeed updates weights through .data, which autograd's version counter misses
                 clear_skip_flag(self.engine)
                 applied = self.engine.was_step_applied()
-                refresh_fp8_weights(self.engine.module)  # in place: compiled forwards only read the copies
+                self.refresh_after_step()  # in place: compiled forwards only read the copies
             losses.append(loss.detach())
         norm = self.engine.get_global_grad_norm()
         if norm is None:

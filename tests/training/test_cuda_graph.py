@@ -114,3 +114,41 @@ def test_own_graph_gradients_copies_into_fresh_memory():
     assert own_graph_gradients(layer) == 2
     for n, p in layer.named_parameters():
         assert torch.equal(p.grad, before[n]) and p.grad.data_ptr() != before[n].data_ptr()
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_weight_refresh_equals_eager_refresh():
+    """The trainer's refresh after each optimizer step, replayed as a CUDA graph: after every weight update (in
+    place, as DeepSpeed does) the FP8 copies equal an eager refresh's bit for bit, in the same tensors."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from megacoat.fp8.linear import refresh_fp8_weights
+    from megacoat.training.cuda_graph import GraphedWeightRefresh
+    from tests.fp8.test_blocks import _block
+
+    block, *_ = _block("coat", dtype=torch.bfloat16, device="cuda")
+    graphed = GraphedWeightRefresh(block)
+    copies = [t for c, _ in block.fp8_weight_caches() for t in (c.w8, c.w8t, c.scale)]
+    for step in range(5):  # warm-up, warm-up, capture, replay, replay
+        with torch.no_grad():
+            for p in block.parameters():
+                p.mul_(1 + 0.1 * (step + 1)).add_(0.01)
+        graphed()
+        got = [t.clone() for t in copies]
+        refresh_fp8_weights(block)
+        want = [t for c, _ in block.fp8_weight_caches() for t in (c.w8, c.w8t, c.scale)]
+        assert all(a is b for a, b in zip(want, copies))
+        assert all(torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                               b.view(torch.uint8) if b.element_size() == 1 else b) for a, b in zip(got, want)), step
+    assert graphed.graph is not None
+
+
+def test_graphed_weight_refresh_is_a_no_op_without_fp8_copies():
+    from megacoat.training.cuda_graph import GraphedWeightRefresh
+    from tests.fp8.test_blocks import _block
+
+    block, *_ = _block("bf16")
+    refresh = GraphedWeightRefresh(block)
+    for _ in range(4):
+        refresh()
+    assert not refresh.has_copies and refresh.graph is None and refresh.calls == 0
