@@ -17,7 +17,10 @@
 #   e2e MB PART (~7-9 min, 1 GPU) issue 17's table, 1.3 B model at micro-batch MB (2, 4 or 8): 2 repeats x 30
 #               timed iterations per mode, each mode profiled once (GPU-busy fraction, kernels, idle time by
 #               phase); PART baseline: bf16+compile plain-llama torchao-float8 (needs the torchao wheel in .whl);
-#               PART fp8: bf16+compile coat coat+compile. Both hold bf16+compile: ratios stay within one call  issue 17
+#               PART fp8: bf16+compile coat coat+compile; PART cudagraph: bf16+compile coat+cudagraph torchao-float8
+#               (the FP8 speed path). Each holds bf16+compile: ratios stay within one call                issue 17
+#   e2e-memory  (~5 min, 1 GPU) peak memory and speed at micro-batch 4 and 8: bf16+compile, coat and
+#               coat-remainder with CUDA graphs, one repeat (memory is deterministic)                 issue 18
 #   e2e-profile (~5 min, 1 GPU) where a bf16 step's time goes: bf16+compile vs plain-llama at micro-batch 2
 #               (and bf16+compile under ZeRO-0), one profiled run each, Chrome traces kept (*.json.gz)    issue 17
 #   e2e-equal   (~8 min, 1 GPU) 1.3 B model, the three modes at micro-batch 4, all compiled        issue 10 (a)
@@ -97,10 +100,16 @@ e2e)
     case ${3:-} in
     baseline) MODES="bf16+compile plain-llama torchao-float8" ;;
     fp8) MODES="bf16+compile coat coat+compile" ;;
-    *) echo "e2e: part must be baseline or fp8 (see the header of $0)"; exit 2 ;;
+    cudagraph) MODES="bf16+compile coat+cudagraph torchao-float8" ;;
+    *) echo "e2e: part must be baseline, fp8 or cudagraph (see the header of $0)"; exit 2 ;;
     esac
     step "e2e_${3}_mb$MB" 565 $E2E --micro-batch-size "$MB" --profile --modes $MODES \
         --out "$OUT/bench_e2e_speed_${3}_mb$MB.json"
+    ;;
+e2e-memory)
+    step e2e_memory 585 python3 benchmarks/bench_e2e.py speed --warmup 5 --iters 30 --log-interval 5 --repeats 1 \
+        --timeout 140 --micro-batch-size 4 8 --modes bf16+compile coat+cudagraph coat-remainder+cudagraph \
+        --out "$OUT/bench_e2e_memory_cudagraph_mb4_mb8.json"
     ;;
 e2e-profile)
     PROFILE="python3 benchmarks/bench_e2e.py speed --micro-batch-size 2 --warmup 5 --iters 10 --log-interval 5 \
