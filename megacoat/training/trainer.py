@@ -228,6 +228,8 @@ class Trainer:
         else:
             for _ in range(self.cfg.training.eval_iters * self.grad_accum):
                 tokens, labels = self._split(next(it))
+                if self.cfg.training.enable_cuda_graph:  # as in training: each forward may reuse graph outputs
+                    torch.compiler.cudagraph_mark_step_begin()
                 total += self.engine(tokens, labels).float()
         self.engine.train()
         return float(all_reduce_mean(total / (self.cfg.training.eval_iters * self.grad_accum)))
