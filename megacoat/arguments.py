@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-grad-dtype", choices=FP8_DTYPES, default=FP8Config().grad_dtype)
     g.add_argument("--fp8-weight-cache", choices=WEIGHT_CACHES, default=FP8Config().weight_cache,
                    help="step: keep the FP8 weight copies (W8 and W8^T) from one optimizer step to the next (+2 "
-                        "bytes per block-linear parameter); none: make them per use (less memory, a little slower)")
+                        "bytes per block-linear parameter); rowwise: keep W8 only and transpose its bytes in "
+                        "backward (+1 byte, same results); none: make them per use (less memory, slower)")
 
     t = TrainingConfig()
     g = p.add_argument_group("training")

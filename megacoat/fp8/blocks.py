@@ -69,10 +69,10 @@ class CoatTransformerBlock(nn.Module):
         self.feed_forward = block.feed_forward
         # wq/wk/wv and w1/w3/w2 stay nn.Linear: the fused functions read their weights, the modules never run.
         self.attention.wo = Fp8Linear(self.attention.wo, fp8.grad_dtype,
-                                      persistent_weight_cache=fp8.persistent_weight_cache)
+                                      weight_cache=fp8.weight_cache)
         self.group_size = fp8.group_size
         self.grad_dtype = get_format(fp8.grad_dtype).dtype
-        self.qkv_cache, self.w13_cache, self.w2_cache = (Fp8WeightCache(fp8.persistent_weight_cache)
+        self.qkv_cache, self.w13_cache, self.w2_cache = (Fp8WeightCache(fp8.weight_cache)
                                                          for _ in range(3))
         self.region = NO_REGION
 

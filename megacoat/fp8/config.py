@@ -10,8 +10,9 @@ from megacoat.ops.numerics import GROUP_SIZES
 ACTIVATION_MODES = ("bf16", "fp8-linear", "coat")
 FP8_DTYPES = ("e4m3", "e5m2")
 # step: the FP8 weight copies (W8, W8^T) live from one optimizer step to the next (fast, +2 B per block-linear
-# parameter). none: made per use and dropped (no persistent bytes, ~3 extra weight reads per micro-batch).
-WEIGHT_CACHES = ("step", "none")
+# parameter). rowwise: only W8 lives; backward transposes its bytes (+1 B, one FP8 transpose per use, the same
+# bytes as step's W8^T). none: made per use and dropped (no persistent bytes, ~3 extra weight reads per micro-batch).
+WEIGHT_CACHES = ("step", "rowwise", "none")
 
 
 @dataclass
@@ -36,6 +37,3 @@ class FP8Config:
     def enabled(self) -> bool:
         return self.mode != "bf16"
 
-    @property
-    def persistent_weight_cache(self) -> bool:
-        return self.weight_cache == "step"

@@ -65,18 +65,24 @@ class Fp8WeightCache:
     """E4M3 copies of one weight, or of several concatenated along the output dim (w1|w3, wq|wk|wv) so that
     they run as one GEMM, in both layouts, with one per-tensor scale.
 
-    persistent (--fp8-weight-cache step, the default): both copies are kept from one optimizer step to the next,
-    so micro-batches between two steps reuse them. Costs 2 bytes per block-linear parameter for the whole run
-    (~2.3 GiB for a 1.3 B model). `refresh` rewrites them in place. An eager forward refreshes them itself when a
+    policy step (--fp8-weight-cache, the default): both copies are kept from one optimizer step to the next, so
+    micro-batches between two steps reuse them. Costs 2 bytes per block-linear parameter for the whole run
+    (~2.3 GiB for a 1.3 B model). `refresh` rewrites them in place.
+    rowwise: only W8 is kept (1 byte per parameter); `get` hands out W8^T as a transposed view of it, which
+    backward makes contiguous (fp8_weight_t): one FP8 transpose per backward GEMM, and exactly step's bytes (both
+    layouts are casts of the same values with the same scale), so training is bit for bit the same. An eager forward refreshes them itself when a
     weight's version counter or storage changed (in-place updates by torch optimizers bump `_version`) or after
     invalidate_fp8_weight_caches(); a compiled forward only reads them (refresh_fp8_weights before it).
-    Not persistent (--fp8-weight-cache none): forward makes W8 and drops it after its GEMM, and backward makes
+    none (not persistent): forward makes W8 and drops it after its GEMM, and backward makes
     W8^T again from the weight (fp8_weight_t): nothing is kept, for ~3 extra reads of the weight per micro-batch;
     compiled, these quantizations are part of the graph.
     """
 
-    def __init__(self, persistent: bool = True):
-        self.persistent = persistent
+    def __init__(self, policy: str = "step"):
+        if policy not in ("step", "rowwise", "none"):
+            raise ValueError(f"FP8 weight cache policy must be step, rowwise or none, got {policy!r}")
+        self.policy = policy
+        self.persistent, self.transposed = policy != "none", policy == "step"
         self._key = None
         self.builds = 0  # how many times the copies were made (tests check the reuse)
         self.w8 = self.w8t = self.scale = None
@@ -84,20 +90,23 @@ class Fp8WeightCache:
     def refresh(self, weights: Sequence[torch.Tensor]) -> None:
         """Quantize `weights` into the copies: in place when copies of that shape and device exist."""
         with torch.no_grad():
-            w8, w8t, scale = quantize_transpose(_joined(weights), E4M3.dtype)
+            w8, w8t, scale = quantize_transpose(_joined(weights), E4M3.dtype, transpose=self.transposed)
             if self.w8 is not None and self.w8.shape == w8.shape and self.w8.device == w8.device:
                 self.w8.copy_(w8)
-                self.w8t.copy_(w8t)
+                if self.transposed:
+                    self.w8t.copy_(w8t)
                 self.scale.copy_(scale)
             else:
                 self.w8, self.w8t, self.scale = w8, w8t, scale
                 for t in (w8, w8t, scale):  # fixed addresses: a CUDA graph reads them in place, without a copy
-                    torch._dynamo.mark_static_address(t)
+                    if t is not None:
+                        torch._dynamo.mark_static_address(t)
         self._key = _weights_key(weights)
         self.builds += 1
 
     def get(self, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(W8, W8^T, scale); W8^T is None when the cache is not persistent (backward calls fp8_weight_t)."""
+        """(W8, W8^T, scale); W8^T is a transposed view of W8 under policy rowwise, and None when the cache is not
+        persistent (backward calls fp8_weight_t)."""
         compiling = torch.compiler.is_compiling()
         if not self.persistent:
             if not compiling:
@@ -111,7 +120,7 @@ class Fp8WeightCache:
                                    "megacoat.fp8.linear.refresh_fp8_weights(model) before it")
         elif _weights_key(weights) != self._key:
             self.refresh(weights)
-        return self.w8, self.w8t, self.scale
+        return self.w8, (self.w8t if self.transposed else self.w8.t()), self.scale
 
 
 def _joined(weights: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -119,10 +128,11 @@ def _joined(weights: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def fp8_weight_t(w8t: torch.Tensor | None, weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Backward's FP8 W^T: the cached copy, or (non-persistent cache) made again from the weights, which have
+    """Backward's FP8 W^T, contiguous (the layout _scaled_mm reads): the cached copy; a transposed view of the
+    cached W8 (policy rowwise) made contiguous; or (non-persistent cache) made again from the weights, which have
     not changed since forward: the same amax, hence the same scale and bytes as a cached copy."""
     if w8t is not None:
-        return w8t
+        return w8t.contiguous()
     with torch.no_grad():
         return quantize_transpose(_joined(weights), E4M3.dtype, rowwise=False, transpose=True)[1]
 
@@ -259,7 +269,7 @@ class Fp8Linear(nn.Linear):
     linear of a block lets siblings that read the same input share its FP8 copy."""
 
     def __init__(self, linear: nn.Linear, grad_dtype: str = "e5m2", input_cache: Fp8InputCache | None = None,
-                 persistent_weight_cache: bool = True):
+                 weight_cache: str = "step"):
         if linear.bias is not None:
             raise ValueError("Fp8Linear supports bias-free linears only (the model has no biases)")
         check_gemm_dims(in_features=linear.in_features, out_features=linear.out_features)
@@ -268,7 +278,7 @@ class Fp8Linear(nn.Linear):
         self.weight = linear.weight
         self.register_parameter("bias", None)
         self.grad_dtype = get_format(grad_dtype).name
-        self.fp8_cache = Fp8WeightCache(persistent_weight_cache)
+        self.fp8_cache = Fp8WeightCache(weight_cache)
         self.input_cache = input_cache
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

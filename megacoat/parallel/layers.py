@@ -74,7 +74,7 @@ class _ShardedLinear(nn.Module):
         if isinstance(linear, Fp8Linear):
             check_gemm_dims(in_features=self.in_features, out_features=self.out_features)
             self.fp8_grad_dtype = linear.grad_dtype
-            self.fp8_cache = Fp8WeightCache(linear.fp8_cache.persistent)
+            self.fp8_cache = Fp8WeightCache(linear.fp8_cache.policy)
             self.input_cache = linear.input_cache  # wq/wk/wv (w1/w3) shards read one input: quantized once
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:

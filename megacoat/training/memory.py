@@ -119,8 +119,8 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
         weights = 4 * params
         gradients, step_gradients = 4 * params / zero_div_grad, 0.0
         optimizer = moments * params / zero_div_master
-    if mode != "bf16" and fp8_weight_cache == "step":
-        weights += 2 * block_linear_parameters(cfg) / (tp * pp)  # the E4M3 weight cache, W and W^T
+    if mode != "bf16" and fp8_weight_cache != "none":  # the E4M3 weight cache: W and W^T (step) or W (rowwise)
+        weights += (2 if fp8_weight_cache == "step" else 1) * block_linear_parameters(cfg) / (tp * pp)
 
     tokens = micro_batch_size * seq
     layers_per_stage = cfg.num_layers / pp

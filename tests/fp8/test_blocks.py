@@ -45,7 +45,7 @@ def _run(fn, block, x, cos, sin):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("weight_cache", ["step", "none"])
+@pytest.mark.parametrize("weight_cache", ["step", "rowwise", "none"])
 def test_block_traces_as_one_graph(mode, weight_cache):
     block, x, cos, sin = _block(mode, weight_cache)
     explained = torch._dynamo.explain(block)(x, cos, sin)
@@ -53,7 +53,7 @@ def test_block_traces_as_one_graph(mode, weight_cache):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("weight_cache", ["step", "none"])
+@pytest.mark.parametrize("weight_cache", ["step", "rowwise", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fullgraph_block_equals_eager_bit_for_bit(mode, weight_cache, dtype):
     torch._dynamo.reset()

@@ -1,6 +1,7 @@
-"""--fp8-weight-cache none: the FP8 weight copies are made per use and never kept, and the model computes
-exactly what it computes with the persistent (per optimizer step) cache: the same weights give the same amax,
-hence the same scale and the same FP8 bytes, whichever way W8^T is obtained.
+"""--fp8-weight-cache none (the FP8 weight copies made per use and never kept) and rowwise (only W8 kept, W8^T
+its transposed bytes) compute exactly what the default step cache (W8 and W8^T kept per optimizer step)
+computes: the same weights give the same amax, hence the same scale and the same FP8 bytes, whichever way W8^T
+is obtained.
 
 Compared bit for bit: what the cache governs, i.e. the loss, every block parameter's gradient (and the final
 norm's) and the gradient the blocks hand back to the embedding output. Not compared: the embedding table's
@@ -29,13 +30,14 @@ def _caches(model):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("mode", ["fp8-linear", "coat"])
-def test_no_weight_cache_is_bit_identical_and_keeps_nothing(mode, device):
+@pytest.mark.parametrize("policy", ["none", "rowwise"])
+def test_other_weight_caches_are_bit_identical_to_step(mode, device, policy):
     torch.manual_seed(0)
     kept = convert_to_fp8(GPT(ModelConfig(**CFG)), FP8Config(mode=mode, group_size=32)).to(device)
     plain = GPT(ModelConfig(**CFG))
     plain.load_state_dict(kept.state_dict())
-    per_use = convert_to_fp8(plain, FP8Config(mode=mode, group_size=32, weight_cache="none")).to(device)
-    assert _caches(per_use) and not any(c.persistent for c in _caches(per_use))
+    per_use = convert_to_fp8(plain, FP8Config(mode=mode, group_size=32, weight_cache=policy)).to(device)
+    assert _caches(per_use) and all(c.policy == policy for c in _caches(per_use))
     tokens = torch.randint(0, CFG["vocab_size"], (2, CFG["seq_length"] + 1), device=device)
     results = []
     for model in (kept, per_use):
@@ -57,9 +59,12 @@ def test_no_weight_cache_is_bit_identical_and_keeps_nothing(mode, device):
     assert len(results[0][2]) == len(list(kept.parameters())) - 1  # all but the (tied) embedding table
     for name, g in results[0][2].items():
         assert torch.equal(results[1][2][name], g), name
-    assert all(c.w8 is None and c.w8t is None for c in _caches(per_use))  # nothing outlives its use
     assert all(c.builds == 1 for c in _caches(kept))
-    assert all(c.builds == 2 for c in _caches(per_use))  # one W8 per forward (W8^T in backward is not cached)
+    if policy == "none":
+        assert all(c.w8 is None and c.w8t is None for c in _caches(per_use))  # nothing outlives its use
+        assert all(c.builds == 2 for c in _caches(per_use))  # one W8 per forward (W8^T in backward is not cached)
+    else:  # one W8 per optimizer step, kept; no W8^T kept
+        assert all(c.w8 is not None and c.w8t is None and c.builds == 1 for c in _caches(per_use))
 
 
 def test_bad_weight_cache_is_named():

@@ -55,6 +55,7 @@ def test_model_state_matches_a_hand_count():
     assert lean.optimizer / p <= 4.1 and lean.step_gradients == 2 * p and lean.gradients == 2 * p
     linears = 2 * (4 * 128 * 128 + 3 * 128 * 256)
     assert coat.weights == 2 * p + 2 * linears  # + the E4M3 weight cache (W and W^T)
+    assert estimate_memory(cfg, "coat", fp8_weight_cache="rowwise").weights == 2 * p + linears  # W only
     assert estimate_memory(cfg, "coat", fp8_weight_cache="none").weights == 2 * p  # copies made per use
 
 
