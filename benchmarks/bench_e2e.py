@@ -76,7 +76,8 @@ def mode_spec(spec: str) -> str:
     """`MODE`, `MODE+compile` or `MODE+cudagraph` (argparse type): the canonical label, or an error naming the
     choices."""
     mode, plus, what = spec.partition("+")
-    if mode not in MODES or (plus and not what) or what not in SUFFIXES or (what == "cudagraph" and mode in ALWAYS_COMPILED):
+    graphed_script = what == "cudagraph" and mode in ALWAYS_COMPILED  # their scripts have no --enable-cuda-graph
+    if mode not in MODES or (plus and not what) or what not in SUFFIXES or graphed_script:
         raise argparse.ArgumentTypeError(f"{spec!r}: expected MODE, MODE+compile or MODE+cudagraph, MODE one of "
                                          f"{', '.join(MODES)} (+cudagraph: pretrain_gpt.py modes only)")
     return mode if mode in ALWAYS_COMPILED else spec

@@ -10,7 +10,6 @@ runs its own schedule of partial forwards and sends between stages, which this c
 from __future__ import annotations
 
 import torch
-
 from torch import nn
 
 from megacoat.parallel.config import ParallelConfig
