@@ -1,10 +1,12 @@
-"""--enable-cuda-graph: which settings CUDA graphs support, checked before any work.
+"""--enable-cuda-graph: which settings CUDA graphs support (checked before any work), and the two things the
+trainer does around the graphed blocks: gradients copied out of the graph pool, and the FP8 weight refresh as a
+graph of its own.
 
 The blocks are compiled with torch.compile's mode "reduce-overhead" (cudagraph trees: each block's forward and
 backward are captured after warm-up and replayed from a private memory pool, so a step launches one graph per
 block instead of its kernels one by one). That needs what a graph replay cannot change: a CUDA device, static
 shapes (the trainer's micro-batches all have one shape), and no host work inside the block (the FP8 weight copies
-are refreshed in place outside the graph: megacoat.fp8.linear.refresh_fp8_weights). DeepSpeed's pipeline engine
+are refreshed in place outside the blocks' graphs, after each optimizer step: GraphedWeightRefresh). DeepSpeed's pipeline engine
 runs its own schedule of partial forwards and sends between stages, which this capture does not cover: refused.
 """
 from __future__ import annotations
