@@ -225,7 +225,8 @@ def save(result: dict, path: str) -> None:
 
 
 def memory_model(argv: list[str]) -> dict:
-    """megacoat.training.memory's estimate for one run's flags (eager activations; GiB): where memory goes."""
+    """megacoat.training.memory's estimate for one run's flags (compiled or eager activations; GiB): where memory
+    goes."""
     sys.path.insert(0, ROOT)
     from megacoat.arguments import parse_config
     from megacoat.training.memory import estimate_memory
@@ -237,7 +238,7 @@ def memory_model(argv: list[str]) -> dict:
                           fp8_group_size=cfg.optim.fp8_group_size, bf16=bf16,
                           fp8_weight_cache=cfg.fp8.weight_cache,
                           main_grads_dtype=cfg.optim.main_grads_dtype or ("bf16" if bf16 else "fp32"),
-                          main_params_dtype=cfg.optim.main_params_dtype)
+                          main_params_dtype=cfg.optim.main_params_dtype, compiled=cfg.training.compile)
     return {k: v / 2**30 for k, v in est.as_dict().items()}
 
 

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--main-grads-dtype", choices=MAIN_GRADS_DTYPES, default="bf16")
     p.add_argument("--main-params-dtype", choices=MAIN_PARAMS_DTYPES, default="fp32",
                    help="bf16-remainder: CoatAdamW's remainders instead of the fp32 master (CoatAdamW rows only)")
+    p.add_argument("--compile", action="store_true",
+                   help="activations of compiled blocks and loss (--compile / --enable-cuda-graph runs)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                                       pipeline_parallel_size=args.pipeline_model_parallel_size,
                                       fp8_optimizer=fp8_opt, fp8_group_size=args.fp8_group_size,
                                       fp8_weight_cache=args.fp8_weight_cache, main_grads_dtype=args.main_grads_dtype,
-                                      main_params_dtype=args.main_params_dtype)
+                                      main_params_dtype=args.main_params_dtype, compiled=args.compile)
                 rows.append({"mode": mode, "optimizer_class": "CoatAdamW" if fp8_opt else "AdamW", **est.as_dict()})
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -5,8 +5,9 @@ Model state, bytes per parameter (P parameters on this rank, D data-parallel ran
 in a bf16 run (ZeRO-1 divides what is marked /D1 by D, ZeRO-2 also /D2):
     weights: bf16 2
     gradients, --main-grads-dtype bf16 (the default): the bf16 sums over micro-batches 2 /D2; inside the step
-        (`step_gradients`) the copy the optimizer reads: fp32 4 /D1 with an fp32 master (DeepSpeed converts this
-        rank's partition), or the flattened bf16 partition 2 /D1 with bf16-remainder
+        (`step_gradients`) the copy the optimizer reads: with an fp32 master the flattened bf16 partition 2 and
+        its fp32 conversion 4, alive together (DeepSpeed frees the first only after converting), 6 /D1; with
+        bf16-remainder the flattened bf16 partition 2 /D1
     gradients, --main-grads-dtype fp32: ZeRO-1 (DeepSpeed's BF16_Optimizer) bf16 2 + a whole fp32 accumulation
         buffer 4; ZeRO-2 an fp32 partition 4 /D2; the optimizer reads them as they are
     master weights: fp32 4 /D1, or with --main-params-dtype bf16-remainder CoatAdamW's int16 remainders 2 /D1 (the
@@ -26,6 +27,16 @@ autograd's saved_tensors_hooks; tests/tools/test_memory_estimator.py re-measures
 The head (final norm, logits, fp32 log-softmax, and the logits' gradient at the start of backward): 8 h + 10 V
 per token on the last pipeline stage.
 
+Compiled (--compile, one graph per block): Inductor's min-cut partition recomputes cheap pointwise work in
+backward instead of saving it. What it saves (the forward graph's extra outputs, measured on CPU with the same
+partitioner, tests/tools/test_memory_estimator.py):
+    bf16:        18 h + 6 f + 4 a   (the block input, both norm outputs, roped q/k/v, the attention output in two
+                                     layouts, wo's output, w1/w3 outputs and the SwiGLU product; no fp32 copies)
+    fp8-linear:  15 h + 9 f + 4 a   (bf16 GEMM outputs kept for the recomputed pointwise ops, E4M3 GEMM inputs)
+    coat:        as eager          (its autograd functions decide what is saved, FP8 throughout)
+and the compiled loss keeps the bf16 logits only: the head is 8 h + 2 V (a tensor-parallel model keeps its
+vocab-parallel loss, eager).
+
 Peak = weights + gradients + optimizer + the larger of: the activations of the micro-batches in flight (1; with
 1F1B pipelining the first stage holds `pp` micro-batches) + the head, or the step's gradient copy. The GPU test in
 tests/tools/test_memory_estimator.py holds it to torch.cuda.max_memory_allocated within 15%; allocator
@@ -43,6 +54,11 @@ MAIN_PARAMS_DTYPES = ("fp32", "bf16-remainder")
 ACTIVATION_BYTES = {  # per token per layer: (per h, per f, per head)
     "bf16": (24, 8, 0),
     "fp8-linear": (23, 7, 0),
+    "coat": (11, 2, 18),
+}
+COMPILED_ACTIVATION_BYTES = {  # the same for a compiled block (Inductor's min-cut partition)
+    "bf16": (18, 6, 4),
+    "fp8-linear": (15, 9, 4),
     "coat": (11, 2, 18),
 }
 
@@ -71,8 +87,8 @@ def block_linear_parameters(cfg: ModelConfig) -> int:
     return cfg.num_layers * (2 * h * h + 2 * h * kv + 3 * h * f)
 
 
-def activation_bytes_per_token_per_layer(cfg: ModelConfig, mode: str) -> int:
-    ch, cf, ca = ACTIVATION_BYTES[mode]
+def activation_bytes_per_token_per_layer(cfg: ModelConfig, mode: str, compiled: bool = False) -> int:
+    ch, cf, ca = (COMPILED_ACTIVATION_BYTES if compiled else ACTIVATION_BYTES)[mode]
     return ch * cfg.hidden_size + cf * cfg.ffn_hidden_size + ca * cfg.num_attention_heads
 
 
@@ -80,8 +96,9 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
                     data_parallel_size: int = 1, zero_stage: int = 0, tensor_parallel_size: int = 1,
                     pipeline_parallel_size: int = 1, fp8_optimizer: bool = False, fp8_group_size: int = 128,
                     bf16: bool = True, fp8_weight_cache: str = "step", main_grads_dtype: str = "bf16",
-                    main_params_dtype: str = "fp32") -> MemoryEstimate:
-    """Bytes on the busiest GPU (the first pipeline stage for activations, the last for the head)."""
+                    main_params_dtype: str = "fp32", compiled: bool = False) -> MemoryEstimate:
+    """Bytes on the busiest GPU (the first pipeline stage for activations, the last for the head). compiled:
+    --compile (also --enable-cuda-graph), whose blocks and loss save less (see the module docstring)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if main_grads_dtype not in MAIN_GRADS_DTYPES or main_params_dtype not in MAIN_PARAMS_DTYPES:
@@ -113,7 +130,7 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
             gradients = 4 * params / zero_div_grad if zero_stage == 2 else 6 * params
         else:
             gradients = 2 * params / zero_div_grad
-            step_gradients = (2 if remainders else 4) * params / zero_div_master
+            step_gradients = (2 if remainders else 6) * params / zero_div_master
         optimizer = ((2 if remainders else 4) + moments) * params / zero_div_master
     else:
         weights = 4 * params
@@ -125,8 +142,9 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
     tokens = micro_batch_size * seq
     layers_per_stage = cfg.num_layers / pp
     in_flight = pp  # 1F1B: the first stage keeps pp micro-batches' activations
-    per_layer = activation_bytes_per_token_per_layer(cfg, mode) / tp
-    head = (8 * cfg.hidden_size + 10 * cfg.vocab_size / tp) * tokens
+    per_layer = activation_bytes_per_token_per_layer(cfg, mode, compiled) / tp
+    logit_bytes = 2 if compiled and tp == 1 else 10  # the compiled loss keeps bf16 logits only
+    head = (8 * cfg.hidden_size + logit_bytes * cfg.vocab_size / tp) * tokens
     activations = per_layer * tokens * layers_per_stage * in_flight + (head if pp == 1 else 0)
     if pp > 1:  # the last stage: one micro-batch of its layers plus the head, if that is the larger
         activations = max(activations, per_layer * tokens * layers_per_stage + head)
