@@ -43,12 +43,13 @@ def test_activation_coefficients_match_saved_tensors(mode, shape):
 def _compiled_saved_bytes(block, x, cos, sin) -> int:
     """Bytes a compiled block saves for backward: the forward graph's outputs beyond the block output, as
     Inductor's partitioner (min-cut rematerialization) chooses them, less parameters and FP8 weight copies (graph
-    inputs, which live anyway); the block input counts when it is saved, as in eager."""
+    inputs, which live anyway); the block input counts when it is saved, as in eager. Counted by storage: a saved
+    view (q as a view of its GEMM output, W^T as a view of W) costs nothing beyond its base."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    saved = []
+    saved = {}  # storage -> bytes
 
     def forward_compiler(gm, _):
         output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -56,14 +57,15 @@ def _compiled_saved_bytes(block, x, cos, sin) -> int:
             value = getattr(node, "meta", {}).get("val")
             is_input = node.op == "placeholder"
             if isinstance(value, torch.Tensor) and (not is_input or tuple(value.shape) == tuple(x.shape)):
-                saved.append(value.numel() * value.element_size())
+                storage = value.untyped_storage()
+                saved[storage._cdata] = storage.nbytes()  # the StorageImpl's address: one entry per storage
         return make_boxed_func(gm)
 
     torch._dynamo.reset()
     backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm),
                            partition_fn=min_cut_rematerialization_partition)
     torch.compile(block, fullgraph=True, backend=backend)(x, cos, sin).float().sum().backward()
-    return sum(saved)
+    return sum(saved.values())
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp8-linear", "coat"])
