@@ -32,8 +32,8 @@ backward instead of saving it. What it saves (the forward graph's extra outputs,
 partitioner, tests/tools/test_memory_estimator.py):
     bf16:        16 h + 6 f + 4 a   (the block input, both norm outputs, roped q/k/v, the attention output, wo's
                                      output, w1/w3 outputs and the SwiGLU product; no fp32 copies)
-    fp8-linear:  15 h + 8 f + 4 a   (bf16 GEMM outputs kept for the recomputed pointwise ops, E4M3 GEMM inputs;
-                                     the SwiGLU product both in bf16 and as E4M3, more than bf16 saves)
+    fp8-linear:  15 h + 5 f + 4 a   (the same bf16 tensors where a pointwise op's backward needs them, the GEMM
+                                     inputs for the weight gradients as E4M3, w2's instead of the SwiGLU product)
     coat:        as eager          (its autograd functions decide what is saved, FP8 throughout)
 and the compiled loss keeps the bf16 logits only: the head is 8 h + 2 V (a tensor-parallel model keeps its
 vocab-parallel loss, eager).
@@ -59,7 +59,7 @@ ACTIVATION_BYTES = {  # per token per layer: (per h, per f, per head)
 }
 COMPILED_ACTIVATION_BYTES = {  # the same for a compiled block (Inductor's min-cut partition)
     "bf16": (16, 6, 4),
-    "fp8-linear": (15, 8, 4),
+    "fp8-linear": (15, 5, 4),
     "coat": (11, 2, 18),
 }
 

@@ -41,28 +41,29 @@ def test_activation_coefficients_match_saved_tensors(mode, shape):
 
 
 def _compiled_saved_bytes(block, x, cos, sin) -> int:
-    """Bytes a compiled block saves for backward: the forward graph's outputs beyond the block output, as
-    Inductor's partitioner (min-cut rematerialization) chooses them, less parameters and FP8 weight copies (graph
-    inputs, which live anyway); the block input counts when it is saved, as in eager. Counted by storage: a saved
-    view (q as a view of its GEMM output, W^T as a view of W) costs nothing beyond its base."""
+    """Bytes a compiled block saves for backward: the inputs of the backward graph that Inductor's partitioner
+    (min-cut rematerialization) chose, less output gradients, parameters and FP8 weight copies (which live
+    anyway); the block input counts when backward reads it, as in eager. Counted by storage: a saved view (q as a
+    view of its GEMM output, x8^T as a view of x8) costs nothing beyond its base."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     saved = {}  # storage -> bytes
 
-    def forward_compiler(gm, _):
-        output = next(n for n in gm.graph.nodes if n.op == "output")
-        for node in output.args[0][1:]:
-            value = getattr(node, "meta", {}).get("val")
-            is_input = node.op == "placeholder"
-            if isinstance(value, torch.Tensor) and (not is_input or tuple(value.shape) == tuple(x.shape)):
-                storage = value.untyped_storage()
-                saved[storage._cdata] = storage.nbytes()  # the StorageImpl's address: one entry per storage
+    def backward_compiler(gm, _):
+        for node in gm.graph.nodes:
+            value = node.meta.get("val") if node.op == "placeholder" else None
+            if not isinstance(value, torch.Tensor) or node.name.startswith("tangents"):
+                continue
+            if node.name.startswith("primals") and tuple(value.shape) != tuple(x.shape):
+                continue  # a parameter, buffer or FP8 weight copy
+            storage = value.untyped_storage()
+            saved[storage._cdata] = storage.nbytes()  # the StorageImpl's address: one entry per storage
         return make_boxed_func(gm)
 
     torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm),
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=backward_compiler,
                            partition_fn=min_cut_rematerialization_partition)
     torch.compile(block, fullgraph=True, backend=backend)(x, cos, sin).float().sum().backward()
     return sum(saved.values())
