@@ -342,7 +342,7 @@ def main() -> None:
     for q, default in ((s, ["bf16+compile", "fp8-linear", "coat", "coat+compile"]),):
         q.add_argument("--modes", nargs="+", type=mode_spec, default=default, metavar="MODE[+compile|+cudagraph]",
                        help=f"modes: {', '.join(MODES)}; +compile compiles each block, +cudagraph also replays it "
-                            "as CUDA graphs ({', '.join(ALWAYS_COMPILED)} "
+                            f"as CUDA graphs ({', '.join(ALWAYS_COMPILED)} "
                             "always are)")
         q.add_argument("--timeout", type=int, default=600, help="seconds per run")
         q.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_e2e_<what>.json)")

@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from megacoat.fp8.config import WEIGHT_CACHES
 from megacoat.fp8.formats import E4M3, get_format
 from megacoat.ops.cast_transpose import quantize_transpose
 
@@ -48,13 +49,17 @@ def refresh_fp8_weights(model: nn.Module) -> int:
     calls it after each optimizer step and after loading a checkpoint: a compiled forward only reads the copies
     (the staleness check is Python, outside any graph). Returns how many caches were refreshed."""
     n = 0
+    for cache, weights in persistent_weight_caches(model):
+        cache.refresh(weights)
+        n += 1
+    return n
+
+
+def persistent_weight_caches(model: nn.Module):
+    """(cache, weights) of every FP8 weight cache in `model` that keeps its copies between optimizer steps."""
     for module in model.modules():
         pairs = module.fp8_weight_caches() if hasattr(module, "fp8_weight_caches") else ()
-        for cache, weights in pairs:
-            if cache.persistent:
-                cache.refresh(weights)
-                n += 1
-    return n
+        yield from ((cache, weights) for cache, weights in pairs if cache.persistent)
 
 
 def _weights_key(weights: Sequence[torch.Tensor]) -> tuple:
@@ -80,8 +85,8 @@ class Fp8WeightCache:
     """
 
     def __init__(self, policy: str = "step"):
-        if policy not in ("step", "rowwise", "none"):
-            raise ValueError(f"FP8 weight cache policy must be step, rowwise or none, got {policy!r}")
+        if policy not in WEIGHT_CACHES:
+            raise ValueError(f"FP8 weight cache policy must be one of {WEIGHT_CACHES}, got {policy!r}")
         self.policy = policy
         self.persistent, self.transposed = policy != "none", policy == "step"
         self._key = None

@@ -56,13 +56,12 @@ class GraphedWeightRefresh:
     WARMUP = 2
 
     def __init__(self, model: nn.Module):
-        from megacoat.fp8.linear import refresh_fp8_weights
+        from megacoat.fp8.linear import persistent_weight_caches, refresh_fp8_weights
 
         self.model, self._refresh = model, refresh_fp8_weights
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.has_copies = any(cache.persistent for m in model.modules() if hasattr(m, "fp8_weight_caches")
-                              for cache, _ in m.fp8_weight_caches())
+        self.has_copies = any(True for _ in persistent_weight_caches(model))
 
     def __call__(self) -> None:
         if not self.has_copies:  # bf16 blocks or --fp8-weight-cache none: nothing to refresh (nor to capture)

@@ -14,8 +14,8 @@ in a bf16 run (ZeRO-1 divides what is marked /D1 by D, ZeRO-2 also /D2):
         bf16 half is the model's own weight: megacoat/training/zero_master.py)
     moments: AdamW 8 (two fp32); CoatAdamW 2 * (1 + 6/G) (FP8 + per-group fp32 scale + bf16 k; G = group size) /D1
     fp32 run (CPU default): weights 4 + grads 4 /D2, no master copy
-    FP8 modes: an E4M3 copy of every block linear in both layouts (the weight cache) + 2, unless
-    --fp8-weight-cache none
+    FP8 modes: an E4M3 copy of every block linear in both layouts (the weight cache) + 2; with
+    --fp8-weight-cache rowwise the row-major copy only + 1; with none nothing
 The "optimizer" part is master weights + moments: with CoatAdamW and bf16-remainder 2 + 2.09 = 4.09 B/param.
 
 Activations saved for backward, bytes per token per layer (h hidden, f FFN hidden, a heads). These are the
@@ -28,7 +28,7 @@ The head (final norm, logits, fp32 log-softmax, and the logits' gradient at the 
 per token on the last pipeline stage.
 
 Compiled (--compile, one graph per block): Inductor's min-cut partition recomputes cheap pointwise work in
-backward instead of saving it. What it saves (the forward graph's extra outputs, measured on CPU with the same
+backward instead of saving it. What it saves (the backward graph's inputs, measured on CPU with the same
 partitioner, tests/tools/test_memory_estimator.py):
     bf16:        16 h + 6 f + 4 a   (the block input, both norm outputs, roped q/k/v, the attention output, wo's
                                      output, w1/w3 outputs and the SwiGLU product; no fp32 copies)
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from megacoat.fp8.config import WEIGHT_CACHES
 from megacoat.model.config import ModelConfig
 
 MODES = ("bf16", "fp8-linear", "coat")
@@ -110,6 +111,8 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
         raise ValueError("main_params_dtype bf16-remainder needs bf16, CoatAdamW, ZeRO-1/2 and bf16 main gradients")
     if zero_stage not in (0, 1, 2):
         raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage}")
+    if fp8_weight_cache not in WEIGHT_CACHES:
+        raise ValueError(f"fp8_weight_cache must be one of {WEIGHT_CACHES}, got {fp8_weight_cache!r}")
     for name, v in (("micro_batch_size", micro_batch_size), ("data_parallel_size", data_parallel_size),
                     ("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size)):
         if v < 1:

@@ -137,6 +137,8 @@ def test_model_state_matches_a_hand_count():
     assert coat.weights == 2 * p + 2 * linears  # + the E4M3 weight cache (W and W^T)
     assert estimate_memory(cfg, "coat", fp8_weight_cache="rowwise").weights == 2 * p + linears  # W only
     assert estimate_memory(cfg, "coat", fp8_weight_cache="none").weights == 2 * p  # copies made per use
+    with pytest.raises(ValueError, match="fp8_weight_cache must be one of"):
+        estimate_memory(cfg, "coat", fp8_weight_cache="micro-batch")
 
 
 def test_zero_tp_pp_divide_what_they_should():
