@@ -251,6 +251,7 @@ __global__ void __launch_bounds__(kThreads, 4) coat_adamw_kernel(const CoatAdamW
   constexpr int kChunk = kThreads * VEC * kUnroll;
   static_assert(L <= 32 && 32 % L == 0, "a group must sit inside one warp");
   static_assert(!REM || sizeof(PT) == 2, "remainders go with bf16 parameters");
+  if (a.skip != nullptr && *a.skip != 0.f) return;  // one broadcast load: the step was refused on the device
 
   for (int64_t c = blockIdx.x; c < a.n_chunks; c += gridDim.x) {
     const int64_t t = a.chunk_table[2 * c];

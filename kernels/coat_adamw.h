@@ -14,6 +14,9 @@ struct CoatAdamWArgs {
   // int64 [tensors] or nullptr: the int16 remainder of each bf16 parameter (its fp32 master's low half).
   const int64_t* rem_table;
   int32_t* nonfinite;  // optional counter of non-finite moment groups (nullptr: not counted)
+  // optional flag on the device (nullptr: none): non-zero skips the whole step, as fused AdamW's found_inf does,
+  // so a step with a non-finite gradient norm is refused without the host ever reading the norm.
+  const float* skip;
   float lr_wd, step_size, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps;
   float m_max, v_max, inv_m_max, inv_v_max, log2_range_m, log2_range_v, k_min, k_max;
   bool m_e5m2, v_e5m2, expand, param_bf16, grad_bf16;

@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-cuda-graph", action="store_true",
                    help="--compile with CUDA graphs: each block compiled in mode reduce-overhead (cudagraph trees: "
                         "replayed forward and backward, static shapes, a private memory pool); CUDA, no pipeline")
+    g.add_argument("--host-overflow-check", action="store_true",
+                   help="bf16 ZeRO-1/2: refuse a step with a non-finite gradient norm by DeepSpeed's host check, "
+                        "which also holds the LR schedule, instead of on the device (default: the optimizer skips "
+                        "the step on a device flag, the GPU never waits for the host, the schedule moves on)")
     g.add_argument("--log-interval", type=int, default=t.log_interval)
     g.add_argument("--log-json", default=None, help="append one JSON object per logged iteration to this file")
     g.add_argument("--eval-interval", type=int, default=t.eval_interval)
@@ -215,6 +219,7 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         max_skipped_steps=args.max_skipped_steps, tensorboard_dir=args.tensorboard_dir,
         wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
         compile=args.compile or args.enable_cuda_graph, enable_cuda_graph=args.enable_cuda_graph,
+        host_overflow_check=args.host_overflow_check,
         profile_dir=args.profile_dir, profile_step_start=args.profile_step_start,
         profile_step_end=args.profile_step_end, debug=args.debug, finetune=args.finetune,
         override_optimizer_state=args.override_optimizer_state)

@@ -106,14 +106,17 @@ def adam_scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[floa
 
 def coat_adamw_step_ref(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, lr: float, beta1: float,
                         beta2: float, eps: float, weight_decay: float, step: int, group_size: int, expand: bool,
-                        nonfinite: torch.Tensor | None = None, remainders=None) -> None:
+                        nonfinite: torch.Tensor | None = None, remainders=None,
+                        skip: torch.Tensor | None = None) -> None:
     """One AdamW step (decoupled weight decay, bias correction, torch.optim.AdamW's formula) with FP8 moments.
 
     Per parameter: dequantize m and v, update them and the parameter in fp32, re-quantize. In place.
     `nonfinite` (int32 [1]), if given, is incremented by the number of non-finite moment groups (m and v counted
     separately); those groups are stored with a NaN scale. `remainders`: see the module docstring.
+    `skip` (float32 [1] or [], on the parameters' device), if given and non-zero, refuses the whole step: nothing is
+    written (fused AdamW's `found_inf`; the kernel reads it on the device, this reference on the host).
     """
-    if not params:
+    if not params or (skip is not None and bool(skip.reshape(-1)[0] != 0)):
         return
     check_lists(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size, remainders)
     step_size, bc2_sqrt = adam_scalars(lr, beta1, beta2, step)

@@ -27,6 +27,9 @@ class TrainingConfig:
     exit_duration_in_mins: float | None = None  # save and exit after this much wall time
     # Non-finite steps are skipped; this many in a row stop the run (a diverged run, not a stray spike).
     max_skipped_steps: int | None = 10
+    # bf16 ZeRO-1/2: refuse a non-finite step with DeepSpeed's host check (holds the LR schedule, drains the GPU's
+    # queue every step) instead of on the device (device_skip.py)
+    host_overflow_check: bool = False
     tensorboard_dir: str | None = None
     wandb_project: str | None = None
     wandb_run_name: str | None = None

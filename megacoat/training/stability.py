@@ -3,7 +3,9 @@ state and LR schedule stay as they were), counted in the log, and after --max-sk
 the run stops without saving, so the last good checkpoint stays the newest.
 
 Who skips: DeepSpeed's ZeRO-1/2 and bf16 optimizers already refuse a non-finite gradient norm (they report
-it as an overflow: `engine.was_step_applied()` is False and the LR scheduler does not move). Plain fp32
+it as an overflow: `engine.was_step_applied()` is False and the LR scheduler does not move). In bf16 under
+ZeRO-1/2 the refusal is decided on the device instead (device_skip.py: the weights and moments stay, the LR
+schedule moves on), and the guard learns of it when the trainer reads the counts (`absorb`). Plain fp32
 data parallelism (ZeRO-0 without bf16) hands the step straight to the torch optimizer, which would write NaN
 into the weights; `skip_fp32_step` makes that step a no-op the same way DeepSpeed's own skip behaves, so
 DeepSpeed's micro/global step counters stay consistent in every mode.
@@ -38,6 +40,7 @@ class StabilityGuard:
     def __init__(self, max_skipped_steps: int | None):
         self.max_skipped_steps = max_skipped_steps
         self.consecutive = 0
+        self.longest = 0  # the longest run in a row seen (runs counted on the device end between two reads)
         self.since_log = 0
 
     def record(self, skipped: bool, iteration: int, loss, grad_norm: float | None) -> None:
@@ -46,16 +49,26 @@ class StabilityGuard:
             self.consecutive = 0
             return
         self.consecutive += 1
+        self.longest = max(self.longest, self.consecutive)
         self.since_log += 1
         self.last = (iteration, loss, grad_norm)
 
+    def absorb(self, refused: int, run: int, longest: int, iteration: int, loss, grad_norm) -> None:
+        """Counts read from the device (device_skip.SkipCounter.read) at `iteration`: refused steps since the last
+        read, the run in a row at its end, and the longest run."""
+        if refused:
+            self.since_log += refused
+            self.last = (iteration, loss, grad_norm)
+        self.consecutive = run
+        self.longest = max(self.longest, longest)
+
     def check(self) -> None:
         """Raise once --max-skipped-steps steps in a row were skipped."""
-        if self.max_skipped_steps is not None and self.consecutive >= self.max_skipped_steps:
+        if self.max_skipped_steps is not None and self.longest >= self.max_skipped_steps:
             iteration, loss, grad_norm = self.last
             grad_norm = None if grad_norm is None else float(grad_norm)  # a device tensor until read here
             raise NonFiniteTrainingError(
-                f"iteration {iteration}: {self.consecutive} steps in a row skipped for a non-finite loss or "
+                f"iteration {iteration}: {self.longest} steps in a row skipped for a non-finite loss or "
                 f"gradient (loss {float(loss)}, grad norm {grad_norm}); stopping (--max-skipped-steps "
                 f"{self.max_skipped_steps}). No checkpoint was written after the last good one.")
 

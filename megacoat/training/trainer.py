@@ -23,6 +23,7 @@ from megacoat.training.checkpointing import (Layout, TrainState, check_compatibl
                                              read_meta, resolve_load, save_checkpoint)
 from megacoat.training.cuda_graph import GraphedWeightRefresh, own_graph_gradients
 from megacoat.training.deepspeed_config import build_deepspeed_config, quiet_tested_optimizer_warning
+from megacoat.training.device_skip import install_device_skip
 from megacoat.training.reshard import describe_resume
 from megacoat.training.distributed import all_reduce_mean, init_distributed, is_main_process
 from megacoat.training.flops import flops_per_token, peak_flops
@@ -140,6 +141,9 @@ class Trainer:
         # Plain fp32 data parallelism is the one engine that would apply a non-finite step (stability.py).
         self.plain_fp32 = not cfg.parallel.zero_stage and not self.ds_config["bf16"]["enabled"]
         self.guard = StabilityGuard(t.max_skipped_steps)
+        # bf16 ZeRO-1/2: the step's non-finite check on the device, read at log and save time (device_skip.py)
+        self.device_skips = None if t.host_overflow_check or self.pipelined else install_device_skip(self.engine)
+        self.last_step = (None, None)  # (loss, grad norm) of the latest step, for the guard's message
         self.profiler = StepProfiler(t.profile_dir, t.profile_step_start, t.profile_step_end, dist.get_rank())
         self.state = TrainState()
         if self.resume:
@@ -188,6 +192,8 @@ class Trainer:
             if boundary:  # DeepSpeed updates weights through .data, which autograd's version counter misses
                 clear_skip_flag(self.engine)
                 applied = self.engine.was_step_applied()
+                if self.device_skips is not None:
+                    self.device_skips.record()
                 self.refresh_after_step()  # in place: compiled forwards only read the copies
             losses.append(loss.detach())
         norm = self.engine.get_global_grad_norm()
@@ -235,7 +241,21 @@ class Trainer:
         return float(all_reduce_mean(total / (self.cfg.training.eval_iters * self.grad_accum)))
 
     # --- checkpoints ----------------------------------------------------------------------------------------
+    def read_device_skips(self) -> None:
+        """Fold the steps refused on the device since the last read into the count, the log and the guard."""
+        if self.device_skips is None:
+            return
+        refused, run, longest = self.device_skips.read()
+        it = self.state.iteration
+        if refused:
+            self.state.skipped_steps += refused
+            self.logger.info(f"iter {it}: non-finite loss or gradient, {refused} step(s) skipped since the last "
+                             f"log (the longest {longest} in a row)")
+        self.guard.absorb(refused, run, longest, it, *self.last_step)
+
     def save_checkpoint(self, directory: str) -> None:
+        self.read_device_skips()
+        self.guard.check()  # never save after --max-skipped-steps refusals in a row
         path = save_checkpoint(self.engine, directory, self.state, self.cfg.to_dict(), self.layout,
                                self.tokenizer_identity, self.cfg.training.keep_last)
         self.logger.info(f"saved checkpoint {path}")
@@ -284,7 +304,9 @@ class Trainer:
                 self.logger.info(f"iter {it}: non-finite loss or gradient, step skipped "
                                  f"({self.guard.consecutive + 1} in a row)")
             self.guard.record(skipped, it, loss, grad_norm)  # the loss stays a tensor: no sync here
+            self.last_step = (loss, grad_norm)
             if it % t.log_interval == 0 or it == t.train_iters:
+                self.read_device_skips()
                 loss_value = float(loss)  # synchronises the device: the timing below is honest
                 now = time.perf_counter()
                 tokens_per_s = (it - last_iter) * tokens_per_step / (now - last_time)

@@ -431,3 +431,37 @@ def test_gpu_moment_group_below_the_amax_floor():
     nf = run_backend("cuda", p2, grads, s2, step=7, group_size=G, expand=True, beta1=1e-3)
     _check_tiny_group(G, p2, s2, nf)
     assert torch.equal(s2[0][0][G: 2 * G].view(torch.uint8), state[0][0][G: 2 * G].view(torch.uint8))
+
+
+# ---------------------------------------------------------------- a step refused on a device flag (found_inf)
+
+def _check_skip_flag(device, backend):
+    """skip = 1 writes nothing (parameters, codes, scales, exponents, remainders); skip = 0 is the plain step."""
+    G = 128
+    sizes = [3 * G + 5, 2 * G]
+    params, grads, state = make_state(sizes, G, device=device, p_dtype=torch.bfloat16)
+    rems = [torch.randint(-2 ** 15, 2 ** 15, (n,), dtype=torch.int16, device=device) for n in sizes]
+    before_p, before_s = clone_all(params, state)
+    before_r = [r.clone() for r in rems]
+    kw = dict(step=5, group_size=G, expand=True, remainders=rems)
+    run_backend(backend, params, grads, state, skip=torch.ones(1, device=device), **kw)
+    for a, b in zip(params + rems + [t for col in state for t in col], before_p + before_r +
+                    [t for col in before_s for t in col]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    plain_p, plain_s = clone_all(params, state)
+    plain_r = [r.clone() for r in rems]
+    run_backend(backend, params, grads, state, skip=torch.zeros(1, device=device), **kw)
+    run_backend(backend, plain_p, grads, plain_s, **{**kw, "remainders": plain_r})
+    for a, b in zip(params + rems + [t for col in state for t in col], plain_p + plain_r +
+                    [t for col in plain_s for t in col]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert not all(torch.equal(a, b) for a, b in zip(params, before_p))  # the unskipped step did move
+
+
+def test_reference_skip_flag_refuses_the_whole_step():
+    _check_skip_flag("cpu", "torch")
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_skip_flag_refuses_the_whole_step():
+    _check_skip_flag("cuda", "cuda")

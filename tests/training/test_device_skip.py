@@ -1,0 +1,126 @@
+"""bf16 under ZeRO-1/2 refuses a non-finite step on the device (megacoat/training/device_skip.py): DeepSpeed's step
+reads nothing back, a NaN step changes no weight, master or moment, the log and the checkpoint count it, and
+--max-skipped-steps still stops the run before a save. On the CPU the device path is taken with CoatAdamW
+(--fp8-optimizer), whose reference honours the flag; the CPU's for-each AdamW keeps DeepSpeed's host check."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from megacoat.optim.coat_adamw import CoatAdamW
+from megacoat.training.device_skip import SkipCounter, honours_found_inf
+from tests.training.checkpoint_runs import records, run
+from tests.training.test_trainer import _reads_per_iteration
+
+NAN_RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nan_injection.py")
+DEVICE_PATH = ["--zero-stage", "1", "--bf16", "--fp8-optimizer"]
+
+
+def _tensors_but_step(obj, key=""):
+    """Every tensor of a nested state in order, leaving out step counts (they move on over a refused step)."""
+    if torch.is_tensor(obj):
+        return [] if key == "step" else [obj]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in _tensors_but_step(obj[k], str(k))]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors_but_step(v, key)]
+    return []
+
+
+def _checkpoint(ckpt, it):
+    folder = ckpt / f"iter_{it:07d}"
+    model = torch.load(folder / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    optim = torch.load(folder / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    return model, optim["optimizer_state_dict"]
+
+
+def test_a_nan_step_is_refused_on_the_device_and_changes_no_weight_master_or_moment(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    argv = DEVICE_PATH + ["--train-iters", "5", "--save", str(ckpt), "--save-interval", "1"]
+    proc = run(tmp_path, argv, tmp_path / "log.json", script=(NAN_RUN, "3"))
+    train = {r["iteration"]: r for r in records(tmp_path / "log.json") if "loss" in r}
+    assert math.isnan(train[3]["loss"]) and train[3]["skipped_steps"] == 1
+    assert all(math.isfinite(train[i]["loss"]) and train[i]["skipped_steps"] == 0 for i in (1, 2, 4, 5))
+    assert "iter 3: non-finite loss or gradient, 1 step(s) skipped" in proc.stdout
+    (w2, o2), (w3, o3), (w4, _) = (_checkpoint(ckpt, i) for i in (2, 3, 4))
+    for name, w in w2.items():
+        assert torch.equal(w, w3[name]), name
+    assert any(not torch.equal(w, w4[n]) for n, w in w2.items())
+    a, b = _tensors_but_step(o2), _tensors_but_step(o3)
+    assert len(a) == len(b) and len(a) > 6  # master partitions, FP8 codes, scales, exponents
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert json.loads((ckpt / "iter_0000003" / "megacoat.json").read_text())["skipped_steps"] == 1
+
+    # DeepSpeed's host check refuses the same step: the weights it gives the next step are the same, so
+    # iteration 4's loss is too (the LR schedule, which the device path moves on, first shows at iteration 4's step).
+    host = tmp_path / "host"
+    host.mkdir()
+    run(host, DEVICE_PATH + ["--train-iters", "4", "--host-overflow-check"], host / "log.json", script=(NAN_RUN, "3"))
+    host_train = {r["iteration"]: r for r in records(host / "log.json") if "loss" in r}
+    for i in (1, 2, 4):
+        assert host_train[i]["loss"] == train[i]["loss"], i
+    assert host_train[4]["lr"] == host_train[3]["lr"] and train[4]["lr"] != train[3]["lr"]
+
+
+def test_max_skipped_steps_read_at_a_save_stop_the_run_before_it(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    argv = DEVICE_PATH + ["--train-iters", "8", "--save", str(ckpt), "--save-interval", "1",
+                          "--log-interval", "4", "--max-skipped-steps", "3"]
+    proc = run(tmp_path, argv, tmp_path / "log.json", check=False, script=(NAN_RUN, "2,3,4"))
+    assert proc.returncode != 0
+    assert "3 steps in a row skipped" in proc.stderr and "--max-skipped-steps 3" in proc.stderr
+    assert (ckpt / "latest").read_text() == "iter_0000003"  # the save after the third refusal never happened
+
+
+def test_deepspeed_step_reads_nothing_back_on_the_device_path(tmp_path):
+    common = ["--train-iters", "3", "--log-interval", "3"]
+    device = _reads_per_iteration(tmp_path, DEVICE_PATH + common)
+    (tmp_path / "host").mkdir()
+    host = _reads_per_iteration(tmp_path / "host", DEVICE_PATH + common + ["--host-overflow-check"])
+    assert [r for r in host.get(2, []) if "/deepspeed/" in r]  # the recorder sees DeepSpeed's reads
+    assert not [r for r in device.get(2, []) if "/deepspeed/" in r]
+
+
+def test_skip_counter_counts_refusals_and_runs_across_reads():
+    c = SkipCounter(torch.device("cpu"))
+    for flag in (1, 0, 1, 1):
+        c.found_inf.fill_(flag)
+        c.record()
+    assert c.read() == (3, 2, 2)
+    c.found_inf.fill_(1)
+    c.record()
+    assert c.read() == (1, 3, 3)  # the run that spans the read is counted whole
+    c.found_inf.fill_(0)
+    c.record()
+    assert c.read() == (0, 0, 3)
+
+
+@pytest.mark.parametrize("make, honours", [
+    (lambda p: torch.optim.AdamW([p], fused=True), True),
+    (lambda p: torch.optim.AdamW([p]), False),
+    (lambda p: CoatAdamW([p]), True),
+    (lambda p: torch.optim.SGD([p], lr=0.1), False),
+], ids=["fused-adamw", "foreach-adamw", "coat-adamw", "sgd"])
+def test_which_optimizers_skip_on_the_flag(make, honours):
+    assert honours_found_inf(make(torch.nn.Parameter(torch.zeros(4)))) is honours
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.AdamW([p], lr=0.1, fused=True), lambda p: CoatAdamW([p])],
+                         ids=["fused-adamw", "coat-adamw"])
+def test_the_counters_flag_refuses_the_optimizers_step(make):
+    """The flag as install_device_skip hands it over (SkipCounter.found_inf) is one the optimizer takes."""
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = make(p)
+    counter = SkipCounter(torch.device("cpu"))
+    opt.found_inf = counter.found_inf
+    p.grad = torch.randn(300)
+    before = p.detach().clone()
+    counter.found_inf.fill_(1)
+    opt.step()
+    assert torch.equal(p.detach(), before)
+    counter.found_inf.fill_(0)
+    opt.step()
+    assert not torch.equal(p.detach(), before)
