@@ -4,8 +4,8 @@ DeepSpeed 0.19.8's ZeRO-1/2 optimizer decides on the host whether a step may be 
 inf/NaN test per gradient tensor and reads the sum (`.item()`); `unscale_and_clip_grads` reads the clip norm again
 (`is_invalid_grad_norm`). The first read drains the GPU's queue, and every launch of the step after it (one norm per
 gradient tensor, the flat copy, the optimizer, the write-back) then runs on an idle GPU. On the H100 (1.3 B,
-micro-batch 2, `benchmarks/results/bench_e2e_notes.md`) removing the reads took compiled bf16 from 39.1 k to 49.9 k
-tokens/s.
+micro-batch 2, `benchmarks/results/bench_e2e_notes.md`) removing the reads took compiled bf16 from about 39 k to
+49 k tokens/s.
 
 `install_device_skip(engine)` changes three things on the engine's ZeRO optimizer (this instance only):
 - DeepSpeed's own switch `check_grad_overflow` is off, so neither host check runs;
@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from megacoat.optim.coat_adamw import CoatAdamW
 
+DEVICE_SKIP_LINE = ("non-finite steps: refused on the device, without a host read (the LR schedule moves on over "
+                    "them; --host-overflow-check for DeepSpeed's host check)")
 _ATTRS = ("check_grad_overflow", "compute_grad_norm", "get_grad_norm_direct", "unscale_and_clip_grads",
           "model_parallel_rank", "dp_process_group", "_model_parallel_all_reduce", "clip_grad", "loss_scale")
 

@@ -23,7 +23,7 @@ from megacoat.training.checkpointing import (Layout, TrainState, check_compatibl
                                              read_meta, resolve_load, save_checkpoint)
 from megacoat.training.cuda_graph import GraphedWeightRefresh, own_graph_gradients
 from megacoat.training.deepspeed_config import build_deepspeed_config, quiet_tested_optimizer_warning
-from megacoat.training.device_skip import install_device_skip
+from megacoat.training.device_skip import DEVICE_SKIP_LINE, install_device_skip
 from megacoat.training.reshard import describe_resume
 from megacoat.training.distributed import all_reduce_mean, init_distributed, is_main_process
 from megacoat.training.flops import flops_per_token, peak_flops
@@ -143,6 +143,8 @@ class Trainer:
         self.guard = StabilityGuard(t.max_skipped_steps)
         # bf16 ZeRO-1/2: the step's non-finite check on the device, read at log and save time (device_skip.py)
         self.device_skips = None if t.host_overflow_check or self.pipelined else install_device_skip(self.engine)
+        if self.device_skips is not None:
+            self.logger.info(DEVICE_SKIP_LINE)
         self.last_step = (None, None)  # (loss, grad norm) of the latest step, for the guard's message
         self.profiler = StepProfiler(t.profile_dir, t.profile_step_start, t.profile_step_end, dist.get_rank())
         self.state = TrainState()

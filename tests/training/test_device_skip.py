@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megacoat.optim.coat_adamw import CoatAdamW
-from megacoat.training.device_skip import SkipCounter, honours_found_inf
+from megacoat.training.device_skip import DEVICE_SKIP_LINE, SkipCounter, honours_found_inf
 from tests.training.checkpoint_runs import records, run
 from tests.training.test_trainer import _reads_per_iteration
 
@@ -124,3 +124,21 @@ def test_the_counters_flag_refuses_the_optimizers_step(make):
     counter.found_inf.fill_(0)
     opt.step()
     assert not torch.equal(p.detach(), before)
+
+
+@pytest.mark.parametrize("layout", [["--zero-stage", "2"], ["--zero-stage", "1", "--tensor-model-parallel-size", "2"]],
+                         ids=["zero2-dp2", "zero1-tp2"])
+def test_device_path_gives_the_host_paths_norms_and_losses_on_two_ranks(tmp_path, layout):
+    """The one-launch norm counts what DeepSpeed's per-tensor norm counts (TP shards once, reductions over the
+    data-parallel and model-parallel groups): same gradient norms, same losses, on two ranks."""
+    argv = ["--bf16", "--fp8-optimizer", "--train-iters", "3"] + layout
+    logs = {}
+    for name, extra, port in (("device", [], 29641), ("host", ["--host-overflow-check"], 29642)):
+        (tmp_path / name).mkdir()
+        proc = run(tmp_path / name, argv + extra, tmp_path / name / "log.json", ranks=2, port=port)
+        assert (DEVICE_SKIP_LINE in proc.stdout) == (name == "device")
+        logs[name] = [r for r in records(tmp_path / name / "log.json") if "loss" in r]
+    assert len(logs["device"]) == len(logs["host"]) == 3
+    for d, h in zip(logs["device"], logs["host"]):
+        assert d["loss"] == h["loss"]
+        assert d["grad_norm"] == pytest.approx(h["grad_norm"], rel=1e-5)  # summation order differs
