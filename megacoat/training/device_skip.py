@@ -18,8 +18,10 @@ micro-batch 2, `benchmarks/results/bench_e2e_notes.md`) removing the reads took 
 What differs from DeepSpeed's host skip: over a refused step the LR schedule and the optimizer's step count move on
 (the host does not know of the refusal), and the trainer learns of refusals when it next reads the counters, at its
 log interval or before a save (`SkipCounter`, `StabilityGuard.flush`). Where the client optimizer does not honour
-`found_inf` (the CPU's for-each AdamW) or the engine is not ZeRO-1/2's optimizer (ZeRO-0's BF16_Optimizer, the
-pipeline engine), nothing is installed and DeepSpeed's host check stays.
+`found_inf` (the CPU's for-each AdamW), the engine's optimizer is not DeepSpeedZeroOptimizer (DeepSpeed's
+BF16_Optimizer, which it runs for ZeRO-0 and for ZeRO-1 with --main-grads-dtype fp32; the pipeline engine), or the
+run is not bf16 (DeepSpeed checks an fp32 run's norm on the host whatever its switch says), nothing is installed
+and DeepSpeed's host check stays.
 """
 from __future__ import annotations
 
@@ -77,7 +79,7 @@ def install_device_skip(engine) -> SkipCounter | None:
         return None
     if client is None or not honours_found_inf(client) or not zero.compute_grad_norm:
         return None
-    if getattr(zero, "cpu_offload", False):
+    if getattr(zero, "cpu_offload", False) or getattr(zero, "dtype", None) != torch.bfloat16:
         return None
     device = next(p.device for g in client.param_groups for p in g["params"])
     counter = SkipCounter(device)

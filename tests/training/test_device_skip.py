@@ -142,3 +142,14 @@ def test_device_path_gives_the_host_paths_norms_and_losses_on_two_ranks(tmp_path
     for d, h in zip(logs["device"], logs["host"]):
         assert d["loss"] == h["loss"]
         assert d["grad_norm"] == pytest.approx(h["grad_norm"], rel=1e-5)  # summation order differs
+
+
+@pytest.mark.parametrize("argv, installed", [
+    (DEVICE_PATH, True),
+    (["--zero-stage", "1", "--fp32", "--fp8-optimizer"], False),  # DeepSpeed reads an fp32 norm on the host anyway
+    (DEVICE_PATH + ["--main-grads-dtype", "fp32"], False),  # DeepSpeed's BF16_Optimizer, not the ZeRO optimizer
+    (["--zero-stage", "1", "--bf16"], False),  # the CPU's for-each AdamW does not take the flag
+], ids=["bf16-zero1-coat", "fp32", "bf16-fp32-grads", "foreach-adamw"])
+def test_where_the_device_path_is_taken(tmp_path, argv, installed):
+    proc = run(tmp_path, argv + ["--train-iters", "1"], tmp_path / "log.json")
+    assert (DEVICE_SKIP_LINE in proc.stdout) is installed
