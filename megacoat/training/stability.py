@@ -53,12 +53,13 @@ class StabilityGuard:
         self.since_log += 1
         self.last = (iteration, loss, grad_norm)
 
-    def absorb(self, refused: int, run: int, longest: int, iteration: int, loss, grad_norm) -> None:
+    def absorb(self, refused: int, run: int, longest: int, iteration: int) -> None:
         """Counts read from the device (device_skip.SkipCounter.read) at `iteration`: refused steps since the last
-        read, the run in a row at its end, and the longest run."""
+        read, the run in a row at its end, and the longest run. Which steps they were, and their loss, stay on the
+        device: the stop message names the iteration of the read."""
         if refused:
             self.since_log += refused
-            self.last = (iteration, loss, grad_norm)
+            self.last = (iteration, None, None)
         self.consecutive = run
         self.longest = max(self.longest, longest)
 
@@ -66,11 +67,15 @@ class StabilityGuard:
         """Raise once --max-skipped-steps steps in a row were skipped."""
         if self.max_skipped_steps is not None and self.longest >= self.max_skipped_steps:
             iteration, loss, grad_norm = self.last
-            grad_norm = None if grad_norm is None else float(grad_norm)  # a device tensor until read here
-            raise NonFiniteTrainingError(
-                f"iteration {iteration}: {self.longest} steps in a row skipped for a non-finite loss or "
-                f"gradient (loss {float(loss)}, grad norm {grad_norm}); stopping (--max-skipped-steps "
-                f"{self.max_skipped_steps}). No checkpoint was written after the last good one.")
+            if loss is None:  # counted on the device: which steps they were, and their loss, were never read
+                what = (f"by iteration {iteration}: {self.longest} steps in a row skipped for a non-finite loss or "
+                        "gradient")
+            else:
+                grad_norm = None if grad_norm is None else float(grad_norm)  # a device tensor until read here
+                what = (f"iteration {iteration}: {self.longest} steps in a row skipped for a non-finite loss or "
+                        f"gradient (loss {float(loss)}, grad norm {grad_norm})")
+            raise NonFiniteTrainingError(f"{what}; stopping (--max-skipped-steps {self.max_skipped_steps}). "
+                                         "No checkpoint was written after the last good one.")
 
     def pop_since_log(self) -> int:
         n, self.since_log = self.since_log, 0

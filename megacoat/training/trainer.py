@@ -145,7 +145,6 @@ class Trainer:
         self.device_skips = None if t.host_overflow_check or self.pipelined else install_device_skip(self.engine)
         if self.device_skips is not None:
             self.logger.info(DEVICE_SKIP_LINE)
-        self.last_step = (None, None)  # (loss, grad norm) of the latest step, for the guard's message
         self.profiler = StepProfiler(t.profile_dir, t.profile_step_start, t.profile_step_end, dist.get_rank())
         self.state = TrainState()
         if self.resume:
@@ -253,7 +252,7 @@ class Trainer:
             self.state.skipped_steps += refused
             self.logger.info(f"iter {it}: non-finite loss or gradient, {refused} step(s) skipped since the last "
                              f"log (the longest {longest} in a row)")
-        self.guard.absorb(refused, run, longest, it, *self.last_step)
+        self.guard.absorb(refused, run, longest, it)
 
     def save_checkpoint(self, directory: str) -> None:
         self.read_device_skips()
@@ -306,7 +305,6 @@ class Trainer:
                 self.logger.info(f"iter {it}: non-finite loss or gradient, step skipped "
                                  f"({self.guard.consecutive + 1} in a row)")
             self.guard.record(skipped, it, loss, grad_norm)  # the loss stays a tensor: no sync here
-            self.last_step = (loss, grad_norm)
             if it % t.log_interval == 0 or it == t.train_iters:
                 self.read_device_skips()
                 loss_value = float(loss)  # synchronises the device: the timing below is honest

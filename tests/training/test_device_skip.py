@@ -71,7 +71,7 @@ def test_max_skipped_steps_read_at_a_save_stop_the_run_before_it(tmp_path):
                           "--log-interval", "4", "--max-skipped-steps", "3"]
     proc = run(tmp_path, argv, tmp_path / "log.json", check=False, script=(NAN_RUN, "2,3,4"))
     assert proc.returncode != 0
-    assert "3 steps in a row skipped" in proc.stderr and "--max-skipped-steps 3" in proc.stderr
+    assert "by iteration 4: 3 steps in a row skipped" in proc.stderr and "--max-skipped-steps 3" in proc.stderr
     assert (ckpt / "latest").read_text() == "iter_0000003"  # the save after the third refusal never happened
 
 
