@@ -14,10 +14,10 @@ Edge groups: a group holding a NaN/Inf is stored with a NaN scale and counted (`
 largest moment is below float32's smallest normal is scaled as if its amax were 2^-126 and not expanded (the one
 amax floor of megacoat.ops.numerics).
 
-Refused steps: set `found_inf` (a float32 tensor of one element, 0-dim or [1], on the parameters' device, torch's GradScaler
-protocol, as for fused AdamW) and a step whose flag is non-zero writes nothing, decided on the device. Unlike fused
-AdamW, the step count still advances (it lives on the host); it only shifts the bias correction, 1 - beta^t, which
-is within beta2^t of 1 after a few hundred steps.
+Refused steps: set `found_inf` (a float32 tensor of one element, 0-dim or [1], on the parameters' device: torch's
+GradScaler protocol, as for fused AdamW) and a step whose flag is non-zero writes nothing, decided on the device.
+Unlike fused AdamW, the step count still advances (it lives on the host); it only shifts the bias correction,
+1 - beta^t, which is within beta2^t of 1 after a few hundred steps.
 """
 from __future__ import annotations
 
