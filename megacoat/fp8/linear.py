@@ -30,7 +30,7 @@ from torch import nn
 
 from megacoat.fp8.config import WEIGHT_CACHES
 from megacoat.fp8.formats import E4M3, get_format
-from megacoat.ops.cast_transpose import quantize_transpose
+from megacoat.ops.cast_transpose import quantize_transpose, quantize_transpose_into
 
 _generation = 0  # bumped by invalidate_fp8_weight_caches(); every cache compares it with its own
 
@@ -94,19 +94,19 @@ class Fp8WeightCache:
         self.w8 = self.w8t = self.scale = None
 
     def refresh(self, weights: Sequence[torch.Tensor]) -> None:
-        """Quantize `weights` into the copies: in place when copies of that shape and device exist."""
-        with torch.no_grad():
-            w8, w8t, scale = quantize_transpose(_joined(weights), E4M3.dtype, transpose=self.transposed)
-            if self.w8 is not None and self.w8.shape == w8.shape and self.w8.device == w8.device:
-                self.w8.copy_(w8)
-                if self.transposed:
-                    self.w8t.copy_(w8t)
-                self.scale.copy_(scale)
-            else:
-                self.w8, self.w8t, self.scale = w8, w8t, scale
-                for t in (w8, w8t, scale):  # fixed addresses: a CUDA graph reads them in place, without a copy
-                    if t is not None:
-                        torch._dynamo.mark_static_address(t)
+        """Quantize `weights` (joined along the output dim) into the copies: in place when copies of that shape and
+        device exist, so every refresh after the first writes the same tensors."""
+        parts = [w.detach() for w in weights]
+        shape, device = (sum(w.shape[0] for w in parts), parts[0].shape[1]), parts[0].device
+        if self.w8 is None or self.w8.shape != shape or self.w8.device != device:
+            self.w8 = torch.empty(shape, dtype=E4M3.dtype, device=device)
+            self.w8t = torch.empty(shape[::-1], dtype=E4M3.dtype, device=device) if self.transposed else None
+            self.scale = torch.empty(1, dtype=torch.float32, device=device)
+            for t in (self.w8, self.w8t, self.scale):  # fixed addresses: a CUDA graph reads them in place
+                if t is not None:
+                    torch._dynamo.mark_static_address(t)
+        with torch.no_grad():  # straight into the copies: no joined weight, no copy of the results
+            quantize_transpose_into(parts, self.w8, self.w8t, self.scale)
         self._key = _weights_key(weights)
         self.builds += 1
 

@@ -52,9 +52,11 @@ def cast_transpose_ref(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dt
 
 
 @triton.jit
-def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, N, fmax, amax_floor,
+def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, N, ldt, fmax, amax_floor,
                            FROM_AMAX: tl.constexpr, ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr):
+    # out is [M, N] row-major; outt [N, M] with row stride ldt (M, or more when it is a column block of a wider
+    # transpose: refresh writes each part of a joined weight straight into its place)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if FROM_AMAX:  # every program derives the scale from the amax; the first one stores it for _scaled_mm
         scale = tl.div_rn(tl.maximum(tl.load(amax_ptr).to(tl.float32), amax_floor), fmax)
@@ -73,30 +75,38 @@ def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, N, 
     if ROWWISE:
         tl.store(out_ptr + rm[:, None] * N + rn[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
     if TRANSPOSE:
-        tl.store(outt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q).to(outt_ptr.dtype.element_ty),
+        tl.store(outt_ptr + rn[:, None] * ldt + rm[None, :], tl.trans(q).to(outt_ptr.dtype.element_ty),
                  mask=tl.trans(mask))
 
 
-def _launch(x, amax, scale, out_dtype, rowwise, transpose):
+def _launch(x, amax, scale, out_dtype, rowwise, transpose, out=None, outt=None):
+    """Cast x into out [M, N] and/or outt [N, M] (allocated when not given; a given outt may be a column block of
+    a wider row-major tensor)."""
     _check2d(x)
     x = x.contiguous()
     if transpose and x.dtype == torch.float32 and x.is_cuda:
         # Triton 3.6 on sm_90 writes wrong codes (some NaN) into the transposed store of a tile loaded as float32,
         # however the transpose is spelled (tests/ops/test_cast_transpose.py, GPU); the row-major store is exact.
         # float32 activations are the --fp32 and test path, not the bf16 hot path: transpose the FP8 bytes in torch.
-        q, _ = _launch(x, amax, scale, out_dtype, True, False)
-        return (q if rowwise else None), q.t().contiguous()
+        q, _ = _launch(x, amax, scale, out_dtype, True, False, out)
+        if outt is None:
+            return (q if rowwise else None), q.t().contiguous()
+        outt.copy_(q.t())
+        return (q if rowwise else None), outt
     m, n = x.shape
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device) if rowwise else None
-    outt = torch.empty((n, m), dtype=out_dtype, device=x.device) if transpose else None
-    dummy = out if out is not None else outt
+    if rowwise and out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if transpose and outt is None:
+        outt = torch.empty((n, m), dtype=out_dtype, device=x.device)
+    dummy = out if rowwise else outt
     bm, bn = 64, 64
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     launcher(_cast_transpose_kernel)[grid](x, amax if amax is not None else scale, scale, out if rowwise else dummy,
-                                 outt if transpose else dummy, m, n, torch.finfo(out_dtype).max, AMAX_FLOOR,
+                                 outt if transpose else dummy, m, n, outt.stride(0) if transpose else m,
+                                 torch.finfo(out_dtype).max, AMAX_FLOOR,
                                  FROM_AMAX=amax is not None, ROWWISE=rowwise, TRANSPOSE=transpose,
                                  BM=bm, BN=bn, num_warps=4)
-    return out, outt
+    return (out if rowwise else None), (outt if transpose else None)
 
 
 def cast_transpose_triton(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
@@ -129,18 +139,87 @@ def quantize_transpose_triton(x: torch.Tensor, out_dtype: torch.dtype, rowwise: 
 
 def quantize_transpose(x: torch.Tensor, out_dtype: torch.dtype, rowwise: bool = True, transpose: bool = True):
     """Per-tensor FP8 quantization of a 2-D tensor into the layouts _scaled_mm needs: (q, q^T, scale), a layout
-    not asked for is None. Two launches on CUDA (amax, cast), nothing read back to the host."""
+    not asked for is None. Two launches on CUDA (amax, cast), nothing read back to the host.
+
+    Under torch.compile the amax is a plain torch reduction in the graph, outside the cast operator: Inductor
+    fuses it into the kernel that produces x when that kernel is its own (a residual add, the transposed copy of
+    attention's output, the joined Q|K|V gradient), so x is not read an extra time for its amax. The cast
+    operator takes the amax and turns it into the scale itself."""
     if not torch.compiler.is_compiling():
         return pick(x, quantize_transpose_triton, quantize_transpose_ref)(x, out_dtype, rowwise, transpose)
-    q, qt, scale = _quantize_transpose_op(x, out_dtype, rowwise, transpose)
+    _check2d(x)
+    amax = torch.linalg.vector_norm(x.detach(), float("inf")).reshape(1)  # tensor_amax, visible to Inductor
+    q, qt, scale = _cast_transpose_from_amax_op(x, amax, out_dtype, rowwise, transpose)
     return (q if rowwise else None), (qt if transpose else None), scale
 
 
-@fp8_operator("megacoat::quantize_transpose")
-def _quantize_transpose_op(x: torch.Tensor, out_dtype: torch.dtype, rowwise: bool,
-                           transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """quantize_transpose as an operator (an operator returns tensors: a layout not asked for is empty). The
-    amax is a plain torch reduction in the graph, which Inductor may fuse with the op that produces x."""
-    q, qt, scale = traced_body(x, quantize_transpose_triton, quantize_transpose_ref, x, out_dtype, rowwise, transpose)
+def _cast_from_amax_ref(x, amax, out_dtype, rowwise, transpose):
+    scale = scale_from_amax(amax, out_dtype).reshape(1)
+    return (*cast_transpose_ref(x, scale, out_dtype, rowwise, transpose), scale)
+
+
+def _cast_from_amax_triton(x, amax, out_dtype, rowwise, transpose):
+    _check2d(x)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)  # written by the cast kernel
+    return (*_launch(x, amax, scale, out_dtype, rowwise, transpose), scale)
+
+
+@fp8_operator("megacoat::cast_transpose_from_amax")
+def _cast_transpose_from_amax_op(x: torch.Tensor, amax: torch.Tensor, out_dtype: torch.dtype, rowwise: bool,
+                                 transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cast of quantize_transpose as an operator, given x's amax (an operator returns tensors: a layout not
+    asked for is empty)."""
+    q, qt, scale = traced_body(x, _cast_from_amax_triton, _cast_from_amax_ref, x, amax, out_dtype, rowwise,
+                               transpose)
     return (x.new_empty(0, dtype=out_dtype) if q is None else q,
             x.new_empty(0, dtype=out_dtype) if qt is None else qt, scale)
+
+def _check_into(parts, q: torch.Tensor, qt: torch.Tensor | None, scale: torch.Tensor) -> None:
+    rows, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
+    if any(p.dim() != 2 or p.shape[1] != k for p in parts):
+        raise ValueError(f"quantize_transpose_into joins 2-D parts of one width, got {[tuple(p.shape) for p in parts]}")
+    if q.shape != (rows, k) or not q.is_contiguous() or (qt is not None and (qt.shape != (k, rows)
+                                                                               or not qt.is_contiguous())):
+        raise ValueError(f"quantize_transpose_into: outputs {tuple(q.shape)} / "
+                         f"{None if qt is None else tuple(qt.shape)} do not hold parts joined to {(rows, k)}")
+    if scale.shape != (1,) or scale.dtype != torch.float32:
+        raise ValueError(f"quantize_transpose_into: scale must be float32 [1], got {scale.dtype} {tuple(scale.shape)}")
+
+
+def joined_amax(parts) -> torch.Tensor:
+    """max|x| over the parts as one tensor would give it, exactly (a max in any order), NaN if any part has one:
+    one multi-tensor launch for all parts, and one to combine them."""
+    if len(parts) == 1:
+        return tensor_amax(parts[0])
+    return torch.stack(torch._foreach_norm([p.detach() for p in parts], float("inf"))).amax().reshape(1)
+
+
+def quantize_transpose_into_ref(parts, q: torch.Tensor, qt: torch.Tensor | None, scale: torch.Tensor) -> None:
+    """Reference: quantize_transpose of the parts joined along dim 0, copied into q, qt and scale."""
+    _check_into(parts, q, qt, scale)
+    joined = parts[0] if len(parts) == 1 else torch.cat(list(parts))
+    rq, rqt, rscale = quantize_transpose_ref(joined, q.dtype, transpose=qt is not None)
+    q.copy_(rq)
+    if qt is not None:
+        qt.copy_(rqt)
+    scale.copy_(rscale)
+
+
+def quantize_transpose_into_triton(parts, q: torch.Tensor, qt: torch.Tensor | None, scale: torch.Tensor) -> None:
+    """One amax over all parts (one multi-tensor launch when there are several), then one cast per part straight
+    into its rows of q and its columns of qt: no joined copy of the parts, no copy of the results."""
+    _check_into(parts, q, qt, scale)
+    amax = joined_amax(parts)
+    row = 0
+    for p in parts:
+        n = p.shape[0]
+        _launch(p, amax, scale, q.dtype, True, qt is not None, q[row:row + n],
+                None if qt is None else qt[:, row:row + n])
+        row += n
+
+
+def quantize_transpose_into(parts, q: torch.Tensor, qt: torch.Tensor | None, scale: torch.Tensor) -> None:
+    """quantize_transpose(cat(parts)) written into existing tensors, bit for bit: q [N, K] and qt [K, N] (None:
+    not written) in q's FP8 dtype, scale float32 [1]. For the FP8 weight copies, which a CUDA graph reads at fixed
+    addresses: the refresh writes them in place without a joined copy of the weights or a copy of the results."""
+    return pick(parts[0], quantize_transpose_into_triton, quantize_transpose_into_ref)(parts, q, qt, scale)

@@ -12,6 +12,7 @@ from megacoat.fp8.convert import convert_to_fp8
 from megacoat.model import GPT, cross_entropy_loss
 from megacoat.optim import WarmupDecayLR, build_optimizer, param_groups
 from megacoat.parallel import ParallelState, apply_tp
+from megacoat.training.zero_flat_grads import install_flat_grad_partition
 
 ModelConverter = Callable[[nn.Module], nn.Module]
 
@@ -84,4 +85,5 @@ def build_engine(cfg: MegacoatConfig, model: nn.Module, ds_config: dict, device:
         from megacoat.training.zero_master import share_master_partitions
 
         share_master_partitions(engine.optimizer)  # DeepSpeed's bf16 "master" becomes the model's own slice
+    install_flat_grad_partition(engine.optimizer)  # ZeRO-1/2: the step reads its gradient partition in place
     return engine, scheduler

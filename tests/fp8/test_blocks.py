@@ -101,8 +101,10 @@ def test_compiled_fp8_linear_quantizes_each_input_once():
     backward."""
     block, x, cos, sin = _block("fp8-linear")
     fwd, bwd = _aot_op_counts(block, x, cos, sin)
-    assert fwd["aten._scaled_mm.default"] == 7 and fwd["megacoat.quantize_transpose.default"] == 4
-    assert bwd["aten._scaled_mm.default"] == 14 and bwd["megacoat.quantize_transpose.default"] == 7
+    assert fwd["aten._scaled_mm.default"] == 7 and fwd["megacoat.cast_transpose_from_amax.default"] == 4
+    assert bwd["aten._scaled_mm.default"] == 14 and bwd["megacoat.cast_transpose_from_amax.default"] == 7
+    # each cast's amax is a torch reduction in the graph, where Inductor can fuse it into the tensor's producer
+    assert fwd["aten.linalg_vector_norm.default"] == 4 and bwd["aten.linalg_vector_norm.default"] == 7
     assert block.attention.wq.input_cache._traced_x is None  # the block's hook dropped the traced entry
 
 

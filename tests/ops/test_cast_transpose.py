@@ -91,3 +91,44 @@ def test_gpu_bit_exact_with_reference(dtype, x_dtype):
     assert torch.equal(scale, rscale)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
     assert torch.equal(qt.view(torch.uint8), rqt.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fn", ["ref", "triton"])
+@pytest.mark.parametrize("rows", [(48,), (32, 16, 48), (64, 80)])
+@pytest.mark.parametrize("transpose", [True, False])
+def test_quantize_transpose_into_equals_the_joined_quantization(fn, rows, transpose):
+    """The refresh's path (parts written straight into existing copies) gives quantize_transpose's bytes and scale
+    for the joined tensor, bit for bit, backend by backend: the amax is a max (exact in any order) and each
+    element's cast is the same kernel's."""
+    if fn == "triton":
+        _kernels_usable()
+    parts = [(torch.randn(r, 48, device=DEV) * (i + 1)).to(torch.bfloat16) for i, r in enumerate(rows)]
+    want_q, want_qt, want_scale = getattr(C, f"quantize_transpose_{fn}")(torch.cat(parts), E4)
+    n = sum(rows)
+    q = torch.full((n, 48), float("nan"), device=DEV).to(E4)  # stale contents must all be overwritten
+    qt = torch.full((48, n), float("nan"), device=DEV).to(E4) if transpose else None
+    scale = torch.zeros(1, device=DEV)
+    getattr(C, f"quantize_transpose_into_{fn}")(parts, q, qt, scale)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    if transpose:
+        assert torch.equal(qt.view(torch.uint8), want_qt.view(torch.uint8))
+
+
+def test_quantize_transpose_into_propagates_a_nan_of_any_part():
+    parts = [torch.randn(16, 32, device=DEV), torch.randn(32, 32, device=DEV)]
+    assert torch.equal(C.joined_amax(parts), C.tensor_amax(torch.cat(parts)))
+    parts[1][3, 4] = float("nan")
+    assert torch.isnan(C.joined_amax(parts)).all()
+    q, qt = torch.empty(48, 32, device=DEV).to(E4), torch.empty(32, 48, device=DEV).to(E4)
+    scale = torch.zeros(1, device=DEV)
+    C.quantize_transpose_into(parts, q, qt, scale)
+    assert torch.isnan(scale).all()
+
+
+def test_quantize_transpose_into_refuses_outputs_of_another_shape():
+    parts = [torch.randn(16, 32), torch.randn(16, 32)]
+    with pytest.raises(ValueError, match="do not hold parts joined to"):
+        C.quantize_transpose_into(parts, torch.empty(16, 32).to(E4), None, torch.zeros(1))
+    with pytest.raises(ValueError, match="scale must be float32"):
+        C.quantize_transpose_into(parts, torch.empty(32, 32).to(E4), None, torch.zeros(1, dtype=torch.float64))
