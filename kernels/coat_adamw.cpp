@@ -13,7 +13,7 @@ namespace {
 
 void coat_adamw_step(const torch::Tensor& ptr_table, const torch::Tensor& chunk_table,
                      const c10::optional<torch::Tensor>& nonfinite, const c10::optional<torch::Tensor>& rem_table,
-                     const c10::optional<torch::Tensor>& skip,
+                     const c10::optional<torch::Tensor>& skip, const c10::optional<torch::Tensor>& grad_scale,
                      double lr_wd, double step_size, double beta1,
                      double beta2, double bc2_sqrt, double eps, double m_max, double v_max, double log2_range_m,
                      double log2_range_v, double k_min, double k_max, bool m_e5m2, bool v_e5m2, bool expand,
@@ -47,6 +47,12 @@ void coat_adamw_step(const torch::Tensor& ptr_table, const torch::Tensor& chunk_
                 "coat_adamw: skip must be a CUDA float32 tensor of one element");
     skip_flag = skip->data_ptr<float>();
   }
+  const float* divisor = nullptr;
+  if (grad_scale.has_value()) {
+    TORCH_CHECK(grad_scale->is_cuda() && grad_scale->scalar_type() == torch::kFloat32 && grad_scale->numel() == 1,
+                "coat_adamw: grad_scale must be a CUDA float32 tensor of one element");
+    divisor = grad_scale->data_ptr<float>();
+  }
   const c10::cuda::CUDAGuard guard(ptr_table.device());
   CoatAdamWArgs a{};
   a.ptr_table = ptr_table.data_ptr<int64_t>();
@@ -55,6 +61,7 @@ void coat_adamw_step(const torch::Tensor& ptr_table, const torch::Tensor& chunk_
   a.nonfinite = counter;
   a.rem_table = remainders;
   a.skip = skip_flag;
+  a.grad_scale = divisor;
   a.lr_wd = static_cast<float>(lr_wd);
   a.step_size = static_cast<float>(step_size);
   a.beta1 = static_cast<float>(beta1);

@@ -252,6 +252,8 @@ __global__ void __launch_bounds__(kThreads, 4) coat_adamw_kernel(const CoatAdamW
   static_assert(L <= 32 && 32 % L == 0, "a group must sit inside one warp");
   static_assert(!REM || sizeof(PT) == 2, "remainders go with bf16 parameters");
   if (a.skip != nullptr && *a.skip != 0.f) return;  // one broadcast load: the step was refused on the device
+  const bool unscale = a.grad_scale != nullptr;
+  const float inv_grad_scale = unscale ? __frcp_rn(*a.grad_scale) : 1.0f;
 
   for (int64_t c = blockIdx.x; c < a.n_chunks; c += gridDim.x) {
     const int64_t t = a.chunk_table[2 * c];
@@ -293,7 +295,8 @@ __global__ void __launch_bounds__(kThreads, 4) coat_adamw_kernel(const CoatAdamW
       dequantize<VEC>(vq, vs, vk, vm, v);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const float gj = to_float<GT>(g[j]);
+        float gj = to_float<GT>(g[j]);
+        if (unscale) gj = to_float<GT>(from_float<GT>(gj * inv_grad_scale));
         m[j] = a.beta1 * m[j] + a.one_minus_beta1 * gj;
         v[j] = a.beta2 * v[j] + a.one_minus_beta2 * (gj * gj);
         // sqrt.approx, a multiply by 1/sqrt(1-beta2^t) and __fdividef: ~1-2 ulp each (the tests allow it),

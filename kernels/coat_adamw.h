@@ -17,6 +17,10 @@ struct CoatAdamWArgs {
   // optional flag on the device (nullptr: none): non-zero skips the whole step, as fused AdamW's found_inf does,
   // so a step with a non-finite gradient norm is refused without the host ever reading the norm.
   const float* skip;
+  // optional divisor of every gradient on the device (nullptr: none), torch's `grad_scale` as fused AdamW takes it:
+  // the gradient-clipping factor, applied here instead of a separate pass over the gradients. Each gradient is
+  // multiplied by 1 / grad_scale (IEEE) and rounded to its own dtype, as an in-place `grad.mul_(1 / scale)` leaves it.
+  const float* grad_scale;
   float lr_wd, step_size, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps;
   float m_max, v_max, inv_m_max, inv_v_max, log2_range_m, log2_range_v, k_min, k_max;
   bool m_e5m2, v_e5m2, expand, param_bf16, grad_bf16;

@@ -52,7 +52,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 def coat_adamw_step_cuda(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, lr: float, beta1: float,
                          beta2: float, eps: float, weight_decay: float, step: int, group_size: int, expand: bool,
                          nonfinite: torch.Tensor | None = None, remainders=None,
-                         skip: torch.Tensor | None = None) -> None:
+                         skip: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None) -> None:
     """The CUDA kernel: one launch for the whole list of tensors; same signature and contract as the reference."""
     if not params:
         return
@@ -64,7 +64,7 @@ def coat_adamw_step_cuda(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *,
     ptr_table, chunk_table, _ = build_tables(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size)
     step_size, bc2_sqrt = adam_scalars(lr, beta1, beta2, step)
     dm, dv = m_q[0].dtype, v_q[0].dtype
-    ext.coat_adamw_step(ptr_table, chunk_table, nonfinite, rem_table, skip, lr * weight_decay, step_size, beta1,
+    ext.coat_adamw_step(ptr_table, chunk_table, nonfinite, rem_table, skip, grad_scale, lr * weight_decay, step_size, beta1,
                         beta2, bc2_sqrt, eps, fp8_max(dm), fp8_max(dv), log2_dynamic_range(dm),
                         log2_dynamic_range(dv), K_MIN, K_MAX, dm == torch.float8_e5m2, dv == torch.float8_e5m2,
                         bool(expand),
@@ -74,12 +74,13 @@ def coat_adamw_step_cuda(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *,
 def coat_adamw_step(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, lr: float, beta1: float, beta2: float,
                     eps: float, weight_decay: float, step: int, group_size: int, expand: bool,
                     nonfinite: torch.Tensor | None = None, backend: str = "auto", remainders=None,
-                    skip: torch.Tensor | None = None) -> None:
+                    skip: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None) -> None:
     """One fused AdamW step with FP8 moments over lists of tensors; see `coat_adamw_step_ref` for the contract
-    (`remainders`: bf16 parameters whose fp32 master's low halves are kept beside them)."""
+    (`remainders`: bf16 parameters whose fp32 master's low halves are kept beside them; `grad_scale`: a device
+    divisor of the gradients, the clipping factor)."""
     if not params:
         return
     fn = coat_adamw_step_cuda if resolve_backend(backend, params[0].device) == "cuda" else coat_adamw_step_ref
     fn(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
        weight_decay=weight_decay, step=step, group_size=group_size, expand=expand, nonfinite=nonfinite,
-       remainders=remainders, skip=skip)
+       remainders=remainders, skip=skip, grad_scale=grad_scale)

@@ -107,7 +107,7 @@ def adam_scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[floa
 def coat_adamw_step_ref(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, lr: float, beta1: float,
                         beta2: float, eps: float, weight_decay: float, step: int, group_size: int, expand: bool,
                         nonfinite: torch.Tensor | None = None, remainders=None,
-                        skip: torch.Tensor | None = None) -> None:
+                        skip: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None) -> None:
     """One AdamW step (decoupled weight decay, bias correction, torch.optim.AdamW's formula) with FP8 moments.
 
     Per parameter: dequantize m and v, update them and the parameter in fp32, re-quantize. In place.
@@ -115,11 +115,15 @@ def coat_adamw_step_ref(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, 
     separately); those groups are stored with a NaN scale. `remainders`: see the module docstring.
     `skip` (float32 [1] or [], on the parameters' device), if given and non-zero, refuses the whole step: nothing is
     written (fused AdamW's `found_inf`; the kernel reads it on the device, this reference on the host).
+    `grad_scale` (float32, one element, on the parameters' device), if given, divides every gradient as fused
+    AdamW's does: the gradient is multiplied by 1 / grad_scale and rounded to its own dtype, exactly what an
+    in-place `grad.mul_(1.0 / grad_scale)` (DeepSpeed's clip) would leave in it; the gradients are not written.
     """
     if not params or (skip is not None and bool(skip.reshape(-1)[0] != 0)):
         return
     check_lists(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size, remainders)
     step_size, bc2_sqrt = adam_scalars(lr, beta1, beta2, step)
+    inv_grad_scale = None if grad_scale is None else 1.0 / grad_scale.reshape(())
     gs = group_size
     bad = 0
     for i, p in enumerate(params):
@@ -133,7 +137,7 @@ def coat_adamw_step_ref(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, 
             rv = None if remainders is None else remainders[i].view(-1)[s:e]
             moments = ((mqv, m_scale[i][gsl], m_k[i][gsl]), (vqv, v_scale[i][gsl], v_k[i][gsl]))
             m, v = (dequantize_moment_ref(q, sc, k, gs) for q, sc, k in moments)
-            g = gv.float()
+            g = gv.float() if inv_grad_scale is None else (gv * inv_grad_scale).float()
             m = beta1 * m + (1.0 - beta1) * g
             v = beta2 * v + (1.0 - beta2) * (g * g)
             denom = torch.sqrt(v) / bc2_sqrt + eps

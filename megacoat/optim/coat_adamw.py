@@ -18,6 +18,10 @@ Refused steps: set `found_inf` (a float32 tensor of one element, 0-dim or [1], o
 GradScaler protocol, as for fused AdamW) and a step whose flag is non-zero writes nothing, decided on the device.
 Unlike fused AdamW, the step count still advances (it lives on the host); it only shifts the bias correction,
 1 - beta^t, which is within beta2^t of 1 after a few hundred steps.
+
+Gradient clipping inside the step: set `grad_scale` (float32, one element, on the device; GradScaler's name, as
+fused AdamW takes it) and every gradient is divided by it as the kernel reads it, instead of a separate in-place
+pass over the gradients before the step (see `coat_adamw_step_ref` for the rounding).
 """
 from __future__ import annotations
 
@@ -113,7 +117,8 @@ class CoatAdamW(torch.optim.Optimizer):
                                 eps=group["eps"], weight_decay=group["weight_decay"], step=step,
                                 group_size=group["group_size"], expand=group["expand"],
                                 nonfinite=self._counter(device), backend=self.backend,
-                                remainders=rem if remainders else None, skip=getattr(self, "found_inf", None))
+                                remainders=rem if remainders else None, skip=getattr(self, "found_inf", None),
+                                grad_scale=getattr(self, "grad_scale", None))
         return loss
 
     def _counter(self, device: torch.device) -> torch.Tensor:

@@ -465,3 +465,49 @@ def test_reference_skip_flag_refuses_the_whole_step():
 @pytest.mark.gpu
 def test_gpu_kernel_skip_flag_refuses_the_whole_step():
     _check_skip_flag("cuda", "cuda")
+
+
+# ---------------------------------------------------------------- the clipping factor read in the step (grad_scale)
+
+def _check_grad_scale(device, backend, g_dtype):
+    """grad_scale = s gives the step on gradients clipped in place by `g.mul_(1.0 / s)` (DeepSpeed's clip), bit for
+    bit, and leaves the gradients themselves unchanged."""
+    G = 128
+    sizes = [3 * G + 5, 2 * G]
+    params, grads, state = make_state(sizes, G, device=device, p_dtype=torch.bfloat16, g_dtype=g_dtype)
+    rems = [torch.randint(-2 ** 15, 2 ** 15, (n,), dtype=torch.int16, device=device) for n in sizes]
+    clipped_p, clipped_s = clone_all(params, state)
+    clipped_r = [r.clone() for r in rems]
+    s = torch.tensor(3.7, device=device)  # a clip factor (norm / max norm) whose reciprocal is inexact
+    kw = dict(step=5, group_size=G, expand=True)
+    before_g = [g.clone() for g in grads]
+    run_backend(backend, params, grads, state, grad_scale=s, remainders=rems, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(grads, before_g))
+    clipped_g = [g.clone().mul_(1.0 / s) for g in grads]
+    run_backend(backend, clipped_p, clipped_g, clipped_s, remainders=clipped_r, **kw)
+    for a, b in zip(params + rems + [t for col in state for t in col], clipped_p + clipped_r +
+                    [t for col in clipped_s for t in col]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("g_dtype", [torch.float32, torch.bfloat16])
+def test_reference_grad_scale_is_the_in_place_clip(g_dtype):
+    _check_grad_scale("cpu", "torch", g_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_kernel_grad_scale_is_the_in_place_clip(g_dtype):
+    """On the GPU the kernel's rounding is checked against the same product written out in fp32 and rounded to
+    the gradient's dtype (which `mul_` on the GPU may round differently: its 0-dim operand is cast first)."""
+    G = 128
+    sizes = [3 * G + 5, 2 * G]
+    params, grads, state = make_state(sizes, G, device="cuda", p_dtype=torch.bfloat16, g_dtype=g_dtype)
+    p2, s2 = clone_all(params, state)
+    s = torch.tensor(3.7, device="cuda")
+    kw = dict(step=5, group_size=G, expand=True)
+    run_backend("cuda", params, grads, state, grad_scale=s, **kw)
+    clipped = [(g.float() * torch.reciprocal(s)).to(g_dtype) for g in grads]
+    run_backend("cuda", p2, clipped, s2, **kw)
+    for a, b in zip(params + [t for col in state for t in col], p2 + [t for col in s2 for t in col]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -5,12 +5,13 @@ reads nothing back, a NaN step changes no weight, master or moment, the log and 
 import json
 import math
 import os
+import types
 
 import pytest
 import torch
 
 from megacoat.optim.coat_adamw import CoatAdamW
-from megacoat.training.device_skip import DEVICE_SKIP_LINE, SkipCounter, honours_found_inf
+from megacoat.training.device_skip import DEVICE_SKIP_LINE, SkipCounter, _make_clip_on_device, honours_found_inf
 from tests.training.checkpoint_runs import records, run
 from tests.training.test_trainer import _reads_per_iteration
 
@@ -124,6 +125,36 @@ def test_the_counters_flag_refuses_the_optimizers_step(make):
     counter.found_inf.fill_(0)
     opt.step()
     assert not torch.equal(p.detach(), before)
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.AdamW([p], lr=0.1, fused=True), lambda p: CoatAdamW([p])],
+                         ids=["fused-adamw", "coat-adamw"])
+def test_the_clip_factor_goes_to_the_optimizer_as_its_grad_scale(make):
+    """The device clip hands the factor over instead of scaling the flat gradients; the optimizer's step on the
+    unclipped gradients with that grad_scale is the step on gradients clipped in place (to an ulp for fused AdamW,
+    which divides). A norm within the limit clips nothing; without clipping there is no grad_scale."""
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = make(p)
+    found_inf = torch.zeros(())
+    zero = types.SimpleNamespace(clip_grad=1.0, loss_scale=1.0)
+    clip = types.MethodType(_make_clip_on_device(found_inf, opt), zero)
+    grads = torch.randn(300) * 4
+    clip([grads.clone()], torch.tensor(5.0))
+    assert opt.grad_scale.item() == pytest.approx(5.0 + 1e-6) and found_inf.item() == 0
+    p.grad = grads.clone()
+    ref = torch.nn.Parameter(p.detach().clone())
+    ref.grad = grads.clone().mul_(1.0 / opt.grad_scale)
+    opt.step()
+    assert torch.equal(p.grad, grads) or isinstance(opt, torch.optim.AdamW)  # CoatAdamW leaves them untouched
+    make(ref).step()
+    torch.testing.assert_close(p.detach(), ref.detach(), rtol=0, atol=1e-6)
+    clip([grads.clone()], torch.tensor(0.5))
+    assert opt.grad_scale.item() == 1.0
+    clip([grads.clone()], torch.tensor(float("nan")))
+    assert found_inf.item() == 1
+    zero.clip_grad = 0.0
+    clip([grads.clone()], torch.tensor(5.0))
+    assert opt.grad_scale is None
 
 
 @pytest.mark.parametrize("layout", [["--zero-stage", "2"], ["--zero-stage", "1", "--tensor-model-parallel-size", "2"]],
