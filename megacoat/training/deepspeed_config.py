@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 from megacoat.config import MegacoatConfig
+from megacoat.optim.config import default_main_params_dtype
 
 UNTESTED_OPTIMIZER_WARNING = "You are using ZeRO with an untested optimizer"
 
@@ -22,6 +24,20 @@ def use_bf16(cfg: MegacoatConfig, on_cuda: bool) -> bool:
     precision = cfg.training.precision
     asked = cfg.optim.main_grads_dtype == "bf16" or cfg.optim.main_params_dtype == "bf16-remainder"
     return precision == "bf16" or (precision == "auto" and (on_cuda or asked))
+
+
+def resolve_main_params(cfg: MegacoatConfig, on_cuda: bool, saved: str | None = None) -> MegacoatConfig:
+    """cfg with --main-params-dtype decided when the flag was not given: the checkpoint being resumed keeps the
+    master weights it was saved with (`saved`, fp32 always fits), a new run gets default_main_params_dtype."""
+    o = cfg.optim
+    if o.main_params_dtype is not None:
+        return cfg
+    bf16 = use_bf16(cfg, on_cuda)
+    natural = default_main_params_dtype(o.fp8_optimizer, bf16, cfg.parallel.zero_stage,
+                                        cfg.parallel.pipeline_model_parallel_size,
+                                        o.main_grads_dtype or ("bf16" if bf16 else "fp32"))
+    dtype = saved if saved in ("fp32", natural) else natural
+    return replace(cfg, optim=replace(o, main_params_dtype=dtype))
 
 
 def precision_settings(cfg: MegacoatConfig, bf16: bool) -> dict:

@@ -7,7 +7,9 @@ in a bf16 run (ZeRO-1 divides what is marked /D1 by D, ZeRO-2 also /D2):
     gradients, --main-grads-dtype bf16 (the default): the bf16 sums over micro-batches 2 /D2; inside the step
         (`step_gradients`) the copy the optimizer reads: with an fp32 master the flattened bf16 partition 2 and
         its fp32 conversion 4, alive together (DeepSpeed frees the first only after converting), 6 /D1; with
-        bf16-remainder the flattened bf16 partition 2 /D1
+        bf16-remainder the flattened bf16 partition 2 /D1. Under ZeRO-1 the step reads the reduced gradients in
+        place instead of flattening them (megacoat/training/zero_flat_grads.py): 4 /D1 with an fp32 master, none
+        with bf16-remainder
     gradients, --main-grads-dtype fp32: ZeRO-1 (DeepSpeed's BF16_Optimizer) bf16 2 + a whole fp32 accumulation
         buffer 4; ZeRO-2 an fp32 partition 4 /D2; the optimizer reads them as they are
     master weights: fp32 4 /D1, or with --main-params-dtype bf16-remainder CoatAdamW's int16 remainders 2 /D1 (the
@@ -134,7 +136,8 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
             gradients = 4 * params / zero_div_grad if zero_stage == 2 else 6 * params
         else:
             gradients = 2 * params / zero_div_grad
-            step_gradients = (2 if remainders else 6) * params / zero_div_master
+            flat = 0 if zero_stage == 1 else 2  # ZeRO-1 reads its flat partition in place; ZeRO-2 copies it
+            step_gradients = (flat + (0 if remainders else 4)) * params / zero_div_master
         optimizer = ((2 if remainders else 4) + moments) * params / zero_div_master
     else:
         weights = 4 * params

@@ -20,9 +20,10 @@ from megacoat.parallel import initialize_parallel_state
 from megacoat.parallel.grad_norm import global_grad_norm
 from megacoat.training.banner import startup_banner
 from megacoat.training.checkpointing import (Layout, TrainState, check_compatible, file_identity, load_checkpoint,
-                                             read_meta, resolve_load, save_checkpoint)
+                                             read_meta, resolve_load, save_checkpoint, saved_layout_field)
 from megacoat.training.cuda_graph import GraphedWeightRefresh, own_graph_gradients
-from megacoat.training.deepspeed_config import build_deepspeed_config, quiet_tested_optimizer_warning
+from megacoat.training.deepspeed_config import (build_deepspeed_config, quiet_tested_optimizer_warning,
+                                                resolve_main_params)
 from megacoat.training.device_skip import DEVICE_SKIP_LINE, install_device_skip
 from megacoat.training.reshard import describe_resume
 from megacoat.training.distributed import all_reduce_mean, init_distributed, is_main_process
@@ -112,6 +113,9 @@ class Trainer:
                                      tensorboard_dir=t.tensorboard_dir, wandb_project=t.wandb_project,
                                      wandb_run_name=t.wandb_run_name, run_config=cfg.to_dict())
         cfg = resolve_data(cfg, self.logger)
+        # without --main-params-dtype: what a resumed checkpoint was saved with, else the remainders where they run
+        cfg = resolve_main_params(cfg, self.device.type == "cuda",
+                                  None if t.finetune else saved_layout_field(t.load, t.save, "main_params_dtype"))
         self.cfg = cfg
         self.ds_config = build_deepspeed_config(cfg, self.dp_size, on_cuda=self.device.type == "cuda")
         self.grad_accum = self.ds_config["gradient_accumulation_steps"]
