@@ -93,14 +93,15 @@ def test_compiled_activation_coefficients_match_the_partitioners_choice(mode):
 
 
 def test_estimate_within_10_percent_of_the_h100_peaks():
-    """The committed H100 runs (1.3 B model, ZeRO-1, compiled bf16 and coat with CUDA graphs, with and without
-    bf16-remainder, micro-batch 1 to 24): the estimate for each run's own flags against its measured peak."""
+    """The committed H100 runs of the current step (1.3 B model, ZeRO-1, the gradient partition read in place;
+    compiled bf16 and coat with CUDA graphs and its default bf16-remainder master, micro-batch 1 to 8): the
+    estimate for each run's own flags, with the defaults a CUDA run resolves, against its measured peak."""
     from megacoat.arguments import parse_config
+    from megacoat.training.deepspeed_config import resolve_main_params
 
     results = os.path.join(ROOT, "benchmarks", "results")
     checked = 0
-    for name in ("bench_e2e_memory_cudagraph_mb4_mb8.json", "bench_e2e_search_cudagraph.json",
-                 "bench_e2e_speed_cudagraph_mb1.json", "bench_e2e_speed_cudagraph_mb2.json"):
+    for name in ("bench_e2e_speed_step_mb1_mb8.json", "bench_e2e_speed_step_mb2_mb4.json"):
         with open(os.path.join(results, name)) as f:
             points = json.load(f)["points"]
         for point in points.values():
@@ -108,7 +109,7 @@ def test_estimate_within_10_percent_of_the_h100_peaks():
                 if not run.get("ok") or spec.startswith("torchao"):
                     continue
                 argv = [a for a in run["runs"][0]["argv"] if a != "--enable-cuda-graph"]  # needs no GPU to parse
-                cfg = parse_config(argv)
+                cfg = resolve_main_params(parse_config(argv), on_cuda=True)
                 est = estimate_memory(cfg.model, cfg.fp8.mode, micro_batch_size=cfg.training.micro_batch_size,
                                       zero_stage=cfg.parallel.zero_stage, fp8_optimizer=cfg.optim.fp8_optimizer,
                                       fp8_weight_cache=cfg.fp8.weight_cache,
@@ -117,7 +118,7 @@ def test_estimate_within_10_percent_of_the_h100_peaks():
                 measured = run["max_memory_gib"] * 2**30
                 assert abs(est.total / measured - 1) <= 0.10, (name, spec, est.total / 2**30, measured / 2**30)
                 checked += 1
-    assert checked >= 10
+    assert checked >= 8
 
 
 def test_model_state_matches_a_hand_count():
@@ -132,7 +133,11 @@ def test_model_state_matches_a_hand_count():
     assert coat.optimizer == int(p * (4 + 2 * (1 + 6 / 128)))  # fp32 master + 2.094 B/param moments
     lean = estimate_memory(cfg, "coat", fp8_optimizer=True, zero_stage=1, main_params_dtype="bf16-remainder")
     assert lean.optimizer == int(p * (2 + 2 * (1 + 6 / 128)))  # remainders + moments: 4.09 B/param
-    assert lean.optimizer / p <= 4.1 and lean.step_gradients == 2 * p and lean.gradients == 2 * p
+    # ZeRO-1 reads its flat gradient partition in place (zero_flat_grads); ZeRO-2 flattens a copy
+    assert lean.optimizer / p <= 4.1 and lean.step_gradients == 0 and lean.gradients == 2 * p
+    assert estimate_memory(cfg, "coat", fp8_optimizer=True, zero_stage=2,
+                           main_params_dtype="bf16-remainder").step_gradients == 2 * p
+    assert estimate_memory(cfg, "bf16", zero_stage=1).step_gradients == 4 * p  # only the fp32 conversion
     linears = 2 * (4 * 128 * 128 + 3 * 128 * 256)
     assert coat.weights == 2 * p + 2 * linears  # + the E4M3 weight cache (W and W^T)
     assert estimate_memory(cfg, "coat", fp8_weight_cache="rowwise").weights == 2 * p + linears  # W only
@@ -148,7 +153,8 @@ def test_zero_tp_pp_divide_what_they_should():
     z1 = estimate_memory(cfg, "bf16", micro_batch_size=2, data_parallel_size=4, zero_stage=1)
     z2 = estimate_memory(cfg, "bf16", micro_batch_size=2, data_parallel_size=4, zero_stage=2)
     p = cfg.num_parameters()
-    assert z1.optimizer == int(12 * p / 4) and z1.gradients == 2 * p and z1.step_gradients == int(6 * p / 4)
+    # ZeRO-1 reads its reduced gradient partition in place: only the fp32 conversion is made in the step
+    assert z1.optimizer == int(12 * p / 4) and z1.gradients == 2 * p and z1.step_gradients == int(4 * p / 4)
     assert z2.gradients == int(2 * p / 4) and z2.step_gradients == int(6 * p / 4)
     assert z1.activations == base.activations
     # --main-grads-dtype fp32: ZeRO-1 runs DeepSpeed's BF16_Optimizer (bf16 grads + a whole fp32 buffer), ZeRO-2

@@ -90,3 +90,56 @@ def test_step_reads_the_partition_in_place_with_the_same_result(tmp_path, stage,
     # its partition in backward's (reversed) order, so its list is not one run and DeepSpeed's flatten stays.
     assert out["flat"]["VIEWS"] == "VIEWS " + str([stage == 1] * 3)
     assert out["flat"]["RESULT"] == out["copy"]["RESULT"]
+
+
+TWO_RANKS = r"""
+import os, sys, torch, deepspeed
+import torch.multiprocessing as mp
+
+
+def main(rank):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    deepspeed.init_distributed(dist_backend="gloo")
+    from megacoat.optim.coat_adamw import CoatAdamW
+    from megacoat.training.zero_flat_grads import install_flat_grad_partition
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 200), torch.nn.GELU(), torch.nn.Linear(200, 8))
+    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"},
+           "zero_optimization": {"stage": 1, "reduce_bucket_size": 5000}, "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=CoatAdamW(model.parameters(), lr=1e-2), config=cfg)
+    zo = engine.optimizer
+    views = []
+    if sys.argv[2] == "flat":
+        install_flat_grad_partition(zo)
+        found = zo._get_preflattened_grad_partition
+        zo._get_preflattened_grad_partition = lambda i: views.append(found(i) is not None) or found(i)
+    x = torch.randn(2, 64).bfloat16() + rank
+    for _ in range(6):
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    with open(f"{sys.argv[2]}_rank{rank}.txt", "w") as f:  # one file per rank: their prints would interleave
+        f.write(f"{views} {[p.detach().float().sum().item() for p in model.parameters()]}")
+
+
+if __name__ == "__main__":
+    mp.spawn(main, nprocs=2)
+"""
+
+
+@pytest.mark.slow
+def test_zero1_partitions_of_two_ranks_are_read_in_place_too(tmp_path):
+    """Each rank's ZeRO-1 partition (parameters cut at its edges) is one run of the reduced-gradient buffer: read
+    in place on both ranks, with the weights of DeepSpeed's own flatten."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    out = {}
+    for i, mode in enumerate(("flat", "copy")):
+        proc = subprocess.run([sys.executable, str(script), str(29691 + i), mode], cwd=tmp_path, env=env(tmp_path),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        out[mode] = [(tmp_path / f"{mode}_rank{r}.txt").read_text() for r in (0, 1)]
+    assert all(line.startswith("[True, True, True] ") for line in out["flat"])  # 6 micro-batches: 3 steps
+    assert [line[len("[True, True, True] "):] for line in out["flat"]] == [line[len("[] "):] for line in out["copy"]]
