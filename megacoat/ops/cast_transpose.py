@@ -141,10 +141,10 @@ def quantize_transpose(x: torch.Tensor, out_dtype: torch.dtype, rowwise: bool = 
     """Per-tensor FP8 quantization of a 2-D tensor into the layouts _scaled_mm needs: (q, q^T, scale), a layout
     not asked for is None. Two launches on CUDA (amax, cast), nothing read back to the host.
 
-    Under torch.compile the amax is a plain torch reduction in the graph, outside the cast operator: Inductor
-    fuses it into the kernel that produces x when that kernel is its own (a residual add, the transposed copy of
-    attention's output, the joined Q|K|V gradient), so x is not read an extra time for its amax. The cast
-    operator takes the amax and turns it into the scale itself."""
+    Under torch.compile the amax is a plain torch reduction in the graph, outside the cast operator, so Inductor
+    can fuse it into a kernel of its own that produces x (a residual add, the transposed copy of attention's
+    output, the joined Q|K|V gradient) instead of reading x once more for it; an opaque operator would hide it.
+    The cast operator takes the amax and turns it into the scale itself."""
     if not torch.compiler.is_compiling():
         return pick(x, quantize_transpose_triton, quantize_transpose_ref)(x, out_dtype, rowwise, transpose)
     _check2d(x)
@@ -173,6 +173,7 @@ def _cast_transpose_from_amax_op(x: torch.Tensor, amax: torch.Tensor, out_dtype:
                                transpose)
     return (x.new_empty(0, dtype=out_dtype) if q is None else q,
             x.new_empty(0, dtype=out_dtype) if qt is None else qt, scale)
+
 
 def _check_into(parts, q: torch.Tensor, qt: torch.Tensor | None, scale: torch.Tensor) -> None:
     rows, k = sum(p.shape[0] for p in parts), parts[0].shape[1]

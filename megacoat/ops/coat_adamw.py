@@ -64,8 +64,8 @@ def coat_adamw_step_cuda(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *,
     ptr_table, chunk_table, _ = build_tables(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, group_size)
     step_size, bc2_sqrt = adam_scalars(lr, beta1, beta2, step)
     dm, dv = m_q[0].dtype, v_q[0].dtype
-    ext.coat_adamw_step(ptr_table, chunk_table, nonfinite, rem_table, skip, grad_scale, lr * weight_decay, step_size, beta1,
-                        beta2, bc2_sqrt, eps, fp8_max(dm), fp8_max(dv), log2_dynamic_range(dm),
+    ext.coat_adamw_step(ptr_table, chunk_table, nonfinite, rem_table, skip, grad_scale, lr * weight_decay,
+                        step_size, beta1, beta2, bc2_sqrt, eps, fp8_max(dm), fp8_max(dv), log2_dynamic_range(dm),
                         log2_dynamic_range(dv), K_MIN, K_MAX, dm == torch.float8_e5m2, dv == torch.float8_e5m2,
                         bool(expand),
                         params[0].dtype == torch.bfloat16, grads[0].dtype == torch.bfloat16, group_size)

@@ -115,9 +115,10 @@ def coat_adamw_step_ref(params, grads, m_q, m_scale, m_k, v_q, v_scale, v_k, *, 
     separately); those groups are stored with a NaN scale. `remainders`: see the module docstring.
     `skip` (float32 [1] or [], on the parameters' device), if given and non-zero, refuses the whole step: nothing is
     written (fused AdamW's `found_inf`; the kernel reads it on the device, this reference on the host).
-    `grad_scale` (float32, one element, on the parameters' device), if given, divides every gradient as fused
-    AdamW's does: the gradient is multiplied by 1 / grad_scale and rounded to its own dtype, exactly what an
-    in-place `grad.mul_(1.0 / grad_scale)` (DeepSpeed's clip) would leave in it; the gradients are not written.
+    `grad_scale` (float32, one element, on the parameters' device), if given, divides every gradient (fused AdamW's
+    argument of that name): the gradient is multiplied by the reciprocal 1 / grad_scale and rounded to its own
+    dtype, exactly what DeepSpeed's in-place clip `grad.mul_(1.0 / grad_scale)` would leave in it; the gradients
+    themselves are not written.
     """
     if not params or (skip is not None and bool(skip.reshape(-1)[0] != 0)):
         return

@@ -3,15 +3,21 @@ ZeRO stage and the parallel layout."""
 from megacoat.arguments import parse_config
 from megacoat.parallel import ParallelState
 from megacoat.training.banner import startup_banner
+from megacoat.training.deepspeed_config import resolve_main_params
 
 
 def test_coat_run_on_cuda_with_bf16():
-    cfg = parse_config(["--coat-fp8", "--fp8-v-dtype", "e5m2", "--fp8-group-size", "64", "--fp8-no-expansion",
-                        "--zero-stage", "2", "--global-batch-size", "32"])
+    cfg = resolve_main_params(parse_config(["--coat-fp8", "--fp8-v-dtype", "e5m2", "--fp8-group-size", "64",
+                                            "--fp8-no-expansion", "--zero-stage", "2", "--global-batch-size", "32"]),
+                              on_cuda=True)
     text = startup_banner(cfg, ParallelState(dp_size=2), world_size=2, grad_accum=2, bf16=True, on_cuda=True)
     lines = text.splitlines()
     assert lines[0] == "megacoat run:" and len(lines) == 7
-    assert "precision: bf16 weights and activations, fp32 master weights in the optimizer (the default on CUDA)" in text
+    assert "precision: bf16 weights and activations, exact fp32 masters as the bf16 weights plus CoatAdamW's 16-bit " \
+           "remainders (the default on CUDA)" in text
+    fp32 = resolve_main_params(parse_config(["--coat-fp8", "--zero-stage", "0"]), on_cuda=True)
+    assert "fp32 master weights in the optimizer (the default on CUDA)" in startup_banner(
+        fp32, ParallelState(), world_size=1, grad_accum=1, bf16=True, on_cuda=True)
     assert "FP8: coat: FP8 GEMMs (E4M3 inputs and weights, per-tensor scales; gradients E5M2); RMSNorm and SwiGLU " \
            "in E4M3 with 1x64 group scales" in text
     assert "optimizer: CoatAdamW: first moment E4M3, second moment E5M2, one scale per group of 64, dynamic range " \

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from megacoat.arguments import parse_config
-from megacoat.training.deepspeed_config import build_deepspeed_config
+from megacoat.training.deepspeed_config import build_deepspeed_config, resolve_main_params
 
 
 def test_written_config_follows_flags():
@@ -59,3 +59,31 @@ def test_main_grads_and_params_dtypes_become_deepspeed_settings():
     assert ds["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     assert ds["data_types"] == {"grad_accum_dtype": "bf16"}
     assert "data_types" not in build_deepspeed_config(parse_config(["--fp32"]), 1, on_cuda=False)
+
+
+@pytest.mark.parametrize("argv, on_cuda, want", [
+    (["--bf16", "--coat-fp8", "--zero-stage", "1"], False, "bf16-remainder"),
+    (["--coat-fp8", "--zero-stage", "2"], True, "bf16-remainder"),  # bf16 by default on CUDA
+    (["--coat-fp8", "--zero-stage", "1"], False, "fp32"),  # fp32 by default on the CPU: no bf16 weights
+    (["--bf16", "--coat-fp8", "--zero-stage", "0"], True, "fp32"),  # DeepSpeed's BF16_Optimizer keeps its own
+    (["--bf16", "--fp8-activations", "coat", "--zero-stage", "1"], True, "fp32"),  # AdamW keeps no remainders
+    (["--bf16", "--coat-fp8", "--zero-stage", "1", "--main-grads-dtype", "fp32"], True, "fp32"),
+    (["--bf16", "--coat-fp8", "--zero-stage", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "2"],
+     True, "fp32"),
+    (["--bf16", "--coat-fp8", "--zero-stage", "1", "--main-params-dtype", "fp32"], True, "fp32"),  # as asked
+])
+def test_default_master_is_the_remainders_where_they_run(argv, on_cuda, want):
+    cfg = parse_config(argv)
+    assert cfg.optim.main_params_dtype is None or "--main-params-dtype" in argv
+    assert resolve_main_params(cfg, on_cuda).optim.main_params_dtype == want
+
+
+def test_a_resumed_checkpoint_keeps_its_master_when_the_flag_is_not_given():
+    cfg = parse_config(["--bf16", "--coat-fp8", "--zero-stage", "1"])
+    assert resolve_main_params(cfg, True, saved="fp32").optim.main_params_dtype == "fp32"
+    assert resolve_main_params(cfg, True, saved="bf16-remainder").optim.main_params_dtype == "bf16-remainder"
+    asked = parse_config(["--bf16", "--coat-fp8", "--zero-stage", "1", "--main-params-dtype", "bf16-remainder"])
+    assert resolve_main_params(asked, True, saved="fp32").optim.main_params_dtype == "bf16-remainder"  # then refused
+    # a saved remainder master where this run cannot keep one (ZeRO-0) is not adopted: the load check names it
+    zero0 = parse_config(["--bf16", "--coat-fp8", "--zero-stage", "0"])
+    assert resolve_main_params(zero0, True, saved="bf16-remainder").optim.main_params_dtype == "fp32"

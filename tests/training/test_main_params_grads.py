@@ -19,6 +19,7 @@ from tests.training.checkpoint_runs import ROOT, env, losses, run, same_sequence
 ITERS = 8
 COAT_BF16 = ["--fp8-optimizer", "--bf16", "--train-iters", str(ITERS)]
 REMAINDER = COAT_BF16 + ["--main-params-dtype", "bf16-remainder"]
+FP32_MASTER = COAT_BF16 + ["--main-params-dtype", "fp32"]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,8 @@ def zero2_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("main_params")
     run(tmp, REMAINDER + ["--zero-stage", "2", "--save", str(tmp / "rem"), "--save-interval", "4"], tmp / "rem.json",
         ranks=2, port=29641)
-    run(tmp, COAT_BF16 + ["--zero-stage", "2", "--save", str(tmp / "fp32")], tmp / "fp32.json", ranks=2, port=29642)
+    run(tmp, FP32_MASTER + ["--zero-stage", "2", "--save", str(tmp / "fp32")], tmp / "fp32.json", ranks=2,
+        port=29642)
     return tmp
 
 
@@ -60,6 +62,18 @@ def test_loading_another_main_params_dtype_is_a_clear_error(zero2_runs):
     assert proc.returncode != 0
     assert "error: --load" in out and "main_params_dtype: saved fp32, now bf16-remainder" in out, out[-3000:]
     assert "Traceback" not in out
+
+
+@pytest.mark.slow
+def test_without_the_flag_a_resumed_run_keeps_the_checkpoints_master(zero2_runs):
+    """The remainders are the default (bf16, CoatAdamW, ZeRO-1/2); a checkpoint saved with the fp32 master resumes
+    without --main-params-dtype, keeping its fp32 master, and a new run of the same flags gets the remainders."""
+    argv = COAT_BF16[:-1] + [str(ITERS + 1), "--zero-stage", "2"]
+    proc = run(zero2_runs, argv + ["--load", str(zero2_runs / "fp32")], zero2_runs / "kept.json", ranks=2,
+               port=29645)
+    assert "resumed from" in proc.stdout and "fp32 master weights in the optimizer" in proc.stdout, proc.stdout[-2000:]
+    fresh = run(zero2_runs, argv, zero2_runs / "fresh.json", ranks=2, port=29646)
+    assert "CoatAdamW's 16-bit remainders" in fresh.stdout
 
 
 @pytest.mark.slow
@@ -133,7 +147,8 @@ def test_flag_errors_are_one_line(tmp_path):
 ACCUMULATION_RUN = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads",
                     "4", "--seq-length", "32", "--vocab-size", "4096", "--micro-batch-size", "4",
                     "--global-batch-size", "16", "--lr", "3e-3", "--lr-warmup-iters", "10", "--log-interval", "1",
-                    "--eval-iters", "0", "--fp8-optimizer", "--bf16", "--zero-stage", "1", "--train-iters", "200"]
+                    "--eval-iters", "0", "--fp8-optimizer", "--bf16", "--zero-stage", "1", "--train-iters", "200",
+                    "--main-params-dtype", "fp32"]  # the one master both gradient dtypes run with
 
 
 @pytest.mark.slow
