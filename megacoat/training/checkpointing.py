@@ -246,12 +246,6 @@ def read_meta(directory: str, tag: str) -> dict:
         raise ValueError(f"--load {os.path.join(directory, tag)}: {path} is not valid JSON ({e})") from None
 
 
-def saved_layout_field(load: str | None, save: str | None, field: str):
-    """`field` of the layout saved with the checkpoint --load resumes; None without one (or a layout-free one)."""
-    resume = resolve_load(load, save) if load else None
-    return None if resume is None else (read_meta(*resume).get("layout") or {}).get(field)
-
-
 def check_compatible(path: str, meta: dict, config_dict: dict, layout: Layout, tokenizer: dict | None = None,
                      *, finetune: bool = False, convert_optimizer: bool = False) -> None:
     """Refuse a checkpoint made by another model or tokenizer, or holding another optimizer's state without

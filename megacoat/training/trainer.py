@@ -20,7 +20,7 @@ from megacoat.parallel import initialize_parallel_state
 from megacoat.parallel.grad_norm import global_grad_norm
 from megacoat.training.banner import startup_banner
 from megacoat.training.checkpointing import (Layout, TrainState, check_compatible, file_identity, load_checkpoint,
-                                             read_meta, resolve_load, save_checkpoint, saved_layout_field)
+                                             read_meta, resolve_load, save_checkpoint)
 from megacoat.training.cuda_graph import GraphedWeightRefresh, own_graph_gradients
 from megacoat.training.deepspeed_config import (build_deepspeed_config, quiet_tested_optimizer_warning,
                                                 resolve_main_params)
@@ -113,9 +113,12 @@ class Trainer:
                                      tensorboard_dir=t.tensorboard_dir, wandb_project=t.wandb_project,
                                      wandb_run_name=t.wandb_run_name, run_config=cfg.to_dict())
         cfg = resolve_data(cfg, self.logger)
-        # without --main-params-dtype: what a resumed checkpoint was saved with, else the remainders where they run
-        cfg = resolve_main_params(cfg, self.device.type == "cuda",
-                                  None if t.finetune else saved_layout_field(t.load, t.save, "main_params_dtype"))
+        # The checkpoint --load names, found and read once: its layout decides an unset --main-params-dtype (the
+        # master it was saved with), and check_load holds the rest of it against the flags.
+        self.resume = resolve_load(t.load, t.save) if t.load else None
+        meta = read_meta(*self.resume) if self.resume else None
+        saved_master = None if meta is None or t.finetune else (meta.get("layout") or {}).get("main_params_dtype")
+        cfg = resolve_main_params(cfg, self.device.type == "cuda", saved_master)
         self.cfg = cfg
         self.ds_config = build_deepspeed_config(cfg, self.dp_size, on_cuda=self.device.type == "cuda")
         self.grad_accum = self.ds_config["gradient_accumulation_steps"]
@@ -129,7 +132,7 @@ class Trainer:
 
         # What can be checked without the model is checked before it is built: the checkpoint --load names
         # (its metadata against the flags) and the data (shards opened and validated, token ids, splits).
-        self.resume = self.check_load(t.load, t.save)
+        self.check_load(meta)
         self.train_ds, self.valid_ds, _ = build_data(cfg)
         self.logger.info(startup_banner(cfg, self.parallel, self.world_size, self.grad_accum,
                                         self.ds_config["bf16"]["enabled"], self.device.type == "cuda"))
@@ -265,20 +268,17 @@ class Trainer:
                                self.tokenizer_identity, self.cfg.training.keep_last)
         self.logger.info(f"saved checkpoint {path}")
 
-    def check_load(self, load: str | None, save: str | None) -> tuple[str, str] | None:
-        """(directory, tag) of the checkpoint --load names, its metadata checked against the flags; None to
-        start from scratch (no --load, or the first run of a job whose --load is its --save directory)."""
-        if not load:
-            return None
-        resume = resolve_load(load, save)
-        if resume is None:
-            self.logger.info(f"--load {load}: no checkpoint yet in this --save directory, starting from scratch")
-            return None
+    def check_load(self, meta: dict | None) -> None:
+        """Hold the metadata of the checkpoint to resume (self.resume) against the flags; without one, say why the
+        run starts from scratch (the first run of a job whose --load is its --save directory)."""
         t = self.cfg.training
-        check_compatible(os.path.join(*resume), read_meta(*resume), self.cfg.to_dict(), self.layout,
-                         self.tokenizer_identity, finetune=t.finetune,
-                         convert_optimizer=t.override_optimizer_state == "convert")
-        return resume
+        if not t.load:
+            return
+        if self.resume is None:
+            self.logger.info(f"--load {t.load}: no checkpoint yet in this --save directory, starting from scratch")
+            return
+        check_compatible(os.path.join(*self.resume), meta, self.cfg.to_dict(), self.layout, self.tokenizer_identity,
+                         finetune=t.finetune, convert_optimizer=t.override_optimizer_state == "convert")
 
     def load_checkpoint(self, directory: str, tag: str) -> None:
         t = self.cfg.training
