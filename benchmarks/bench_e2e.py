@@ -122,7 +122,7 @@ def run_pretrain(argv: list[str], timeout: int, profile_steps: tuple[int, int] |
         print("$", " ".join(cmd[1:]), flush=True)
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=run_env())
         except subprocess.TimeoutExpired:
             return {"ok": False, "error": f"timeout after {timeout}s", "argv": argv}
         if proc.returncode != 0:
@@ -142,6 +142,17 @@ def run_pretrain(argv: list[str], timeout: int, profile_steps: tuple[int, int] |
         "val_losses": [(r["iteration"], r["val_loss"]) for r in records if "val_loss" in r],
         "records": train,
     }
+
+
+def run_env() -> dict:
+    """Every mode's process gets the trainer's CUDA allocator settings (expandable segments unless the caller set
+    PYTORCH_CUDA_ALLOC_CONF), plain-llama too, which does not go through the trainer."""
+    sys.path.insert(0, ROOT)
+    from megacoat.training.cuda_allocator import default_allocator_settings
+
+    env = dict(os.environ)
+    default_allocator_settings(env)
+    return env
 
 
 def failure(output: str, argv: list[str], keep: int = 1500) -> dict:

@@ -13,10 +13,15 @@ when host ms >= GPU ms the layer is launch-bound and a smaller micro-batch canno
 code (what made fp8-linear at micro-batch 1 slower than bf16, see results/bench_layer_notes.md).
 `--ab` adds `fp8-linear-legacy`: the FP8 linear as before this session's change (composite 7-launch amax per
 operand, no input sharing between wq/wk/wv and w1/w3), measured in the same run, plus the quantization
-kernels alone (old composite vs quantize_transpose) at the layer's operand shapes.
+kernels alone (old composite vs quantize_transpose) at the layer's operand shapes. `--cuda-graph` adds
+`MODE+graph` for bf16-compile, coat and coat-compile: the same step captured once and replayed as one CUDA graph,
+timed without its host time (training's --enable-cuda-graph), with the ratio to `bf16-compile+graph` beside the
+one to `bf16-compile`.
 
-    PYTHONPATH=. python benchmarks/bench_layer.py [--micro-batches 1 2 4] [--ab] [--compile-fp8] [--trace-dir DIR]
-        [--out benchmarks/results/bench_layer.json]
+    PYTHONPATH=. python benchmarks/bench_layer.py [--micro-batches 1 2 4] [--seq-length 2048] [--ab]
+        [--compile-fp8] [--cuda-graph] [--trace-dir DIR] [--out benchmarks/results/bench_layer.json]
+    # issue 17's 7B-shape layer: seq 4096, micro-batch 1
+    PYTHONPATH=. python benchmarks/bench_layer.py --micro-batches 1 --seq-length 4096 --compile-fp8 --cuda-graph
 
 Without a GPU, `--count-launches` runs one small layer per mode on CPU with the FP8 flow routed through its
 Triton kernels (interpreter) and counts, per forward and backward, the aten ops that launch a kernel on CUDA
@@ -48,6 +53,8 @@ from megacoat.fp8.saved_memory import saved_activation_bytes
 from megacoat.model.config import ModelConfig
 from megacoat.model.gpt import GPT, rope_tables
 
+GRAPH = "+graph"  # a mode's step captured and replayed as one CUDA graph (--cuda-graph)
+GRAPHED_BASELINE = "bf16-compile" + GRAPH
 LLAMA2_7B = dict(hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32, seq_length=2048)
 
 
@@ -96,8 +103,24 @@ def export_trace(step, path: str) -> None:
     prof.export_chrome_trace(path)
 
 
-def measure(module, x, params, extra=(), trace: str | None = None) -> dict:
-    """Time, host time, launches, peak memory and saved bytes of module(x, *extra).backward(dy)."""
+def graphed(step):
+    """`step` captured as one CUDA graph (after warm-up on a side stream, as capture needs) and returned as its
+    replay: the layer's GPU work without its host time, which is what --enable-cuda-graph gives in training."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):  # the warm-up's stream: autograd's nodes were made on it
+        step()
+    return graph.replay
+
+
+def measure(module, x, params, extra=(), trace: str | None = None, graph: bool = False) -> dict:
+    """Time, host time, launches, peak memory and saved bytes of module(x, *extra).backward(dy); with graph, the
+    times and launches are those of the step replayed as one CUDA graph (memory is the eager step's)."""
     dy = torch.randn_like(x)
 
     def step():
@@ -106,13 +129,15 @@ def measure(module, x, params, extra=(), trace: str | None = None) -> dict:
         x.grad = None
         module(x, *extra).backward(dy)
 
-    step()  # compile / autotune / build FP8 weight caches outside the measurements
+    if not graph:
+        step()  # compile / autotune / build FP8 weight caches outside the measurements
     torch.cuda.synchronize()
-    ms = bench_ms(step)
-    host = host_ms(step)
-    kernels = kernels_per_step(step)
+    timed = graphed(step) if graph else step
+    ms = bench_ms(timed)
+    host = host_ms(timed)
+    kernels = kernels_per_step(timed)
     if trace:
-        export_trace(step, trace)
+        export_trace(timed, trace)
     for p in params:
         p.grad = None
     x.grad = None
@@ -179,6 +204,8 @@ def add_ratios(rows: list[dict], tokens: int) -> None:
         if "bf16-compile" in base:
             r["speedup_vs_bf16_compile"] = base["bf16-compile"]["ms"] / r["ms"]
             r["saved_vs_bf16_compile"] = r["saved_bytes"] / base["bf16-compile"]["saved_bytes"]
+        if GRAPHED_BASELINE in base:  # the strongest baseline: compiled bf16 without its host time either
+            r["speedup_vs_bf16_compile_graph"] = base[GRAPHED_BASELINE]["ms"] / r["ms"]
         r["saved_vs_bf16_eager"] = r["saved_bytes"] / base["bf16"]["saved_bytes"]
         r["peak_mem_vs_bf16_eager"] = r["peak_mem_bytes"] / base["bf16"]["peak_mem_bytes"]
 
@@ -286,11 +313,16 @@ def count_launches(ab: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--seq-length", type=int, default=LLAMA2_7B["seq_length"],
+                    help="tokens per sample (issue 17's 7B-layer target is at 4096)")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--ab", action="store_true", help="also run fp8-linear-legacy (the FP8 linear before this change)")
     ap.add_argument("--compile-fp8", action="store_true",
                     help="also run torch.compile of the fp8-linear and coat layers (the training --compile path: "
                          "one graph per layer, fullgraph, the FP8 flow's Triton kernels inside it)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="also time bf16-compile, coat and (with --compile-fp8) coat-compile as one CUDA graph per "
+                         "step: GPU time without host time, as training's --enable-cuda-graph runs them")
     ap.add_argument("--count-launches", action="store_true", help="CPU: launches per layer per mode, no timing")
     ap.add_argument("--trace-dir", default=None, help="write a chrome trace of one step per mode and micro-batch")
     ap.add_argument("--out", default=None)
@@ -306,7 +338,8 @@ def main() -> None:
         return
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
-    cfg = ModelConfig(num_layers=1, vocab_size=128, **LLAMA2_7B)
+    shape = dict(LLAMA2_7B, seq_length=args.seq_length)
+    cfg = ModelConfig(num_layers=1, vocab_size=128, **shape)
     layer = GPT(cfg).layers[0].cuda().bfloat16()  # built by the model, so initialised as in training
     cos, sin = (t.cuda() for t in rope_tables(cfg.head_dim, cfg.seq_length, cfg.rope_theta))
     modules = {"bf16": layer}
@@ -321,8 +354,15 @@ def main() -> None:
         for mode in ("fp8-linear", "coat"):
             refresh_fp8_weights(modules[mode])
             modules[f"{mode}-compile"] = torch.compile(modules[mode], fullgraph=True)
+    if args.cuda_graph:  # own copies: a capture must be the first backward of its parameters (and of its input)
+        for mode in [m for m in ("bf16-compile", "coat", "coat-compile") if m in modules]:
+            module = copy.deepcopy(modules[mode.removesuffix("-compile")])
+            if mode.startswith("coat"):
+                refresh_fp8_weights(module)
+            modules[mode + GRAPH] = torch.compile(module, fullgraph=mode.startswith("coat")) \
+                if mode.endswith("-compile") else module
     peak = fp8_gemm_peak_tflops()
-    result = {"benchmark": "bench_layer", "shape": LLAMA2_7B, "env": environment(),
+    result = {"benchmark": "bench_layer", "shape": shape, "env": environment(),
               "fp8_scaled_mm_peak_tflops_8192": peak, "runs": []}
     print(f"FP8 _scaled_mm 8192^3: {peak:.0f} TFLOP/s")
     if args.ab:
@@ -332,9 +372,11 @@ def main() -> None:
         rows = []
         x = torch.randn(mb, cfg.seq_length, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for mode, mod in modules.items():
+            graph = mode.endswith(GRAPH)
             with mode_context(mode, mod):
                 trace = args.trace_dir and os.path.join(args.trace_dir, f"layer_{mode}_mb{mb}.json")
-                r = measure(mod, x, list(mod.parameters()), (cos, sin), trace)
+                r = measure(mod, x.detach().clone().requires_grad_() if graph else x, list(mod.parameters()),
+                            (cos, sin), trace, graph=graph)
             rows.append({"mode": mode, "micro_batch": mb, **r})
             torch.cuda.empty_cache()
         check_outputs(rows)
@@ -368,12 +410,14 @@ def main() -> None:
         print(f"\nmicro-batch {mb} ({tokens} tokens); the layer's FP8 GEMMs alone: fused {gemms['fused']['ms']:.3f} ms "
               f"({gemms['fused']['tflops']:.0f} TFLOP/s), one per linear {gemms['per_linear']['ms']:.3f} ms "
               f"({gemms['per_linear']['tflops']:.0f} TFLOP/s); BF16 GEMMs alone {bf16_gemm_ms:.3f} ms")
-        print(f"{'mode':>18} {'ms':>8} {'host ms':>8} {'kernels':>7} {'tok/s':>9} {'x eager':>8} {'x compile':>9} "
+        print(f"{'mode':>19} {'ms':>8} {'host ms':>8} {'kernels':>7} {'tok/s':>9} {'x eager':>8} {'x compile':>9} "
+              f"{'x c+graph':>9} "
               f"{'saved MiB':>10} {'saved/bf16':>10} {'peak MiB':>9} {'GEMM TF/s':>9} {'non-GEMM':>8} {'ceiling':>7} {'err':>6}")
         for r in rows:
-            print(f"{r['mode']:>18} {r['ms']:8.3f} {r['host_ms']:8.3f} {r['kernels_per_step']:7d} "
+            print(f"{r['mode']:>19} {r['ms']:8.3f} {r['host_ms']:8.3f} {r['kernels_per_step']:7d} "
                   f"{r['tokens_per_s']:9.0f} {r['speedup_vs_bf16_eager']:8.2f} "
-                  f"{r.get('speedup_vs_bf16_compile', float('nan')):9.2f} {r['saved_bytes'] / 2**20:10.1f} "
+                  f"{r.get('speedup_vs_bf16_compile', float('nan')):9.2f} "
+                  f"{r.get('speedup_vs_bf16_compile_graph', float('nan')):9.2f} {r['saved_bytes'] / 2**20:10.1f} "
                   f"{r['saved_vs_bf16_eager']:10.3f} {r['peak_mem_bytes'] / 2**20:9.0f} {r['gemm_tflops_achieved']:9.0f} "
                   f"{r['non_gemm_ms']:8.3f} {r.get('fraction_of_ceiling', float('nan')):7.2f} "
                   f"{r['out_rel_err_vs_bf16']:6.3f}")

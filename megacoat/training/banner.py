@@ -37,7 +37,7 @@ def _optimizer(cfg: MegacoatConfig) -> str:
 
 
 def startup_banner(cfg: MegacoatConfig, state: ParallelState, world_size: int, grad_accum: int, bf16: bool,
-                   on_cuda: bool) -> str:
+                   on_cuda: bool, allocator: str | None = None) -> str:
     m, t = cfg.model, cfg.training
     groups = m.num_query_groups or m.num_attention_heads
     rows = [
@@ -53,4 +53,6 @@ def startup_banner(cfg: MegacoatConfig, state: ParallelState, world_size: int, g
         ("batch", f"micro-batch {t.micro_batch_size}, global batch {t.global_batch_size} (gradient accumulation "
                   f"{grad_accum}), {t.train_iters} iterations of {t.global_batch_size * m.seq_length} tokens"),
     ]
+    if on_cuda and allocator is not None:
+        rows.append(("CUDA allocator", f"{allocator} (PYTORCH_CUDA_ALLOC_CONF)"))
     return "\n".join(["megacoat run:"] + [f"  {k}: {v}" for k, v in rows])

@@ -96,7 +96,6 @@ def install_device_skip(engine) -> SkipCounter | None:
 
 def _grad_norm_one_launch(self, gradients, params, norm_type=2):
     """DeepSpeed's `get_grad_norm_direct` for the L2 norm, with one `_foreach_norm` launch for all tensors."""
-    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
     from deepspeed.runtime.zero.stage_1_and_2 import PIPE_REPLICATED, is_model_parallel_parameter
 
     if float(norm_type) != 2.0:
@@ -112,8 +111,9 @@ def _grad_norm_one_launch(self, gradients, params, norm_type=2):
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_process_group)
     self._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
     total = total.sqrt()
-    mask_nan_or_inf_with_val_inplace(total, device=self.device)  # DeepSpeed's -1 sentinel for a non-finite norm
-    return total
+    # DeepSpeed's -1 sentinel for a non-finite norm. Not its mask_nan_or_inf_with_val_inplace: that builds the -1
+    # on the host (an H2D copy) and fills with a tensor value (a read back), two waits for the GPU per group.
+    return total.masked_fill_(~torch.isfinite(total), -1.0)
 
 
 def _make_clip_on_device(found_inf: torch.Tensor, client):
@@ -130,5 +130,7 @@ def _make_clip_on_device(found_inf: torch.Tensor, client):
             clip_norm = torch.where(invalid, torch.full_like(total_norm, float("inf")), total_norm)
             clip = ((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad
             combined_scale = torch.clamp(clip, min=1.0) * self.loss_scale
-        client.grad_scale = torch.as_tensor(combined_scale, dtype=torch.float32, device=found_inf.device).reshape(())
+        if not torch.is_tensor(combined_scale):  # a fill, not a tensor built on the host (an H2D copy waits)
+            combined_scale = torch.full((), combined_scale, dtype=torch.float32, device=found_inf.device)
+        client.grad_scale = combined_scale.to(torch.float32).reshape(())
     return unscale_and_clip_grads

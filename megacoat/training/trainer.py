@@ -21,6 +21,7 @@ from megacoat.parallel.grad_norm import global_grad_norm
 from megacoat.training.banner import startup_banner
 from megacoat.training.checkpointing import (Layout, TrainState, check_compatible, file_identity, load_checkpoint,
                                              read_meta, resolve_load, save_checkpoint)
+from megacoat.training.cuda_allocator import default_allocator_settings
 from megacoat.training.cuda_graph import GraphedWeightRefresh, own_graph_gradients
 from megacoat.training.deepspeed_config import (build_deepspeed_config, quiet_tested_optimizer_warning,
                                                 resolve_main_params)
@@ -102,6 +103,7 @@ class Trainer:
         ds_logger.setLevel(logging.WARNING)  # megacoat prints its own log; DeepSpeed's INFO lines drown it
         ds_logger.addFilter(quiet_tested_optimizer_warning)
         check_data_paths(cfg)
+        self.allocator_settings = default_allocator_settings()  # before the first CUDA allocation
         self.device = init_distributed()
         self.world_size = dist.get_world_size()
         # Groups before anything else: the DP rank/size (data sharding, batch arithmetic) come from them.
@@ -135,7 +137,8 @@ class Trainer:
         self.check_load(meta)
         self.train_ds, self.valid_ds, _ = build_data(cfg)
         self.logger.info(startup_banner(cfg, self.parallel, self.world_size, self.grad_accum,
-                                        self.ds_config["bf16"]["enabled"], self.device.type == "cuda"))
+                                        self.ds_config["bf16"]["enabled"], self.device.type == "cuda",
+                                        self.allocator_settings))
 
         model = build_model(cfg, self.device, self.parallel, model_converter)
         self.engine, self.scheduler = build_engine(cfg, model, self.ds_config, self.device, self.parallel)

@@ -9,9 +9,12 @@ import types
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megacoat.optim.coat_adamw import CoatAdamW
-from megacoat.training.device_skip import DEVICE_SKIP_LINE, SkipCounter, _make_clip_on_device, honours_found_inf
+from megacoat.training.device_skip import (DEVICE_SKIP_LINE, SkipCounter, _grad_norm_one_launch, _make_clip_on_device,
+                                          honours_found_inf)
 from tests.training.checkpoint_runs import records, run
 from tests.training.test_trainer import _reads_per_iteration
 
@@ -155,6 +158,58 @@ def test_the_clip_factor_goes_to_the_optimizer_as_its_grad_scale(make):
     zero.clip_grad = 0.0
     clip([grads.clone()], torch.tensor(5.0))
     assert opt.grad_scale is None
+
+
+class HostBuilt(TorchDispatchMode):
+    """Ops that make the GPU wait when they run on CUDA: a tensor built from host data (`torch.tensor`: an H2D
+    copy that synchronises), a read back, and a fill with a tensor value (read back to the host)."""
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if func.overloadpacket.__name__ in ("lift_fresh", "_local_scalar_dense", "item") \
+                or name.startswith("aten.masked_fill") and name.endswith(".Tensor"):
+            self.found.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+
+
+@pytest.mark.parametrize("loss_scale", [1.0, 2.0])
+def test_the_norm_and_the_clip_make_the_gpu_wait_nowhere(world_of_one, loss_scale):
+    """The norm's -1 sentinel and the clip's factor are made on the device. DeepSpeed's own sentinel helper builds
+    its -1 on the host and fills with it: two waits per parameter group (seen on the H100 as the step's idle time),
+    which this recorder sees on CPU (checked first, so the test can fail)."""
+    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
+
+    norm = torch.tensor([1.0])
+    with HostBuilt() as seen:
+        mask_nan_or_inf_with_val_inplace(norm)
+    assert seen.found == ["aten.lift_fresh.default", "aten.masked_fill_.Tensor"]
+    zero = types.SimpleNamespace(model_parallel_rank=0, device=torch.device("cpu"), dp_process_group=None,
+                                 _model_parallel_all_reduce=lambda tensor, op: None, clip_grad=1.0,
+                                 loss_scale=loss_scale)
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    found_inf = torch.zeros(())
+    client = types.SimpleNamespace(grad_scale=None)
+    for grads, norm, inf in (([torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 4.0])], 5.0, 0),
+                             ([torch.tensor([3.0, float("nan"), 0.0]), torch.tensor([0.0, 4.0])], -1.0, 1)):
+        with HostBuilt() as seen:
+            total = _grad_norm_one_launch(zero, grads, params)
+            _make_clip_on_device(found_inf, client)(zero, None, total)
+            zero.clip_grad = 0.0  # no clipping: the factor is the loss scale alone (a Python float)
+            _make_clip_on_device(found_inf, client)(zero, None, total)
+            zero.clip_grad = 1.0
+        assert seen.found == []
+        assert total.item() == norm and found_inf.item() == inf
+        assert (client.grad_scale is None) == (loss_scale == 1.0)
 
 
 @pytest.mark.parametrize("layout", [["--zero-stage", "2"], ["--zero-stage", "1", "--tensor-model-parallel-size", "2"]],
