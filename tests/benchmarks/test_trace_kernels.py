@@ -1,0 +1,31 @@
+"""benchmarks/trace_kernels.py: GPU time per step by kernel name and category from a Chrome trace."""
+import gzip
+import json
+import os
+import sys
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+sys.path.insert(0, BENCH)
+
+from trace_kernels import kernel_table  # noqa: E402
+
+
+def test_kernels_grouped_per_step_with_their_categories(tmp_path):
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_qqtst_128x128", "dur": 300},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_qqtst_128x128", "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "_cast_transpose_kernel", "dur": 60},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "dur": 20},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "dur": 40},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 9999},  # host time: not counted
+        {"ph": "i", "cat": "kernel", "name": "instant", "dur": 5},
+    ]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    table = kernel_table(str(path), steps=2)
+    assert table["total_ms_per_step"] == (300 + 100 + 60 + 20 + 40) / 1e3 / 2
+    assert table["categories"] == {"gemm": 0.2, "megacoat_triton": 0.03, "memcpy": 0.02, "inductor": 0.01}
+    top = table["kernels"][0]
+    assert top == {"name": "nvjet_sm90_qqtst_128x128", "calls_per_step": 1.0, "ms_per_step": 0.2, "cat": "gemm"}
+    assert table["kernels"][2]["name"] == "gpu_memcpy:Memcpy DtoD (Device -> Device)"
