@@ -11,7 +11,7 @@ It also says where the time goes besides the GEMMs: launches per step (torch.pro
 host time per step (the time to launch one step while the GPU is held busy, so launching never waits on it):
 when host ms >= GPU ms the layer is launch-bound and a smaller micro-batch cannot run faster than its host
 code (what made fp8-linear at micro-batch 1 slower than bf16, see results/bench_layer_notes.md).
-`--ab` adds `fp8-linear-legacy`: the FP8 linear as before this session's change (composite 7-launch amax per
+`--ab` adds `fp8-linear-legacy`: the FP8 linear before quantize_transpose and Fp8InputCache (composite 7-launch amax per
 operand, no input sharing between wq/wk/wv and w1/w3), measured in the same run, plus the quantization
 kernels alone (old composite vs quantize_transpose) at the layer's operand shapes. `--cuda-graph` adds
 `MODE+graph` for bf16-compile, coat and coat-compile: the same step captured once and replayed as one CUDA graph,
