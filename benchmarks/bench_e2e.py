@@ -43,6 +43,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # megacoat, imported where needed (the allocator settings, the memory model)
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 # mode -> (script, flags)
@@ -147,7 +148,6 @@ def run_pretrain(argv: list[str], timeout: int, profile_steps: tuple[int, int] |
 def run_env() -> dict:
     """Every mode's process gets the trainer's CUDA allocator settings (expandable segments unless the caller set
     PYTORCH_CUDA_ALLOC_CONF), plain-llama too, which does not go through the trainer."""
-    sys.path.insert(0, ROOT)
     from megacoat.training.cuda_allocator import default_allocator_settings
 
     env = dict(os.environ)
@@ -237,7 +237,6 @@ def save(result: dict, path: str) -> None:
 def memory_model(argv: list[str]) -> dict:
     """megacoat.training.memory's estimate for one run's flags (compiled or eager activations; GiB): where memory
     goes."""
-    sys.path.insert(0, ROOT)
     from megacoat.arguments import parse_config
     from megacoat.training.deepspeed_config import resolve_main_params
     from megacoat.training.memory import estimate_memory
