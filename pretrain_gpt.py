@@ -17,6 +17,7 @@ from megacoat.arguments import parse_config
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(argv)  # bad flags stop here, before any work
     from megacoat.training.errors import INPUT_ERRORS, one_line_errors
+    from megacoat.training.distributed import shutdown_distributed
     from megacoat.training.stability import NonFiniteTrainingError
     from megacoat.training.trainer import Trainer, check_data_paths
 
@@ -26,7 +27,9 @@ def main(argv: list[str] | None = None) -> dict:
         trainer = Trainer(cfg)
     # Training: the guard's stop (checkpoints intact) and file-system errors of saves; anything else is a bug.
     with one_line_errors((NonFiniteTrainingError, OSError), debug):
-        return trainer.train()
+        history = trainer.train()
+    shutdown_distributed()
+    return history
 
 
 if __name__ == "__main__":

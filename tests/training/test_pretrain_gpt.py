@@ -67,3 +67,23 @@ def test_missing_data_path_is_named_before_any_work(tmp_path):
     assert proc.returncode != 0
     assert str(tmp_path / "nope") in proc.stderr and "does not exist" in proc.stderr
     assert "model:" not in proc.stdout
+
+
+LEAVES_GROUP = """
+import sys
+import torch.distributed as dist
+import pretrain_gpt
+pretrain_gpt.main(sys.argv[1:])
+print("process group after main:", "initialized" if dist.is_initialized() else "destroyed")
+"""
+
+
+def test_main_leaves_the_process_group_before_exit(tmp_path):
+    """A run that ended normally destroys its process group itself: left to interpreter exit, a rank of a
+    2-rank gloo run aborted after its last iteration (status -6) once in CI."""
+    argv = TINY + ["--mock-data", "--train-iters", "2", "--zero-stage", "0", "--eval-iters", "0",
+                   "--log-json", str(tmp_path / "log.json")]
+    proc = subprocess.run([sys.executable, "-c", LEAVES_GROUP] + argv, cwd=tmp_path, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "process group after main: destroyed" in proc.stdout
