@@ -58,6 +58,8 @@ MODES = {
     "coat-lean": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-weight-cache", "none"]),
     # only the row-major FP8 weight copy kept (backward transposes its bytes): 1 B/param less
     "coat-rowwise": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-weight-cache", "rowwise"]),
+    # forward GEMMs with cuBLASLt's fast FP8 accumulation (torchao's and TransformerEngine's forward default)
+    "coat-fast-accum": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-fast-accum"]),
     "torchao-float8": ("benchmarks/torchao_pretrain.py", []),
     "plain-llama": ("benchmarks/plain_llama.py", []),
 }

@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step: keep the FP8 weight copies (W8 and W8^T) from one optimizer step to the next (+2 "
                         "bytes per block-linear parameter); rowwise: keep W8 only and transpose its bytes in "
                         "backward (+1 byte, same results); none: make them per use (less memory, slower)")
+    g.add_argument("--fp8-fast-accum", action="store_true",
+                   help="forward FP8 GEMMs accumulate without the tensor cores' periodic fp32 promotion (faster "
+                        "on Hopper, less exact; TransformerEngine's and torchao's forward default); backward "
+                        "GEMMs always promote")
 
     t = TrainingConfig()
     g = p.add_argument_group("training")
@@ -205,7 +209,7 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
     data = DataConfig(data_path=list(args.data_path), split=args.split, tokenizer_model=args.tokenizer_model,
                       cache_dir=args.data_cache_dir, num_workers=args.num_workers, mock_data=args.mock_data)
     fp8 = FP8Config(mode=fp8_activations, grad_dtype=args.fp8_grad_dtype, group_size=args.fp8_group_size,
-                    weight_cache=args.fp8_weight_cache)
+                    weight_cache=args.fp8_weight_cache, fast_accum=args.fp8_fast_accum)
     parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                               pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                               sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage)
@@ -237,6 +241,8 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
                              "> 1 (untested with DeepSpeed's pipeline engine)")
     if data.mock_data and data.data_path:
         raise ValueError("--mock-data and --data-path are exclusive")
+    if fp8.fast_accum and not fp8.enabled:
+        raise ValueError("--fp8-fast-accum needs FP8 GEMMs: add --coat-fp8 or --fp8-activations")
     if training.enable_cuda_graph:
         check_cuda_graph(parallel)
     return MegacoatConfig(model=model, optim=optim, data=data, fp8=fp8, parallel=parallel, training=training)

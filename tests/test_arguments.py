@@ -27,9 +27,16 @@ def test_defaults_build_a_config():
     (["--save-interval", "5"], "--save"),
     (["--finetune"], "--finetune needs --load"),
     (["--override-optimizer-state", "reset"], "--override-optimizer-state"),
+    (["--fp8-fast-accum"], "--fp8-fast-accum"),  # no FP8 GEMM to apply it to
 ])
 def test_bad_flags_name_the_flag(capsys, argv, flag):
     assert flag in _error(capsys, argv)
+
+
+def test_fast_accum_reaches_the_fp8_config():
+    assert not parse_config(["--coat-fp8"]).fp8.fast_accum
+    assert parse_config(["--coat-fp8", "--fp8-fast-accum"]).fp8.fast_accum
+    assert parse_config(["--fp8-activations", "fp8-linear", "--fp8-fast-accum"]).fp8.fast_accum
 
 
 def test_checkpoint_conversion_flags_reach_the_config():

@@ -69,8 +69,8 @@ class CoatTransformerBlock(nn.Module):
         self.feed_forward = block.feed_forward
         # wq/wk/wv and w1/w3/w2 stay nn.Linear: the fused functions read their weights, the modules never run.
         self.attention.wo = Fp8Linear(self.attention.wo, fp8.grad_dtype,
-                                      weight_cache=fp8.weight_cache)
-        self.group_size = fp8.group_size
+                                      weight_cache=fp8.weight_cache, fast_accum=fp8.fast_accum)
+        self.group_size, self.fast_accum = fp8.group_size, fp8.fast_accum
         self.grad_dtype = get_format(fp8.grad_dtype).dtype
         self.qkv_cache, self.w13_cache, self.w2_cache = (Fp8WeightCache(fp8.weight_cache)
                                                          for _ in range(3))
@@ -80,11 +80,11 @@ class CoatTransformerBlock(nn.Module):
         a, ff, region = self.attention, self.feed_forward, self.region
         qkv = coat_norm_linear(region.enter(x), region.replicated(self.attention_norm.weight),
                                (a.wq.weight, a.wk.weight, a.wv.weight), self.qkv_cache, self.attention_norm.eps,
-                               self.group_size, self.grad_dtype)
+                               self.group_size, self.grad_dtype, self.fast_accum)
         h = x + a.wo(attention_core(a, qkv, cos, sin))
         out = coat_mlp(region.enter(h), region.replicated(self.ffn_norm.weight), ff.w1.weight, ff.w3.weight,
                        ff.w2.weight, self.w13_cache, self.w2_cache, self.ffn_norm.eps, self.group_size,
-                       self.grad_dtype)
+                       self.grad_dtype, self.fast_accum)
         return h + region.exit(out)
 
     def fp8_weight_caches(self):

@@ -21,6 +21,10 @@ class FP8Config:
     grad_dtype: str = "e5m2"  # dtype of output gradients fed to the backward GEMMs
     group_size: int = 128  # 1xG groups for non-linear layers
     weight_cache: str = "step"
+    # Forward GEMMs without the fp32 promotion of their accumulators (cuBLASLt's fast FP8 accumulation):
+    # TransformerEngine's and torchao's forward default. Backward GEMMs always promote: gradients sum over
+    # the tokens, where the tensor cores' limited accumulator precision loses the most.
+    fast_accum: bool = False
 
     def __post_init__(self):
         if self.mode not in ACTIVATION_MODES:

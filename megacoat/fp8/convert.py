@@ -57,7 +57,7 @@ def convert_to_fp8(model: nn.Module, fp8: FP8Config) -> nn.Module:
                 for child_name, child in list(parent.named_children()):
                     if type(child) is nn.Linear:
                         setattr(parent, child_name,
-                                Fp8Linear(child, fp8.grad_dtype, shared, fp8.weight_cache))
+                                Fp8Linear(child, fp8.grad_dtype, shared, fp8.weight_cache, fp8.fast_accum))
         else:
             raise ValueError(f"unknown FP8 activation mode {fp8.mode!r}")
     return model

@@ -32,10 +32,10 @@ class CoatNormLinearFunction(torch.autograd.Function):
     """out = RMSNorm(x) @ cat(weights)^T with the normed x in FP8; x [M, H] → [M, sum of out dims]."""
 
     @staticmethod
-    def forward(ctx, x, norm_weight, w8, w8t, w_scale, eps, group_size, grad_dtype, *weights):
+    def forward(ctx, x, norm_weight, w8, w8t, w_scale, eps, group_size, grad_dtype, fast_accum, *weights):
         x8, xs, rstd, y_scale = rmsnorm_fp8_fwd(x, norm_weight, eps, group_size)
         y8 = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, group_size, transpose=False)
-        out = scaled_mm(y8, w8.t(), y_scale, w_scale, x.dtype)
+        out = scaled_mm(y8, w8.t(), y_scale, w_scale, x.dtype, fast_accum)
         ctx.save_for_backward(x8, xs, rstd, y_scale, norm_weight)
         ctx.w8t, ctx.w_scale, ctx.group_size, ctx.grad_dtype = w8t, w_scale, group_size, grad_dtype
         ctx.sizes, ctx.w_dtype = [w.shape[0] for w in weights], weights[0].dtype
@@ -51,7 +51,7 @@ class CoatNormLinearFunction(torch.autograd.Function):
         y8t = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, ctx.group_size, transpose=True)
         dw = scaled_mm(g8t, y8t.t(), g_scale, y_scale, ctx.w_dtype)
         dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, ctx.group_size)
-        return (dx, dnorm.to(norm_weight.dtype), None, None, None, None, None, None, *_split_rows(dw, ctx.sizes))
+        return (dx, dnorm.to(norm_weight.dtype), *(None,) * 7, *_split_rows(dw, ctx.sizes))
 
 
 class CoatMLPFunction(torch.autograd.Function):
@@ -59,14 +59,14 @@ class CoatMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, norm_weight, w1, w3, w2, w13_8, w13_8t, w13_scale, w2_8, w2_8t, w2_scale, eps, group_size,
-                grad_dtype):
+                grad_dtype, fast_accum):
         x8, xs, rstd, y_scale = rmsnorm_fp8_fwd(x, norm_weight, eps, group_size)
         y8 = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, group_size, transpose=False)
-        a13 = scaled_mm(y8, w13_8.t(), y_scale, w13_scale, x.dtype)  # [M, 2F]: gate | up
+        a13 = scaled_mm(y8, w13_8.t(), y_scale, w13_scale, x.dtype, fast_accum)  # [M, 2F]: gate | up
         a1_8, s1, a3_8, s3, s_scale = swiglu_fp8_fwd(a13, group_size)
         del a13  # the BF16 GEMM output dies here; backward keeps its FP8 copy
         s8 = swiglu_fp8_out(a1_8, s1, a3_8, s3, s_scale, group_size, transpose=False)
-        out = scaled_mm(s8, w2_8.t(), s_scale, w2_scale, x.dtype)
+        out = scaled_mm(s8, w2_8.t(), s_scale, w2_scale, x.dtype, fast_accum)
         ctx.save_for_backward(x8, xs, rstd, y_scale, a1_8, s1, a3_8, s3, s_scale, norm_weight)
         ctx.w13_8t, ctx.w13_scale, ctx.w2_8t, ctx.w2_scale = w13_8t, w13_scale, w2_8t, w2_scale
         ctx.w13 = (w1, w3) if w13_8t is None else None  # to remake W8^T in backward (no persistent cache)
@@ -94,25 +94,25 @@ class CoatMLPFunction(torch.autograd.Function):
         dw13 = scaled_mm(da8t, y8t.t(), da_scale, y_scale, ctx.w_dtype)
         dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, g)
         dw1, dw3 = _split_rows(dw13, [ctx.ffn, ctx.ffn])
-        return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, *(None,) * 9
+        return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, *(None,) * 10
 
 
 def coat_norm_linear(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, group_size: int,
-                     grad_dtype: torch.dtype):
+                     grad_dtype: torch.dtype, fast_accum: bool = False):
     lead = x.shape[:-1]
     if torch.is_grad_enabled():
         check_gemm_dims(tokens_per_micro_batch=lead.numel())  # wgrad contracts over the tokens
     w8, w8t, w_scale = cache.get(weights)
     out = CoatNormLinearFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w8, w8t, w_scale, eps, group_size,
-                                       grad_dtype, *weights)
+                                       grad_dtype, fast_accum, *weights)
     return out.view(*lead, out.shape[-1])
 
 
 def coat_mlp(x, norm_weight, w1, w3, w2, cache13: Fp8WeightCache, cache2: Fp8WeightCache, eps: float,
-             group_size: int, grad_dtype: torch.dtype):
+             group_size: int, grad_dtype: torch.dtype, fast_accum: bool = False):
     if torch.is_grad_enabled():
         check_gemm_dims(tokens_per_micro_batch=x[..., 0].numel())
     out = CoatMLPFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w1, w3, w2, *cache13.get((w1, w3)),
-                                *cache2.get((w2,)), eps, group_size, grad_dtype)
+                                *cache2.get((w2,)), eps, group_size, grad_dtype, fast_accum)
     return out.view(x.shape)
 

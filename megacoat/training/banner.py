@@ -18,7 +18,8 @@ def _fp8(cfg: MegacoatConfig, bf16: bool) -> str:
     f = cfg.fp8
     if not f.enabled:
         return f"off (transformer blocks in {'bf16' if bf16 else 'fp32'}; --fp8-activations or --coat-fp8 turn it on)"
-    gemms = f"FP8 GEMMs (E4M3 inputs and weights, per-tensor scales; gradients {f.grad_dtype.upper()})"
+    accum = "; forward GEMMs with fast accumulation (--fp8-fast-accum)" if f.fast_accum else ""
+    gemms = f"FP8 GEMMs (E4M3 inputs and weights, per-tensor scales; gradients {f.grad_dtype.upper()}{accum})"
     if f.mode == "fp8-linear":
         return f"fp8-linear: {gemms}; norms, SwiGLU and attention in high precision"
     return (f"coat: {gemms}; RMSNorm and SwiGLU in E4M3 with 1x{f.group_size} group scales, FP8 tensors saved "

@@ -1,6 +1,7 @@
 """FP8 linear: numerics against fp32, FP8-only saved tensors, the weight cache, and the shape rules."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.ops.fp8_compare import DEV, rel_err  # noqa: I001
 from megacoat.fp8.formats import E4M3, E5M2
@@ -170,3 +171,63 @@ def test_gpu_large_linear():
     y = fp8_linear(x, w)
     y.backward(torch.randn_like(y))
     assert rel_err(y, x.detach().float() @ w.detach().float().t()) <= 2 * U4
+
+
+class ScaledMMRecorder(TorchDispatchMode):
+    """use_fast_accum of every aten._scaled_mm that runs while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.fast_accum = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_mm.default:
+            self.fast_accum.append(_use_fast_accum(args, kwargs))
+        return func(*args, **(kwargs or {}))
+
+
+def _use_fast_accum(args, kwargs) -> bool:
+    names = [a.name for a in torch.ops.aten._scaled_mm.default._schema.arguments]
+    return dict(zip(names, args), **(kwargs or {})).get("use_fast_accum", False)
+
+
+def _graph_fast_accum(gm) -> list[bool]:
+    return [_use_fast_accum(n.args, n.kwargs) for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is torch.ops.aten._scaled_mm.default]
+
+
+@pytest.mark.parametrize("mode, forward_gemms", [("fp8-linear", 7), ("coat", 4)])  # coat fuses wq|wk|wv, w1|w3
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_fast_accum_reaches_the_forward_gemms_only(mode, forward_gemms, fast_accum):
+    """FP8Config.fast_accum sets use_fast_accum on each forward GEMM of a block and on none of its backward
+    GEMMs (two per forward one), eager and in the graphs torch.compile traces (the flag is a constant there)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from megacoat.fp8.config import FP8Config
+    from megacoat.fp8.convert import convert_to_fp8
+    from megacoat.model.config import ModelConfig
+    from megacoat.model.gpt import GPT
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=32,
+                      vocab_size=256)
+    model = convert_to_fp8(GPT(cfg), FP8Config(mode=mode, group_size=32, fast_accum=fast_accum))
+    block, (cos, sin) = model.layers[0], model._rope(torch.device("cpu"))
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    with ScaledMMRecorder() as fwd:
+        y = block(x, cos, sin)
+    with ScaledMMRecorder() as bwd:
+        y.sum().backward()
+    assert fwd.fast_accum == [fast_accum] * forward_gemms
+    assert bwd.fast_accum == [False] * (2 * forward_gemms)
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(_graph_fast_accum(gm))
+        return gm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    compiled(x, cos, sin).sum().backward()
+    assert graphs == [[fast_accum] * forward_gemms, [False] * (2 * forward_gemms)]

@@ -37,3 +37,7 @@ def test_plain_run_on_cpu():
     fp8_linear = startup_banner(parse_config(["--fp8-activations", "fp8-linear", "--bf16"]), ParallelState(), 1, 2,
                                 bf16=True, on_cuda=True)
     assert "FP8: fp8-linear: FP8 GEMMs" in fp8_linear and "(--bf16)" in fp8_linear
+    assert "fast accumulation" not in fp8_linear
+    fast = startup_banner(parse_config(["--coat-fp8", "--fp8-fast-accum"]), ParallelState(), 1, 2, bf16=True,
+                          on_cuda=True)
+    assert "gradients E5M2; forward GEMMs with fast accumulation (--fp8-fast-accum))" in fast
