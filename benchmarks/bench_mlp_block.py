@@ -29,6 +29,7 @@ from benchmarks.bench_layer import (LLAMA2_7B, add_ratios, bench_ms, check_outpu
                                     measure)
 from megacoat.ops import rmsnorm as rmsnorm_ops, rope as rope_ops, swiglu as swiglu_ops
 from megacoat.ops.cast_transpose import amax_scale, cast_transpose
+from megacoat.ops.rope_grad_cast import rope_qkv_grad_fp8
 from megacoat.fp8.config import FP8Config
 from megacoat.fp8.convert import convert_to_fp8
 from megacoat.model.config import ModelConfig
@@ -145,6 +146,10 @@ def kernel_entries(tokens: int, h: int, f: int, g: int = 128, ops: SimpleNamespa
         ("cast_transpose e5m2", lambda: cast_transpose(dy, sc, e5), m * h * (2 + 2)),
         ("rope (q, 32 heads x 128)", lambda: ops.rope.rope_triton(q, cos, sin), m * h * (2 + 2)),
     ]
+    if version == "current":  # fused into one op after the versions compared with --against
+        dq = torch.randn(1, h // 128, tokens, 128, **bf).transpose(1, 2)  # as attention's backward leaves it
+        cases.append(("rope_qkv_grad_fp8 (q|k|v, 3 x 32 heads x 128)",
+                      lambda: rope_qkv_grad_fp8(dq, dq, dq, cos, sin, e5), 3 * m * h * (2 + 1 + 1)))
     rows = []
     for name, fn, nbytes in cases:
         ms = bench_ms(fn)

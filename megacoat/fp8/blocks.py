@@ -2,8 +2,8 @@
 
 It adopts the original block's submodules (`attention_norm`, `attention.wq/wk/wv/wo`, `ffn_norm`,
 `feed_forward.w1/w2/w3`), so parameter names and objects are unchanged. Per block:
-    h   = x + wo(SDPA(rope(q), rope(k), v))   with [q|k|v] = coat_norm_linear(x)   (wo: Fp8Linear;
-                                              rope: the fused kernel of megacoat.ops.rope)
+    h   = x + wo(SDPA(q, k, v))   with q, k, v = coat_norm_qkv(x): RMSNorm, the [q|k|v] GEMM, RoPE of q and k
+                                  (wo: Fp8Linear)
     out = h + coat_mlp(h)
 The residual stream itself stays in the activation dtype (adds save nothing for backward); attention's core
 stays BF16 (flash SDPA on GPU) and what it saves is counted in the measurements.
@@ -24,9 +24,8 @@ from torch import nn
 from megacoat.fp8.config import FP8Config
 from megacoat.fp8.formats import get_format
 from megacoat.fp8.linear import Fp8Linear, Fp8WeightCache
-from megacoat.fp8.precision_flow import coat_mlp, coat_norm_linear
+from megacoat.fp8.precision_flow import coat_mlp, coat_norm_qkv
 from megacoat.ops.attention import causal_attention
-from megacoat.ops.rope import rope
 
 
 class NoRegion:
@@ -44,20 +43,6 @@ class NoRegion:
 
 
 NO_REGION = NoRegion()
-
-
-def attention_core(attention: nn.Module, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """[q|k|v] (the fused norm + GEMM output, [b, s, *]) -> attention output before wo, [b, s, heads * d]."""
-    b, s, _ = qkv.shape
-    a = attention
-    q, k, v = qkv.split([a.wq.weight.shape[0], a.wk.weight.shape[0], a.wv.weight.shape[0]], dim=-1)
-    # one fused kernel per tensor, reading the slices of qkv in place (the model's apply_rope is ~10
-    # fp32 passes each way); same math, so CPU results equal the model's.
-    q = rope(q.view(b, s, -1, a.head_dim), cos, sin)
-    k = rope(k.view(b, s, -1, a.head_dim), cos, sin)
-    # contiguous: a view would keep the whole BF16 [q|k|v] GEMM output alive as SDPA's saved v.
-    v = v.contiguous().view(b, s, -1, a.head_dim)
-    return causal_attention(q, k, v)
 
 
 class CoatTransformerBlock(nn.Module):
@@ -78,10 +63,10 @@ class CoatTransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         a, ff, region = self.attention, self.feed_forward, self.region
-        qkv = coat_norm_linear(region.enter(x), region.replicated(self.attention_norm.weight),
-                               (a.wq.weight, a.wk.weight, a.wv.weight), self.qkv_cache, self.attention_norm.eps,
-                               self.group_size, self.grad_dtype, self.fast_accum)
-        h = x + a.wo(attention_core(a, qkv, cos, sin))
+        q, k, v = coat_norm_qkv(region.enter(x), region.replicated(self.attention_norm.weight),
+                                (a.wq.weight, a.wk.weight, a.wv.weight), self.qkv_cache, self.attention_norm.eps,
+                                self.group_size, self.grad_dtype, cos, sin, a.head_dim, self.fast_accum)
+        h = x + a.wo(causal_attention(q, k, v))
         out = coat_mlp(region.enter(h), region.replicated(self.ffn_norm.weight), ff.w1.weight, ff.w3.weight,
                        ff.w2.weight, self.w13_cache, self.w2_cache, self.ffn_norm.eps, self.group_size,
                        self.grad_dtype, self.fast_accum)

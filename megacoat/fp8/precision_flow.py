@@ -1,7 +1,7 @@
 """COAT's precision flow as autograd functions: what passes between the layers inside them is FP8.
 
 Two fused functions cover a Llama block's FP8 part (attention's core stays BF16 in SDPA):
-  * `coat_norm_linear`: RMSNorm → FP8 GEMM against the concatenated weights (wq|wk|wv).
+  * `coat_norm_qkv`: RMSNorm → FP8 GEMM against the concatenated weights (wq|wk|wv) → RoPE of q and k.
   * `coat_mlp`: RMSNorm → w1|w3 GEMM → SwiGLU → w2 GEMM.
 Inside, the norm and SwiGLU read their input as E4M3 with 1xG group scales, compute in fp32 and write E4M3
 with a per-tensor scale from group scaling, which the next GEMM consumes directly (no BF16 tensor in between).
@@ -10,7 +10,9 @@ Saved for backward, per token: the norm's input (H bytes + H/G scales) and SwiGL
 scales): FP8 only. The GEMM inputs that wgrad needs (normed x, silu(a1)*a3) are cheap functions of those and
 are made again in backward, transposed (normed x by the norm's output kernel, silu(a1)*a3 by SwiGLU's
 backward pass, which reads the pair anyway). Gradients between the layers are FP8 too (E5M2 by default):
-SwiGLU's backward writes da1|da3 straight into the layouts of the two GEMMs that consume it.
+SwiGLU's backward writes da1|da3 straight into the layouts of the two GEMMs that consume it, and attention's dq,
+dk, dv go through RoPE's backward into the layouts of the [q|k|v] GEMMs in two passes, with no joined BF16 gradient
+(megacoat.ops.rope_grad_cast).
 
 The kernels are megacoat:: operators under torch.compile, and the weights' FP8 copies are passed in as tensors
 (read from their caches by the wrappers), so a compiled block traces both functions with no graph break.
@@ -21,6 +23,8 @@ import torch
 
 from megacoat.fp8.linear import Fp8WeightCache, check_gemm_dims, fp8_weight_t, quantize_grad, scaled_mm
 from megacoat.ops.rmsnorm import rmsnorm_fp8_bwd, rmsnorm_fp8_fwd, rmsnorm_fp8_out
+from megacoat.ops.rope import rope_rotate
+from megacoat.ops.rope_grad_cast import rope_qkv_grad_fp8
 from megacoat.ops.swiglu import swiglu_fp8_bwd_out_t, swiglu_fp8_fwd, swiglu_fp8_out
 
 
@@ -28,30 +32,38 @@ def _split_rows(t: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
     return tuple(t.split(sizes, dim=0))
 
 
-class CoatNormLinearFunction(torch.autograd.Function):
-    """out = RMSNorm(x) @ cat(weights)^T with the normed x in FP8; x [M, H] → [M, sum of out dims]."""
+class CoatNormQKVFunction(torch.autograd.Function):
+    """[q|k|v] = RMSNorm(x) @ cat(wq, wk, wv)^T with the normed x in FP8, then q and k rotated (RoPE); x [M, H]
+    with M = batch x seq → q, k, v [batch, seq, heads, head_dim], each contiguous (v a copy: a view would keep the
+    whole BF16 GEMM output alive as attention's saved v)."""
 
     @staticmethod
-    def forward(ctx, x, norm_weight, w8, w8t, w_scale, eps, group_size, grad_dtype, fast_accum, *weights):
+    def forward(ctx, x, norm_weight, w8, w8t, w_scale, eps, group_size, grad_dtype, fast_accum, cos, sin, batch,
+                head_dim, *weights):
         x8, xs, rstd, y_scale = rmsnorm_fp8_fwd(x, norm_weight, eps, group_size)
         y8 = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, group_size, transpose=False)
-        out = scaled_mm(y8, w8.t(), y_scale, w_scale, x.dtype, fast_accum)
+        qkv = scaled_mm(y8, w8.t(), y_scale, w_scale, x.dtype, fast_accum)
+        sizes = [w.shape[0] for w in weights]
+        q, k, v = (t.view(batch, -1, n // head_dim, head_dim) for t, n in zip(qkv.split(sizes, dim=1), sizes))
+        q, k, v = rope_rotate(q, cos, sin), rope_rotate(k, cos, sin), v.contiguous()
         ctx.save_for_backward(x8, xs, rstd, y_scale, norm_weight)
         ctx.w8t, ctx.w_scale, ctx.group_size, ctx.grad_dtype = w8t, w_scale, group_size, grad_dtype
-        ctx.sizes, ctx.w_dtype = [w.shape[0] for w in weights], weights[0].dtype
+        ctx.tables = (cos, sin)  # constants of the model, not activations
+        ctx.sizes, ctx.w_dtype = sizes, weights[0].dtype
         ctx.weights = weights if w8t is None else None  # to remake W8^T in backward (no persistent cache)
-        return out
+        return q, k, v
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, dq, dk, dv):
         x8, xs, rstd, y_scale, norm_weight = ctx.saved_tensors
-        g8, g8t, g_scale = quantize_grad(grad_out, ctx.grad_dtype)
+        dq, dk, dv = (t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv))
+        g8, g8t, g_scale = rope_qkv_grad_fp8(dq, dk, dv, *ctx.tables, ctx.grad_dtype)
         w8t = fp8_weight_t(ctx.w8t, ctx.weights)
-        dy = scaled_mm(g8, w8t.t(), g_scale, ctx.w_scale, grad_out.dtype)
+        dy = scaled_mm(g8, w8t.t(), g_scale, ctx.w_scale, dq.dtype)
         y8t = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, ctx.group_size, transpose=True)
         dw = scaled_mm(g8t, y8t.t(), g_scale, y_scale, ctx.w_dtype)
         dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, ctx.group_size)
-        return (dx, dnorm.to(norm_weight.dtype), *(None,) * 7, *_split_rows(dw, ctx.sizes))
+        return (dx, dnorm.to(norm_weight.dtype), *(None,) * 11, *_split_rows(dw, ctx.sizes))
 
 
 class CoatMLPFunction(torch.autograd.Function):
@@ -97,15 +109,15 @@ class CoatMLPFunction(torch.autograd.Function):
         return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, *(None,) * 10
 
 
-def coat_norm_linear(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, group_size: int,
-                     grad_dtype: torch.dtype, fast_accum: bool = False):
-    lead = x.shape[:-1]
+def coat_norm_qkv(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, group_size: int,
+                  grad_dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                  fast_accum: bool = False):
+    """x [batch, seq, H] → q, k, v [batch, seq, heads, head_dim] (q and k rotated); weights (wq, wk, wv)."""
     if torch.is_grad_enabled():
-        check_gemm_dims(tokens_per_micro_batch=lead.numel())  # wgrad contracts over the tokens
+        check_gemm_dims(tokens_per_micro_batch=x.shape[0] * x.shape[1])  # wgrad contracts over the tokens
     w8, w8t, w_scale = cache.get(weights)
-    out = CoatNormLinearFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w8, w8t, w_scale, eps, group_size,
-                                       grad_dtype, fast_accum, *weights)
-    return out.view(*lead, out.shape[-1])
+    return CoatNormQKVFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w8, w8t, w_scale, eps, group_size,
+                                     grad_dtype, fast_accum, cos, sin, x.shape[0], head_dim, *weights)
 
 
 def coat_mlp(x, norm_weight, w1, w3, w2, cache13: Fp8WeightCache, cache2: Fp8WeightCache, eps: float,

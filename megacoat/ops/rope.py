@@ -1,9 +1,10 @@
-"""Rotary position embedding, forward and backward in one Triton kernel, with its torch reference.
+"""Rotary position embedding of the COAT block's q and k: one Triton kernel, with its torch reference.
 
 Same convention as the model's apply_rope: pairs (x[2i], x[2i+1]) of x [batch, seq, heads, head_dim] rotated
-by the position's angle, computed in fp32, returned in x's dtype. Backward is the rotation by minus the angle,
-so nothing but the (shared, constant) cos/sin tables is kept for it. The kernel reads x through its strides:
-q and k can be column slices of the fused [q|k|v] GEMM output, with no copy before the rotation.
+by the position's angle, computed in fp32, returned in x's dtype. The kernel reads x through its strides: q and k
+can be column slices of the fused [q|k|v] GEMM output, with no copy before the rotation. The backward (the
+rotation by minus the angle, so nothing but the constant cos/sin tables is kept for it) is fused into the FP8 cast
+of the [q|k|v] gradient: megacoat.ops.rope_grad_cast, whose reference is rope_ref(inverse=True).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: boo
 # (128-bit accesses), split into its even/odd lanes in registers, and the token's cos/sin row is loaded once for
 # all its heads.
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, S, NH, stride_b, stride_s, stride_h, sign,
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, S, NH, stride_b, stride_s, stride_h,
                  HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
     t = tl.program_id(0)  # token = (batch, position)
     pos = t % S
@@ -51,13 +52,13 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, S, NH, stride_b, stride_s, st
     x0, x1 = tl.split(tl.reshape(x, (BH, BD, 2)))
     i = tl.arange(0, BD)
     c = tl.load(cos_ptr + pos * HALF + i, mask=i < HALF, other=0.0)[None, :]
-    s = tl.load(sin_ptr + pos * HALF + i, mask=i < HALF, other=0.0)[None, :] * sign
+    s = tl.load(sin_ptr + pos * HALF + i, mask=i < HALF, other=0.0)[None, :]
     y = tl.reshape(tl.join(x0 * c - x1 * s, x0 * s + x1 * c), (BH, 2 * BD))
     dst = out_ptr + t.to(tl.int64) * NH * (2 * HALF) + h[:, None] * (2 * HALF) + d[None, :]
     tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     _check(x, cos, sin)
     b, s, nh, d = x.shape
     out = torch.empty((b, s, nh, d), dtype=x.dtype, device=x.device)
@@ -65,31 +66,17 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
     bh = min(triton.next_power_of_2(nh), max(1, 4096 // (2 * bd)))  # up to 4096 elements per program
     launcher(_rope_kernel)[(b * s, triton.cdiv(nh, bh))](
         x, cos.contiguous(), sin.contiguous(), out, s, nh, x.stride(0), x.stride(1), x.stride(2),
-        -1.0 if inverse else 1.0, HALF=d // 2, BH=bh, BD=bd, num_warps=4)
+        HALF=d // 2, BH=bh, BD=bd, num_warps=4)
     return out
 
 
-def _rope(x, cos, sin, inverse=False):
-    return dispatch(_rope_op, x, rope_triton, rope_ref, x, cos, sin, inverse)
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [batch, seq, heads, head_dim] (any strides, unit last stride) into a new contiguous tensor. No
+    autograd: the caller's backward runs the inverse (megacoat.fp8.precision_flow, ops.rope_grad_cast)."""
+    return dispatch(_rope_op, x, rope_triton, rope_ref, x, cos, sin)
 
 
 @fp8_operator("megacoat::rope")
-def _rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+def _rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The rotation as an operator (torch.compile traces through it; eager calls skip it: numerics.dispatch)."""
-    return traced_body(x, rope_triton, rope_ref, x, cos, sin, inverse)
-
-
-class RopeFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.tables = (cos, sin)  # constants of the model, not activations
-        return _rope(x, cos, sin)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        return _rope(grad_out.contiguous(), *ctx.tables, inverse=True), None, None
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [batch, seq, heads, head_dim] (any strides, unit last stride); returns a contiguous tensor."""
-    return RopeFunction.apply(x, cos, sin)
+    return traced_body(x, rope_triton, rope_ref, x, cos, sin)

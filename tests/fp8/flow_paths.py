@@ -12,14 +12,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import megacoat.fp8.linear as linear
 import megacoat.fp8.precision_flow as flow
-import megacoat.ops.rope as rope
-from megacoat.ops import cast_transpose, rmsnorm, swiglu
+from megacoat.ops import cast_transpose, rmsnorm, rope, rope_grad_cast, swiglu
 
 _SWAPS = [(linear, "quantize_transpose", cast_transpose.quantize_transpose_triton)]
 _SWAPS += [(flow, n, getattr(rmsnorm, n + "_triton")) for n in ("rmsnorm_fp8_fwd", "rmsnorm_fp8_out", "rmsnorm_fp8_bwd")]
 _SWAPS += [(flow, n, getattr(swiglu, n + "_triton"))
            for n in ("swiglu_fp8_fwd", "swiglu_fp8_out", "swiglu_fp8_bwd_out_t")]
-_SWAPS += [(rope, "_rope", lambda x, cos, sin, inverse=False: rope.rope_triton(x, cos, sin, inverse))]
+_SWAPS += [(flow, "rope_rotate", rope.rope_triton),
+           (flow, "rope_qkv_grad_fp8", rope_grad_cast.rope_qkv_grad_fp8_triton)]
 
 
 @contextlib.contextmanager

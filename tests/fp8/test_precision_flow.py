@@ -6,8 +6,9 @@ import torch.nn.functional as F
 from tests.ops.fp8_compare import DEV, rel_err  # noqa: I001
 from megacoat.fp8.formats import E4M3, E5M2
 from megacoat.fp8.linear import Fp8WeightCache
-from megacoat.fp8.precision_flow import coat_mlp, coat_norm_linear
+from megacoat.fp8.precision_flow import coat_mlp, coat_norm_qkv
 from megacoat.fp8.saved_memory import saved_activation_bytes
+from megacoat.model.gpt import apply_rope, rope_tables
 
 U4, U5 = E4M3.unit_roundoff, E5M2.unit_roundoff
 
@@ -46,18 +47,27 @@ def test_mlp_against_fp32(h, f, g):
         assert rel_err(got, want) <= 4 * U4 + 2 * U5
 
 
-def test_norm_linear_against_fp32():
-    nw, wq, wk, _ = _params(128, 128, torch.bfloat16)
-    x = torch.randn(32, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    out = coat_norm_linear(x, nw, (wq, wk), Fp8WeightCache(), 1e-5, 64, torch.float8_e5m2)
-    assert out.shape == (32, 256)
-    dy = torch.randn_like(out)
-    out.backward(dy)
-    xf, nwf, wqf, wkf = _fp32_copies([x, nw, wq, wk])
-    outf = _rmsnorm(xf, nwf) @ torch.cat((wqf, wkf)).t()
-    outf.backward(dy.float())
-    assert rel_err(out, outf) <= 3 * U4  # x (group), norm output, weights
-    for got, want in ((x.grad, xf.grad), (wq.grad, wqf.grad), (wk.grad, wkf.grad), (nw.grad, nwf.grad)):
+def test_norm_qkv_against_fp32():
+    """RMSNorm → [q|k|v] GEMM → RoPE of q and k, grouped-query shapes (4 query heads, 2 key/value heads of 32)."""
+    b, s, h, d = 2, 16, 128, 32
+    nw, wq, _, _ = _params(h, 4 * d, torch.bfloat16)
+    _, wk, wv, _ = _params(h, 2 * d, torch.bfloat16)
+    cos, sin = (t.to(DEV) for t in rope_tables(d, s, 10000.0))
+    x = torch.randn(b, s, h, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = coat_norm_qkv(x, nw, (wq, wk, wv), Fp8WeightCache(), 1e-5, 64, torch.float8_e5m2, cos, sin, d)
+    assert (q.shape, k.shape, v.shape) == ((b, s, 4, d), (b, s, 2, d), (b, s, 2, d))
+    dys = [torch.randn_like(t) for t in (q, k, v)]
+    torch.autograd.backward((q, k, v), dys)
+    xf, nwf, wqf, wkf, wvf = _fp32_copies([x, nw, wq, wk, wv])
+    n = _rmsnorm(xf, nwf)
+    qf, kf, vf = ((n @ w.t()).view(b, s, -1, d) for w in (wqf, wkf, wvf))
+    outs = (apply_rope(qf, cos, sin), apply_rope(kf, cos, sin), vf)
+    torch.autograd.backward(outs, [dy.float() for dy in dys])
+    for got, want in zip((q, k, v), outs):
+        assert rel_err(got, want) <= 3 * U4  # x (group), norm output, weights; the rotation is exact in fp32
+    # the output gradient is cast once (E5M2), after RoPE's backward in fp32 rounded to bf16
+    for got, want in ((x.grad, xf.grad), (wq.grad, wqf.grad), (wk.grad, wkf.grad), (wv.grad, wvf.grad),
+                      (nw.grad, nwf.grad)):
         assert rel_err(got, want) <= 3 * U4 + U5
 
 

@@ -1,4 +1,5 @@
-"""RoPE kernel: Triton against the reference, the reference against the model's apply_rope, backward = inverse."""
+"""RoPE kernel: Triton against the reference, the reference against the model's apply_rope, its inverse against
+apply_rope's gradient (the backward that megacoat.ops.rope_grad_cast fuses)."""
 import pytest
 import torch
 
@@ -19,25 +20,22 @@ def test_triton_matches_reference(nh, d):
         pytest.skip("kernels were imported before TRITON_INTERPRET was set")
     q = _qkv(s=24 if nh < 8 else 3, nh=nh, d=d)
     cos, sin = (t.to(DEV) for t in rope_tables(d, 32, 10000.0))
-    for inverse in (False, True):
-        torch.testing.assert_close(R.rope_triton(q, cos, sin, inverse), R.rope_ref(q, cos, sin, inverse),
-                                   rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(R.rope_triton(q, cos, sin), R.rope_ref(q, cos, sin), rtol=1e-5, atol=1e-5)
 
 
-def test_reference_is_the_models_rope_and_backward_is_its_gradient():
+def test_reference_is_the_models_rope_and_its_inverse_is_the_gradient():
     q = _qkv().cpu().requires_grad_()
     cos, sin = rope_tables(32, 32, 10000.0)
-    torch.testing.assert_close(R.rope(q, cos, sin), apply_rope(q, cos, sin), rtol=0, atol=0)
+    torch.testing.assert_close(R.rope_rotate(q, cos, sin), apply_rope(q, cos, sin), rtol=0, atol=0)
     dy = torch.randn(q.shape)
-    R.rope(q, cos, sin).backward(dy)
     want = torch.autograd.grad(apply_rope(q, cos, sin), q, dy)[0]
-    torch.testing.assert_close(q.grad, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(R.rope_ref(dy, cos, sin, inverse=True), want, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_shapes_are_named():
     cos, sin = rope_tables(32, 8, 10000.0)
     with pytest.raises(ValueError, match="do not cover"):
-        R.rope(torch.randn(1, 16, 2, 32), cos, sin)
+        R.rope_rotate(torch.randn(1, 16, 2, 32), cos, sin)
 
 
 @pytest.mark.gpu
@@ -46,6 +44,5 @@ def test_gpu_block_shape_matches_reference():
     qkv = torch.randn(1, 2048, 3 * 4096, device=DEV, dtype=torch.bfloat16)
     q = qkv[..., :4096].view(1, 2048, 32, 128)
     cos, sin = (t.to(DEV) for t in rope_tables(128, 2048, 10000.0))
-    for inverse in (False, True):
-        torch.testing.assert_close(R.rope_triton(q, cos, sin, inverse), R.rope_ref(q, cos, sin, inverse),
-                                   rtol=1e-2, atol=1e-2)  # both round fp32 to bf16; fp32 FMA contraction may differ
+    torch.testing.assert_close(R.rope_triton(q, cos, sin), R.rope_ref(q, cos, sin),
+                               rtol=1e-2, atol=1e-2)  # both round fp32 to bf16; fp32 FMA contraction may differ
