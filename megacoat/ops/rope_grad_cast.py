@@ -21,9 +21,6 @@ from megacoat.ops.numerics import AMAX_FLOOR, dispatch, fp8_operator, launcher, 
 from megacoat.ops.rope import rope_ref
 
 _BM, _BN_MAX = 64, 64
-# chosen per tile between q, k and v at run time: all three must stay run-time ints (Triton would make a 1 a
-# constant of one branch only)
-_PICKED = ["NQ", "NK", "qs_b", "qs_s", "qs_h", "ks_b", "ks_s", "ks_h", "vs_b", "vs_s", "vs_h"]
 
 
 def _check(dq, dk, dv, cos, sin) -> None:
@@ -50,34 +47,34 @@ def _grad_tile(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, rm, pid_n, M, S, NQ, NK,
                qs_b, qs_s, qs_h, ks_b, ks_s, ks_h, vs_b, vs_s, vs_h,
                HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Tile [BM tokens, BN columns] of the joined gradient, rotated back where it is q's or k's and rounded to
-    the gradients' dtype, in fp32. BN divides the head dim, so a tile lies in one head of one tensor."""
+    the gradients' dtype, in fp32. BN divides the head dim, so a tile lies in one head of one tensor. Which
+    tensor is a per-program choice made by masks and selects, not branches (same code for every tile)."""
     c0 = pid_n * BN
-    rotate = c0 < NQ + NK
-    if c0 < NQ:
-        ptr, col, sb, ss, sh = q_ptr, c0, qs_b, qs_s, qs_h
-    elif rotate:
-        ptr, col, sb, ss, sh = k_ptr, c0 - NQ, ks_b, ks_s, ks_h
-    else:
-        ptr, col, sb, ss, sh = v_ptr, c0 - NQ - NK, vs_b, vs_s, vs_h
+    col = tl.where(c0 < NQ, c0, tl.where(c0 < NQ + NK, c0 - NQ, c0 - NQ - NK))
     head, d0 = col // HD, col % HD
     pos = rm % S
-    row = (rm // S) * sb + pos * ss + head * sh + d0  # int64: rm is
-    dn = tl.arange(0, BN)
-    mask = (rm < M)[:, None]
-    x = tl.load(ptr + row[:, None] + dn[None, :], mask=mask, other=0.0)
-    ty = x.dtype
-    x = x.to(tl.float32)
-    if rotate:  # pairs (2i, 2i+1) of the head, by minus the angle: the rotation's transpose (rope_ref, inverse)
-        x0, x1 = tl.split(tl.reshape(x, (BM, BN // 2, 2)))
-        i = d0 // 2 + tl.arange(0, BN // 2)
-        tab = pos[:, None] * (HD // 2) + i[None, :]
-        c = tl.load(cos_ptr + tab, mask=mask, other=0.0)
-        s = -tl.load(sin_ptr + tab, mask=mask, other=0.0)
-        x = tl.reshape(tl.join(x0 * c - x1 * s, x0 * s + x1 * c), (BM, BN)).to(ty).to(tl.float32)
-    return x, mask
+    b = rm // S  # int64: rm is
+    dn = tl.arange(0, BN)[None, :]
+    # the tile's tensor as [BM, 1] masks (tensor-tensor logic, which the interpreter also types as boolean)
+    first = c0 + tl.zeros((BM, 1), dtype=tl.int32)
+    rows = (rm < M)[:, None]
+    in_q, rotate = rows & (first < NQ), rows & (first < NQ + NK)
+    in_k, in_v = rotate & (first >= NQ), rows & (first >= NQ + NK)
+    xq = tl.load(q_ptr + (b * qs_b + pos * qs_s + head * qs_h + d0)[:, None] + dn, mask=in_q, other=0.0)
+    xk = tl.load(k_ptr + (b * ks_b + pos * ks_s + head * ks_h + d0)[:, None] + dn, mask=in_k, other=0.0)
+    xv = tl.load(v_ptr + (b * vs_b + pos * vs_s + head * vs_h + d0)[:, None] + dn, mask=in_v, other=0.0)
+    ty = xq.dtype
+    x = tl.where(in_q, xq, tl.where(in_k, xk, xv)).to(tl.float32)
+    # q and k: pairs (2i, 2i+1) of the head by minus the angle, the rotation's transpose (rope_ref, inverse)
+    x0, x1 = tl.split(tl.reshape(x, (BM, BN // 2, 2)))
+    tab = pos[:, None] * (HD // 2) + (d0 // 2 + tl.arange(0, BN // 2))[None, :]
+    c = tl.load(cos_ptr + tab, mask=rotate, other=0.0)
+    s = -tl.load(sin_ptr + tab, mask=rotate, other=0.0)
+    rotated = tl.reshape(tl.join(x0 * c - x1 * s, x0 * s + x1 * c), (BM, BN)).to(ty).to(tl.float32)
+    return tl.where(rotate, rotated, x), rows
 
 
-@triton.jit(do_not_specialize=_PICKED)
+@triton.jit
 def _amax_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, amax_ptr, M, S, NQ, NK,
                  qs_b, qs_s, qs_h, ks_b, ks_s, ks_h, vs_b, vs_s, vs_h,
                  HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
@@ -87,10 +84,10 @@ def _amax_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, amax_ptr, M, S, NQ, NK,
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
 
-@triton.jit(do_not_specialize=_PICKED)
+@triton.jit
 def _cast_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, N, S, NQ, NK,
                  qs_b, qs_s, qs_h, ks_b, ks_s, ks_h, vs_b, vs_s, vs_h, fmax, amax_floor,
-                 HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                 HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TRANSPOSE: tl.constexpr):
     # tiles in the reverse order of the amax pass: the first ones read what it left in L2
     pid_m, pid_n = tl.num_programs(0) - 1 - tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1)
     scale = tl.div_rn(tl.maximum(tl.load(amax_ptr), amax_floor), fmax)  # as _cast_transpose_kernel
@@ -104,8 +101,9 @@ def _cast_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, amax_ptr, scale_ptr, out
     q = tl.clamp((x * c) * inv, -fmax, fmax)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(outt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q).to(outt_ptr.dtype.element_ty),
-             mask=tl.trans(mask))
+    if TRANSPOSE:
+        tl.store(outt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q).to(outt_ptr.dtype.element_ty),
+                 mask=tl.trans(mask))
 
 
 def _tile_width(head_dim: int) -> int:
@@ -126,7 +124,10 @@ def rope_qkv_grad_fp8_triton(dq, dk, dv, cos, sin, grad_dtype: torch.dtype):
     amax = torch.zeros((1,), dtype=torch.float32, device=dev)  # |g| >= 0: zero is the neutral start
     scale = torch.empty((1,), dtype=torch.float32, device=dev)  # written by the cast pass
     g8 = torch.empty((m, n), dtype=grad_dtype, device=dev)
-    g8t = torch.empty((n, m), dtype=grad_dtype, device=dev)
+    # Triton 3.6 on sm_90 miswrites the transposed store of a tile loaded as float32 (cast_transpose._launch):
+    # float32 gradients (--fp32, tests) get their transpose from torch, bf16 ones from the kernel
+    transpose = not (dq.dtype == torch.float32 and dq.is_cuda)
+    g8t = torch.empty((n, m), dtype=grad_dtype, device=dev) if transpose else g8
     bn = _tile_width(hd)
     grid = (triton.cdiv(m, _BM), n // bn)
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -134,8 +135,9 @@ def rope_qkv_grad_fp8_triton(dq, dk, dv, cos, sin, grad_dtype: torch.dtype):
     launcher(_amax_kernel)[grid](dq, dk, dv, cos, sin, amax, m, s, nq, nk, *strides, HD=hd, BM=_BM, BN=bn,
                                  num_warps=4)
     launcher(_cast_kernel)[grid](dq, dk, dv, cos, sin, amax, scale, g8, g8t, m, n, s, nq, nk, *strides,
-                                 torch.finfo(grad_dtype).max, AMAX_FLOOR, HD=hd, BM=_BM, BN=bn, num_warps=4)
-    return g8, g8t, scale
+                                 torch.finfo(grad_dtype).max, AMAX_FLOOR, HD=hd, BM=_BM, BN=bn,
+                                 TRANSPOSE=transpose, num_warps=4)
+    return g8, g8t if transpose else g8.t().contiguous(), scale
 
 
 def rope_qkv_grad_fp8(dq, dk, dv, cos, sin, grad_dtype: torch.dtype):
