@@ -7,8 +7,9 @@ passes read dq, dk, dv where attention left them (any strides, unit last stride)
 minus the position's angle on the fly: the first reduces the amax, the second casts into both layouts. Neither the
 rotated gradients nor the joined tensor is ever written (6 instead of ~12 bytes moved per element).
 
-Bit for bit the unfused path: the rotation in fp32 rounded to the gradients' dtype (what RoPE's backward stores),
-then the per-tensor cast of megacoat.ops.cast_transpose (same scale, same reciprocal, same clamp).
+The unfused path's arithmetic: the rotation in fp32 rounded to the gradients' dtype (what RoPE's backward stored),
+then the per-tensor cast of megacoat.ops.cast_transpose (same scale, same reciprocal, same clamp). The reference
+is that path itself; on CUDA, fp32 FMA contraction may move a rotated value by an ulp before its rounding.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def _grad_tile(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, rm, pid_n, M, S, NQ, NK,
     col = tl.where(c0 < NQ, c0, tl.where(c0 < NQ + NK, c0 - NQ, c0 - NQ - NK))
     head, d0 = col // HD, col % HD
     pos = rm % S
-    b = rm // S  # int64: rm is
+    b = rm // S  # int64, as rm is: offsets past 2^31 elements stay exact
     dn = tl.arange(0, BN)[None, :]
     # the tile's tensor as [BM, 1] masks (tensor-tensor logic, which the interpreter also types as boolean)
     first = c0 + tl.zeros((BM, 1), dtype=tl.int32)
