@@ -15,7 +15,7 @@ import triton.language as tl
 from megacoat.ops.numerics import dispatch, fp8_operator, launcher, traced_body
 
 
-def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def check_rope_input(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     if x.dim() != 4 or x.shape[-1] % 2 or x.stride(-1) != 1:
         raise ValueError(f"rope expects x [batch, seq, heads, even head_dim] with unit last stride, got "
                          f"shape {tuple(x.shape)} strides {x.stride()}")
@@ -25,7 +25,7 @@ def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    _check(x, cos, sin)
+    check_rope_input(x, cos, sin)
     seq = x.shape[1]
     c = cos[:seq].view(1, seq, 1, -1)
     s = sin[:seq].view(1, seq, 1, -1)
@@ -59,7 +59,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, S, NH, stride_b, stride_s, st
 
 
 def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    _check(x, cos, sin)
+    check_rope_input(x, cos, sin)
     b, s, nh, d = x.shape
     out = torch.empty((b, s, nh, d), dtype=x.dtype, device=x.device)
     bd = triton.next_power_of_2(d // 2)

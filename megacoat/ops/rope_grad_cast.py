@@ -17,21 +17,21 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.cast_transpose import RESCALE, RESCALE_BELOW, quantize_transpose_ref
+from megacoat.ops.cast_transpose import quantize_transpose_ref, scaled_reciprocal
 from megacoat.ops.numerics import AMAX_FLOOR, dispatch, fp8_operator, launcher, traced_body
-from megacoat.ops.rope import rope_ref
+from megacoat.ops.rope import check_rope_input, rope_ref
 
 _BM, _BN_MAX = 64, 64
 
 
 def _check(dq, dk, dv, cos, sin) -> None:
-    b, s, _, d = dq.shape
-    for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
-        if t.dim() != 4 or t.shape[:2] != (b, s) or t.shape[-1] != d or t.stride(-1) != 1 or t.dtype != dq.dtype:
-            raise ValueError(f"rope_qkv_grad_fp8: {name} must be [batch, seq, heads, {d}] in {dq.dtype} with unit "
-                             f"last stride like dq {tuple(dq.shape)}, got {tuple(t.shape)} {t.dtype} {t.stride()}")
-    if d % 2 or cos.shape != sin.shape or cos.shape[0] < s or cos.shape[1] != d // 2:
-        raise ValueError(f"rope_qkv_grad_fp8: tables {tuple(cos.shape)} do not cover seq {s} x head_dim/2 {d // 2}")
+    check_rope_input(dq, cos, sin)  # dq's layout and the tables; dk and dv must then agree with dq
+    for name, t in (("dk", dk), ("dv", dv)):
+        if t.dim() != 4 or t.shape[:2] != dq.shape[:2] or t.shape[-1] != dq.shape[-1] or t.stride(-1) != 1 \
+                or t.dtype != dq.dtype:
+            raise ValueError(f"rope_qkv_grad_fp8: {name} must be [batch, seq, heads, head_dim] in {dq.dtype} with "
+                             f"unit last stride like dq {tuple(dq.shape)}, got {tuple(t.shape)} {t.dtype} "
+                             f"{t.stride()}")
 
 
 def rope_qkv_grad_fp8_ref(dq, dk, dv, cos, sin, grad_dtype: torch.dtype):
@@ -94,8 +94,7 @@ def _cast_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, amax_ptr, scale_ptr, out
     scale = tl.div_rn(tl.maximum(tl.load(amax_ptr), amax_floor), fmax)  # as _cast_transpose_kernel
     if (pid_m == 0) & (pid_n == 0):
         tl.store(scale_ptr, scale)
-    c = tl.where(scale < RESCALE_BELOW, RESCALE, 1.0)
-    inv = tl.div_rn(1.0, scale * c)
+    c, inv = scaled_reciprocal(scale)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     x, mask = _grad_tile(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, rm, pid_n, M, S, NQ, NK,
                          qs_b, qs_s, qs_h, ks_b, ks_s, ks_h, vs_b, vs_s, vs_h, HD, BM, BN)
