@@ -159,12 +159,14 @@ def quantize_transpose(x: torch.Tensor, out_dtype: torch.dtype, rowwise: bool = 
     return (q if rowwise else None), (qt if transpose else None), scale
 
 
-def _cast_from_amax_ref(x, amax, out_dtype, rowwise, transpose):
+def cast_from_amax_ref(x, amax, out_dtype, rowwise, transpose):
+    """(q, q^T, scale) of x given its amax (float32 [1], computed elsewhere: a torch reduction, or folded into the
+    kernel that produced x); a layout not asked for is None."""
     scale = scale_from_amax(amax, out_dtype).reshape(1)
     return (*cast_transpose_ref(x, scale, out_dtype, rowwise, transpose), scale)
 
 
-def _cast_from_amax_triton(x, amax, out_dtype, rowwise, transpose):
+def cast_from_amax_triton(x, amax, out_dtype, rowwise, transpose):
     _check2d(x)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)  # written by the cast kernel
     return (*_launch(x, amax, scale, out_dtype, rowwise, transpose), scale)
@@ -175,7 +177,7 @@ def _cast_transpose_from_amax_op(x: torch.Tensor, amax: torch.Tensor, out_dtype:
                                  transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The cast of quantize_transpose as an operator, given x's amax (an operator returns tensors: a layout not
     asked for is empty)."""
-    q, qt, scale = traced_body(x, _cast_from_amax_triton, _cast_from_amax_ref, x, amax, out_dtype, rowwise,
+    q, qt, scale = traced_body(x, cast_from_amax_triton, cast_from_amax_ref, x, amax, out_dtype, rowwise,
                                transpose)
     return (x.new_empty(0, dtype=out_dtype) if q is None else q,
             x.new_empty(0, dtype=out_dtype) if qt is None else qt, scale)

@@ -3,8 +3,9 @@
 Same convention as the model's apply_rope: pairs (x[2i], x[2i+1]) of x [batch, seq, heads, head_dim] rotated
 by the position's angle, computed in fp32, returned in x's dtype. The kernel reads x through its strides: q and k
 can be column slices of the fused [q|k|v] GEMM output, with no copy before the rotation. The backward (the
-rotation by minus the angle, so nothing but the constant cos/sin tables is kept for it) is fused into the FP8 cast
-of the [q|k|v] gradient: megacoat.ops.rope_grad_cast, whose reference is rope_ref(inverse=True).
+rotation by minus the angle, so nothing but the constant cos/sin tables is kept for it) is the same kernel, writing
+into the joined [q|k|v] gradient before its FP8 cast: megacoat.ops.rope_grad_cast, whose reference is
+rope_ref(inverse=True).
 """
 from __future__ import annotations
 
@@ -38,35 +39,53 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: boo
 
 # One program rotates BH heads of one token: the tile [BH, head_dim] is read and written as whole contiguous rows
 # (128-bit accesses), split into its even/odd lanes in registers, and the token's cos/sin row is loaded once for
-# all its heads.
+# all its heads. The same kernel writes the backward's rotated gradients (and v's, copied) straight into their
+# columns of the joined [q|k|v] gradient (row stride ld_out) with the amax folded in: megacoat.ops.rope_grad_cast.
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, S, NH, stride_b, stride_s, stride_h,
-                 HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, amax_ptr, S, NH, stride_b, stride_s, stride_h, ld_out,
+                 HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, ROTATE: tl.constexpr,
+                 INVERSE: tl.constexpr, AMAX: tl.constexpr):
     t = tl.program_id(0)  # token = (batch, position)
     pos = t % S
     src = x_ptr + (t // S).to(tl.int64) * stride_b + pos.to(tl.int64) * stride_s
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     d = tl.arange(0, 2 * BD)
     mask = (h < NH)[:, None] & (d < 2 * HALF)[None, :]
-    x = tl.load(src + h[:, None].to(tl.int64) * stride_h + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    x0, x1 = tl.split(tl.reshape(x, (BH, BD, 2)))
-    i = tl.arange(0, BD)
-    c = tl.load(cos_ptr + pos * HALF + i, mask=i < HALF, other=0.0)[None, :]
-    s = tl.load(sin_ptr + pos * HALF + i, mask=i < HALF, other=0.0)[None, :]
-    y = tl.reshape(tl.join(x0 * c - x1 * s, x0 * s + x1 * c), (BH, 2 * BD))
-    dst = out_ptr + t.to(tl.int64) * NH * (2 * HALF) + h[:, None] * (2 * HALF) + d[None, :]
-    tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=mask)
+    x = tl.load(src + h[:, None].to(tl.int64) * stride_h + d[None, :], mask=mask, other=0.0)
+    ty = out_ptr.dtype.element_ty
+    if ROTATE:
+        x0, x1 = tl.split(tl.reshape(x.to(tl.float32), (BH, BD, 2)))
+        i = tl.arange(0, BD)
+        c = tl.load(cos_ptr + pos * HALF + i, mask=i < HALF, other=0.0)[None, :]
+        s = tl.load(sin_ptr + pos * HALF + i, mask=i < HALF, other=0.0)[None, :]
+        if INVERSE:  # the rotation's transpose: the angle's negative
+            s = -s
+        y = tl.reshape(tl.join(x0 * c - x1 * s, x0 * s + x1 * c), (BH, 2 * BD)).to(ty)
+    else:
+        y = x.to(ty)
+    tl.store(out_ptr + t.to(tl.int64) * ld_out + h[:, None] * (2 * HALF) + d[None, :], y, mask=mask)
+    if AMAX:  # of what was stored; masked lanes are 0, and |y| >= 0
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(y.to(tl.float32)), axis=1), axis=0))
+
+
+def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, ld_out: int,
+                rotate: bool = True, inverse: bool = False, amax: torch.Tensor | None = None) -> None:
+    """Write x [batch, seq, heads, head_dim] (any strides, unit last stride), rotated by the angle (or its
+    negative, inverse) or copied (rotate=False), into out: token t's heads at out[t * ld_out:], contiguous. With
+    amax (float32 [1], zero or a running max), fold max|stored value| into it."""
+    b, s, nh, d = x.shape
+    bd = triton.next_power_of_2(d // 2)
+    bh = min(triton.next_power_of_2(nh), max(1, 4096 // (2 * bd)))  # up to 4096 elements per program
+    launcher(_rope_kernel)[(b * s, triton.cdiv(nh, bh))](
+        x, cos, sin, out, out if amax is None else amax, s, nh, x.stride(0), x.stride(1), x.stride(2), ld_out,
+        HALF=d // 2, BH=bh, BD=bd, ROTATE=rotate, INVERSE=inverse, AMAX=amax is not None, num_warps=4)
 
 
 def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     check_rope_input(x, cos, sin)
     b, s, nh, d = x.shape
     out = torch.empty((b, s, nh, d), dtype=x.dtype, device=x.device)
-    bd = triton.next_power_of_2(d // 2)
-    bh = min(triton.next_power_of_2(nh), max(1, 4096 // (2 * bd)))  # up to 4096 elements per program
-    launcher(_rope_kernel)[(b * s, triton.cdiv(nh, bh))](
-        x, cos.contiguous(), sin.contiguous(), out, s, nh, x.stride(0), x.stride(1), x.stride(2),
-        HALF=d // 2, BH=bh, BD=bd, num_warps=4)
+    rope_launch(x, cos.contiguous(), sin.contiguous(), out, nh * d)
     return out
 
 

@@ -1,4 +1,4 @@
-"""The [q|k|v] gradient's fused RoPE backward + FP8 cast: Triton against the reference (the unfused path), the
+"""The [q|k|v] gradient's RoPE backward, join, amax and FP8 cast: Triton against the reference (the unfused path), the
 reference against fp32 autograd through the model's RoPE, and the layouts' agreement."""
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 from tests.ops.fp8_compare import DEV, assert_fp8_close, interpreted, rel_err  # noqa: I001
 from megacoat.fp8.formats import E4M3, E5M2
 from megacoat.model.gpt import apply_rope, rope_tables
-from megacoat.ops import rope_grad_cast as R
+from megacoat.ops import rope, rope_grad_cast as R
 
 FORMATS = {torch.float8_e4m3fn: E4M3, torch.float8_e5m2: E5M2}
 
@@ -18,7 +18,7 @@ def _grads(b, s, hq, hk, d, dtype=torch.float32):
 
 
 def _skip_unless_kernels_run():
-    if DEV == "cpu" and not interpreted(R._cast_kernel):
+    if DEV == "cpu" and not interpreted(rope._rope_kernel):
         pytest.skip("kernels were imported before TRITON_INTERPRET was set")
 
 
