@@ -148,8 +148,9 @@ def kernel_entries(tokens: int, h: int, f: int, g: int = 128, ops: SimpleNamespa
     ]
     if version == "current":  # fused into one op after the versions compared with --against
         dq = torch.randn(1, h // 128, tokens, 128, **bf).transpose(1, 2)  # as attention's backward leaves it
+        # bytes: read dq|dk|dv, write and read the joined bf16 gradient, write g8 and g8^T
         cases.append(("rope_qkv_grad_fp8 (q|k|v, 3 x 32 heads x 128)",
-                      lambda: rope_qkv_grad_fp8(dq, dq, dq, cos, sin, e5), 3 * m * h * (2 + 1 + 1)))
+                      lambda: rope_qkv_grad_fp8(dq, dq, dq, cos, sin, e5), 3 * m * h * (2 + 2 + 2 + 1 + 1)))
     rows = []
     for name, fn, nbytes in cases:
         ms = bench_ms(fn)

@@ -11,8 +11,8 @@ scales): FP8 only. The GEMM inputs that wgrad needs (normed x, silu(a1)*a3) are 
 are made again in backward, transposed (normed x by the norm's output kernel, silu(a1)*a3 by SwiGLU's
 backward pass, which reads the pair anyway). Gradients between the layers are FP8 too (E5M2 by default):
 SwiGLU's backward writes da1|da3 straight into the layouts of the two GEMMs that consume it, and attention's dq,
-dk, dv go through RoPE's backward into the layouts of the [q|k|v] GEMMs in two passes, with no joined BF16 gradient
-(megacoat.ops.rope_grad_cast).
+dk, dv go through RoPE's backward straight into the joined [q|k|v] gradient, its amax folded in, then one cast into
+the layouts of the [q|k|v] GEMMs (megacoat.ops.rope_grad_cast).
 
 The kernels are megacoat:: operators under torch.compile, and the weights' FP8 copies are passed in as tensors
 (read from their caches by the wrappers), so a compiled block traces both functions with no graph break.
