@@ -117,7 +117,8 @@ def eval_iters_for(manifest: dict, seq: int, gbs: int) -> tuple[int, int]:
     return iters, iters * gbs * seq
 
 
-def run_plan(preset: str, manifest: dict, on_cuda: bool, compile_: bool) -> tuple[list[str], dict]:
+def run_plan(preset: str, manifest: dict, on_cuda: bool, compile_: bool,
+             cuda_graph: bool = False) -> tuple[list[str], dict]:
     """The pretrain_gpt.py flags every mode shares, and a description of them for the JSON."""
     p = PRESETS[preset]
     iters = max(int(p["tokens"] // (p["gbs"] * p["seq"])), 1)
@@ -132,11 +133,18 @@ def run_plan(preset: str, manifest: dict, on_cuda: bool, compile_: bool) -> tupl
              "--eval-iters", str(eval_iters), "--zero-stage", "1", "--bf16" if on_cuda else "--fp32"]
     if compile_:
         flags.append("--compile")
+    if cuda_graph:  # the trainer compiles each block with it (reduce-overhead): --compile is implied
+        flags.append("--enable-cuda-graph")
     desc = {"preset": preset, **{k: v for k, v in p.items() if k != "model"}, "model_flags": p["model"],
             "train_iters": iters, "tokens_per_run": iters * p["gbs"] * p["seq"], "eval_iters": eval_iters,
             "eval_tokens": eval_tokens, "held_out_tokens": manifest["valid"]["tokens"],
-            "compile": compile_, "precision": "bf16" if on_cuda else "fp32"}
+            "compile": compile_ or cuda_graph, "cuda_graph": cuda_graph, "precision": "bf16" if on_cuda else "fp32"}
     return flags, desc
+
+
+def same_schedule(a: dict, b: dict) -> bool:
+    """Two run plans that train the same way (a plan written before --cuda-graph existed ran without it)."""
+    return {"cuda_graph": False, **a} == {"cuda_graph": False, **b}
 
 
 # --- run ----------------------------------------------------------------------------------------------------------
@@ -221,7 +229,9 @@ def run(args) -> dict:
     import torch
 
     on_cuda = torch.cuda.is_available()
-    flags, plan = run_plan(args.preset, manifest, on_cuda, args.compile)
+    if args.cuda_graph and not on_cuda:
+        raise UserError("--cuda-graph needs a CUDA GPU")
+    flags, plan = run_plan(args.preset, manifest, on_cuda, args.compile, args.cuda_graph)
     # On the CPU every run would otherwise start a thread per core: N runs then oversubscribe the cores and spin
     # against each other (4 tiny runs on 2 cores took several times their serial time).
     cpu_threads = None if on_cuda else max((os.cpu_count() or 1) // args.parallel, 1)
@@ -280,9 +290,9 @@ def report(paths: list[str]) -> dict:
         raise UserError("report needs at least one JSON written by 'fidelity.py run'")
     first_path, first = runs_files[0]
     for path, doc in runs_files[1:]:
-        for key, a, b in (("data_id", first["data"]["data_id"], doc["data"]["data_id"]),
-                          ("plan", first["plan"], doc["plan"])):
-            if a != b:
+        for key, same in (("data_id", first["data"]["data_id"] == doc["data"]["data_id"]),
+                          ("plan", same_schedule(first["plan"], doc["plan"]))):
+            if not same:
                 raise UserError(f"{path} and {first_path} differ in {key}: runs of different data or schedule "
                                 f"cannot be compared")
     for path, doc in grads_files:
@@ -379,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--min-run-s", type=float, default=60, help="start no run with less time than this left")
     r.add_argument("--stop-margin-s", type=float, default=45, help="runs are told to stop this long before the end")
     r.add_argument("--compile", action="store_true", help="--compile for every mode")
+    r.add_argument("--cuda-graph", action="store_true",
+                   help="--enable-cuda-graph for every mode (compiled blocks replayed as CUDA graphs, the fast FP8 "
+                        "path): larger presets fit a device call; runs of one report must all use it or none")
     r.add_argument("--save-checkpoint", nargs="*", default=[], metavar="MODE:SEED",
                    help="keep this run's final checkpoint (for 'grads')")
     r.add_argument("--workdir", default=os.path.join(ROOT, ".cache", "fidelity_runs"))

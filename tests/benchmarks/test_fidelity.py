@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.benchmarks.conftest import BENCHMARKS, run_script
+from tests.benchmarks.conftest import BENCHMARKS, load_benchmark, run_script
 
 SCRIPT = os.path.join(BENCHMARKS, "fidelity.py")
 
@@ -76,3 +76,23 @@ def test_missing_data_is_one_error_line(tmp_path):
     proc = run_script(SCRIPT, "run", "--preset", "tiny", "--data", str(tmp_path / "nothing"), "--out",
                 str(tmp_path / "x.json"))
     assert proc.returncode == 1 and proc.stderr.startswith("error: --data") and "Traceback" not in proc.stderr
+
+
+def test_cuda_graph_plan_and_its_merge_rule():
+    """--cuda-graph adds the trainer's --enable-cuda-graph (which compiles) and is part of the plan; a plan written
+    before the option merges with one that ran without it, never with one that ran with it."""
+    fid = load_benchmark("fidelity")
+    manifest = {"vocab_size": 64, "data_prefix": "p", "split": "9,1,0", "tokenizer_model": "t",
+                "valid": {"tokens": 10 * 8 * 32 + 1}}
+    plain_flags, plain = fid.run_plan("tiny", manifest, True, False)
+    graph_flags, graph = fid.run_plan("tiny", manifest, True, False, cuda_graph=True)
+    assert "--enable-cuda-graph" not in plain_flags and graph_flags[-1] == "--enable-cuda-graph"
+    assert graph["cuda_graph"] and graph["compile"] and not plain["cuda_graph"]
+    older = {k: v for k, v in plain.items() if k != "cuda_graph"}
+    assert fid.same_schedule(older, plain) and not fid.same_schedule(older, graph)
+
+
+def test_cuda_graph_without_a_gpu_is_one_error_line(tiny_data, tmp_path):
+    proc = run_script(SCRIPT, "run", "--preset", "tiny", "--cuda-graph", "--data", tiny_data, "--out",
+                      str(tmp_path / "x.json"))
+    assert proc.returncode == 1 and proc.stderr.startswith("error: --cuda-graph") and "Traceback" not in proc.stderr
