@@ -6,10 +6,10 @@ amax, and the cast into g8 [M, N] (dgrad) and g8^T [N, M] (wgrad). Here RoPE's k
 dq, dk, dv where attention left them (any strides, unit last stride), rotates q's and k's by minus the angle, copies
 v's, writes each straight into its columns of the joined gradient and folds the amax in; one cast pass
 (megacoat.ops.cast_transpose) then writes both layouts. Four launches, about 8 bytes moved per element, against
-the unfused path's ~14 (separate rotations, a torch.cat, a separate amax pass).
+the unfused path's ~13 (separate rotations, a torch.cat, a separate amax pass).
 
 (Casting from dq, dk, dv in place, without the joined tensor, moves fewer bytes but its tiles of 64 tokens x 64
-columns ran 2.4x slower than this on the H100: benchmarks/results/bench_e2e_notes.md.)
+columns ran 3.3x slower than this on the H100: benchmarks/results/bench_e2e_notes.md.)
 
 The arithmetic is the unfused path's: the rotation in fp32 rounded to the gradients' dtype, then the per-tensor
 cast of quantize_transpose (same scale, same reciprocal, same clamp). The reference is that path itself; on CUDA,
