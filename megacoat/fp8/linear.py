@@ -211,8 +211,8 @@ def check_gemm_dims(**dims: int) -> None:
 
 
 def scaled_mm(a8, b8_colmajor, scale_a, scale_b, out_dtype, fast_accum: bool = False) -> torch.Tensor:
-    """fast_accum: cuBLASLt's FP8 accumulation without the periodic fp32 promotion (faster on Hopper, about
-    14 accumulated mantissa bits instead of 23); only FP8Config.fast_accum's forward GEMMs ask for it."""
+    """fast_accum: cuBLASLt's FP8 accumulation without the periodic fp32 promotion (about 14 accumulated mantissa
+    bits instead of 23); only FP8Config.fast_accum's forward GEMMs ask for it."""
     return torch._scaled_mm(a8, b8_colmajor, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
 

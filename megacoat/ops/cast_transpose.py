@@ -52,14 +52,6 @@ def cast_transpose_ref(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dt
 
 
 @triton.jit
-def scaled_reciprocal(scale):
-    """(c, 1 / (scale * c)) for the cast q = (x * c) * that: the per-tensor reciprocal once per program (the element
-    loop multiplies), a scale from the amax floor rescaled by c first so that it stays finite (numerics)."""
-    c = tl.where(scale < RESCALE_BELOW, RESCALE, 1.0)
-    return c, tl.div_rn(1.0, scale * c)
-
-
-@triton.jit
 def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, N, ldt, fmax, amax_floor,
                            FROM_AMAX: tl.constexpr, ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr):
@@ -72,7 +64,9 @@ def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, N, 
             tl.store(scale_ptr, scale)
     else:
         scale = tl.load(scale_ptr)
-    c, inv = scaled_reciprocal(scale)
+    # once per program: the element loop multiplies; a scale from the amax floor is rescaled first (numerics)
+    c = tl.where(scale < RESCALE_BELOW, RESCALE, 1.0)
+    inv = tl.div_rn(1.0, scale * c)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < N)

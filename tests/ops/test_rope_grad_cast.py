@@ -22,7 +22,8 @@ def _skip_unless_kernels_run():
         pytest.skip("kernels were imported before TRITON_INTERPRET was set")
 
 
-# grouped-query heads; a head dim of 24 (tiles of 8 columns); 128 with a last row tile cut short (40 tokens)
+# grouped-query heads; a head dim of 24 (not a power of two: masked lanes in RoPE's kernel); 40 tokens of 128 (the
+# cast's last 64-row tile cut short)
 @pytest.mark.parametrize("b,s,hq,hk,d", [(2, 24, 4, 2, 32), (1, 32, 3, 3, 24), (2, 20, 2, 1, 128)])
 @pytest.mark.parametrize("grad_dtype", [torch.float8_e5m2, torch.float8_e4m3fn])
 def test_triton_matches_reference(b, s, hq, hk, d, grad_dtype):
