@@ -63,5 +63,19 @@ def paired_gap(mode_losses: dict[int, float], base_losses: dict[int, float]) -> 
         half = student_t_quantile(0.975, len(diffs) - 1) * std / math.sqrt(len(diffs))
         out.update(std_pct=std, ci95_pct=[mean - half, mean + half],
                    meets_target=abs(mean) <= TARGET_MEAN_PCT and -TARGET_CI_PCT <= mean - half
-                   and mean + half <= TARGET_CI_PCT)
+                   and mean + half <= TARGET_CI_PCT,
+                   seeds_for_interval=seeds_for_interval(mean, std))
     return out
+
+
+def seeds_for_interval(mean: float, std: float, limit: int = 1000) -> int | None:
+    """For planning device calls: the fewest paired seeds whose 95% interval, mean +- t(0.975, n-1) std / sqrt(n),
+    would lie inside +-TARGET_CI_PCT if the observed mean and spread held. None where no count does (|mean| at or
+    beyond the bound, or more than `limit` seeds). An estimate: both the mean and the spread move as seeds come."""
+    room = TARGET_CI_PCT - abs(mean)
+    if room <= 0:
+        return None
+    for n in range(2, limit + 1):
+        if student_t_quantile(0.975, n - 1) * std / math.sqrt(n) <= room:
+            return n
+    return None

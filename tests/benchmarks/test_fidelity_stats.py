@@ -30,3 +30,15 @@ def test_paired_gap_on_known_numbers():
     one = stats.paired_gap({1: 1.01}, {1: 1.0})
     assert one["mean_pct"] == pytest.approx(1.0) and one["ci95_pct"] is None
     assert stats.paired_gap({1: 1.0}, {2: 1.0}) is None
+
+
+def test_seeds_for_interval_is_the_first_count_that_fits():
+    # mean 0, std 1%: the first n with t(0.975, n-1) / sqrt(n) <= 0.5 (n=18: 2.110 / 4.243 = 0.497; n=17: 0.514)
+    assert stats.seeds_for_interval(0.0, 1.0) == 18
+    n = stats.seeds_for_interval(0.3, 0.5)             # room 0.2%: the bound holds at n and not at n - 1
+    assert stats.student_t_quantile(0.975, n - 1) * 0.5 / math.sqrt(n) <= 0.2
+    assert stats.student_t_quantile(0.975, n - 2) * 0.5 / math.sqrt(n - 1) > 0.2
+    assert stats.seeds_for_interval(-0.5, 0.1) is None  # the mean is already at the bound
+    assert stats.seeds_for_interval(0.49, 5.0, limit=50) is None
+    gap = stats.paired_gap({1: 1.002, 2: 0.999, 3: 1.0}, {1: 1.0, 2: 1.0, 3: 1.0})
+    assert gap["seeds_for_interval"] == stats.seeds_for_interval(gap["mean_pct"], gap["std_pct"])
