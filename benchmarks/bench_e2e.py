@@ -60,6 +60,8 @@ MODES = {
     "coat-rowwise": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-weight-cache", "rowwise"]),
     # forward GEMMs with cuBLASLt's fast FP8 accumulation (torchao's and TransformerEngine's forward default)
     "coat-fast-accum": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-fast-accum"]),
+    # SwiGLU's gradient with delayed scaling (one pass of its backward instead of two; TransformerEngine's recipe)
+    "coat-delayed": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-grad-scaling", "delayed"]),
     "torchao-float8": ("benchmarks/torchao_pretrain.py", []),
     "plain-llama": ("benchmarks/plain_llama.py", []),
 }

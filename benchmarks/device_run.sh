@@ -19,7 +19,8 @@
 #               phase); PART baseline: bf16+compile plain-llama torchao-float8 (needs the torchao wheel in .whl);
 #               PART fp8: bf16+compile coat coat+compile; PART cudagraph: bf16+compile coat+cudagraph torchao-float8
 #               (the FP8 speed path); PART fastaccum: bf16+compile coat+cudagraph coat-fast-accum+cudagraph
-#               (--fp8-fast-accum's speed). Each holds bf16+compile: ratios stay within one call       issue 17
+#               (--fp8-fast-accum's speed); PART delayed: bf16+compile coat+cudagraph coat-delayed+cudagraph
+#               (--fp8-grad-scaling delayed's speed). Each holds bf16+compile: ratios stay within one call  issue 17
 #   e2e-memory  (~7 min, 1 GPU) peak memory and speed at micro-batch 4 and 8: bf16+compile, coat,
 #               coat-fp32-master and coat-rowwise with CUDA graphs, one repeat (memory is
 #               deterministic)                                                                   issue 18
@@ -106,7 +107,8 @@ e2e)
     fp8) MODES="bf16+compile coat coat+compile" ;;
     cudagraph) MODES="bf16+compile coat+cudagraph torchao-float8" ;;
     fastaccum) MODES="bf16+compile coat+cudagraph coat-fast-accum+cudagraph" ;;
-    *) echo "e2e: part must be baseline, fp8, cudagraph or fastaccum (see the header of $0)"; exit 2 ;;
+    delayed) MODES="bf16+compile coat+cudagraph coat-delayed+cudagraph" ;;
+    *) echo "e2e: part must be baseline, fp8, cudagraph, fastaccum or delayed (see the header of $0)"; exit 2 ;;
     esac
     step "e2e_${3}_mb$MB" 565 $E2E --micro-batch-size "$MB" --profile --modes $MODES \
         --out "$OUT/bench_e2e_speed_${3}_mb$MB.json"

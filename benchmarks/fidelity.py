@@ -64,6 +64,8 @@ MODES = {
     "coat-v-e5m2": ["--coat-fp8", "--fp8-v-dtype", "e5m2"],
     # forward GEMMs with fast accumulation: whether --fp8-fast-accum costs loss (it is off by default until shown)
     "coat-fast-accum": ["--coat-fp8", "--fp8-fast-accum"],
+    # SwiGLU's gradient scaled by the amaxes of earlier backward calls: whether --fp8-grad-scaling delayed costs loss
+    "coat-delayed": ["--coat-fp8", "--fp8-grad-scaling", "delayed"],
 }
 MODEL_125M = ["--num-layers", "12", "--hidden-size", "768", "--ffn-hidden-size", "2048", "--num-attention-heads", "12"]
 MODEL_350M = ["--num-layers", "24", "--hidden-size", "1024", "--ffn-hidden-size", "2816", "--num-attention-heads", "16"]

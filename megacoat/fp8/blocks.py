@@ -23,6 +23,7 @@ from torch import nn
 
 from megacoat.fp8.config import FP8Config
 from megacoat.fp8.formats import get_format
+from megacoat.fp8.grad_scaling import DelayedGradScale, drop_saved_history
 from megacoat.fp8.linear import Fp8Linear, Fp8WeightCache
 from megacoat.fp8.precision_flow import coat_mlp, coat_norm_qkv
 from megacoat.ops.attention import causal_attention
@@ -59,6 +60,11 @@ class CoatTransformerBlock(nn.Module):
         self.grad_dtype = get_format(fp8.grad_dtype).dtype
         self.qkv_cache, self.w13_cache, self.w2_cache = (Fp8WeightCache(fp8.weight_cache)
                                                          for _ in range(3))
+        if fp8.grad_scaling == "delayed":
+            self.swiglu_grad_scale = DelayedGradScale(fp8.amax_history_len)
+        else:
+            self.swiglu_grad_scale = None
+            drop_saved_history(self, "swiglu_grad_scale")
         self.region = NO_REGION
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -69,7 +75,7 @@ class CoatTransformerBlock(nn.Module):
         h = x + a.wo(causal_attention(q, k, v))
         out = coat_mlp(region.enter(h), region.replicated(self.ffn_norm.weight), ff.w1.weight, ff.w3.weight,
                        ff.w2.weight, self.w13_cache, self.w2_cache, self.ffn_norm.eps, self.group_size,
-                       self.grad_dtype, self.fast_accum)
+                       self.grad_dtype, self.fast_accum, self.swiglu_grad_scale)
         return h + region.exit(out)
 
     def fp8_weight_caches(self):

@@ -13,6 +13,9 @@ FP8_DTYPES = ("e4m3", "e5m2")
 # parameter). rowwise: only W8 lives; backward transposes its bytes (+1 B, one FP8 transpose per use, the same
 # bytes as step's W8^T). none: made per use and dropped (no persistent bytes, ~3 extra weight reads per micro-batch).
 WEIGHT_CACHES = ("step", "rowwise", "none")
+# current: each FP8 gradient scaled by its own amax. delayed: SwiGLU's gradient in coat mode by the amaxes its
+# earlier calls recorded (megacoat.fp8.grad_scaling: one pass of its backward instead of two).
+GRAD_SCALINGS = ("current", "delayed")
 
 
 @dataclass
@@ -25,6 +28,8 @@ class FP8Config:
     # TransformerEngine's and torchao's forward default. Backward GEMMs always promote: gradients sum over
     # the tokens, where the tensor cores' limited accumulator precision loses the most.
     fast_accum: bool = False
+    grad_scaling: str = "current"
+    amax_history_len: int = 16  # delayed scaling: backward calls (micro-batches) whose amaxes set the scale
 
     def __post_init__(self):
         if self.mode not in ACTIVATION_MODES:
@@ -33,6 +38,13 @@ class FP8Config:
             raise ValueError(f"--fp8-grad-dtype must be one of {FP8_DTYPES}, got {self.grad_dtype!r}")
         if self.weight_cache not in WEIGHT_CACHES:
             raise ValueError(f"--fp8-weight-cache must be one of {WEIGHT_CACHES}, got {self.weight_cache!r}")
+        if self.grad_scaling not in GRAD_SCALINGS:
+            raise ValueError(f"--fp8-grad-scaling must be one of {GRAD_SCALINGS}, got {self.grad_scaling!r}")
+        if self.amax_history_len < 1:
+            raise ValueError(f"--fp8-amax-history-len must be at least 1, got {self.amax_history_len}")
+        if self.grad_scaling == "delayed" and self.mode != "coat":
+            raise ValueError("--fp8-grad-scaling delayed applies to the coat precision flow (SwiGLU's FP8 gradient): "
+                             f"add --coat-fp8 or --fp8-activations coat (the mode is {self.mode})")
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"--fp8-group-size must be one of {'/'.join(map(str, GROUP_SIZES))}, "
                              f"got {self.group_size}")

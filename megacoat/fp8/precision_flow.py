@@ -10,7 +10,8 @@ Saved for backward, per token: the norm's input (H bytes + H/G scales) and SwiGL
 scales): FP8 only. The GEMM inputs that wgrad needs (normed x, silu(a1)*a3) are cheap functions of those and
 are made again in backward, transposed (normed x by the norm's output kernel, silu(a1)*a3 by SwiGLU's
 backward pass, which reads the pair anyway). Gradients between the layers are FP8 too (E5M2 by default):
-SwiGLU's backward writes da1|da3 straight into the layouts of the two GEMMs that consume it, and attention's dq,
+SwiGLU's backward writes da1|da3 straight into the layouts of the two GEMMs that consume it (with delayed scaling,
+megacoat.fp8.grad_scaling, in one pass instead of two), and attention's dq,
 dk, dv go through RoPE's backward straight into the joined [q|k|v] gradient, its amax folded in, then one cast into
 the layouts of the [q|k|v] GEMMs (megacoat.ops.rope_grad_cast).
 
@@ -21,11 +22,12 @@ from __future__ import annotations
 
 import torch
 
+from megacoat.fp8.grad_scaling import DelayedGradScale
 from megacoat.fp8.linear import Fp8WeightCache, check_gemm_dims, fp8_weight_t, quantize_grad, scaled_mm
 from megacoat.ops.rmsnorm import rmsnorm_fp8_bwd, rmsnorm_fp8_fwd, rmsnorm_fp8_out
 from megacoat.ops.rope import rope_rotate
 from megacoat.ops.rope_grad_cast import rope_qkv_grad_fp8
-from megacoat.ops.swiglu import swiglu_fp8_bwd_out_t, swiglu_fp8_fwd, swiglu_fp8_out
+from megacoat.ops.swiglu import swiglu_fp8_bwd_delayed, swiglu_fp8_bwd_out_t, swiglu_fp8_fwd, swiglu_fp8_out
 
 
 def _split_rows(t: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
@@ -71,7 +73,7 @@ class CoatMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, norm_weight, w1, w3, w2, w13_8, w13_8t, w13_scale, w2_8, w2_8t, w2_scale, eps, group_size,
-                grad_dtype, fast_accum):
+                grad_dtype, fast_accum, grad_history, bootstrap):
         x8, xs, rstd, y_scale = rmsnorm_fp8_fwd(x, norm_weight, eps, group_size)
         y8 = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, group_size, transpose=False)
         a13 = scaled_mm(y8, w13_8.t(), y_scale, w13_scale, x.dtype, fast_accum)  # [M, 2F]: gate | up
@@ -84,6 +86,7 @@ class CoatMLPFunction(torch.autograd.Function):
         ctx.w13 = (w1, w3) if w13_8t is None else None  # to remake W8^T in backward (no persistent cache)
         ctx.w2 = (w2,) if w2_8t is None else None
         ctx.group_size, ctx.grad_dtype, ctx.w_dtype, ctx.ffn = group_size, grad_dtype, w1.dtype, w1.shape[0]
+        ctx.grad_history, ctx.bootstrap = grad_history, bootstrap  # state (written by backward), not an activation
         return out
 
     @staticmethod
@@ -95,7 +98,11 @@ class CoatMLPFunction(torch.autograd.Function):
         ds = scaled_mm(g8, w2_8t.t(), g_scale, ctx.w2_scale, grad_out.dtype)  # [M, F]
         del w2_8t
         # SwiGLU's backward also remakes s^T (w2's wgrad operand) from the pair it reads anyway
-        da8, da8t, da_scale, s8t = swiglu_fp8_bwd_out_t(ds, a1_8, s1, a3_8, s3, s_scale, g, ctx.grad_dtype)
+        if ctx.grad_history is None:
+            da8, da8t, da_scale, s8t = swiglu_fp8_bwd_out_t(ds, a1_8, s1, a3_8, s3, s_scale, g, ctx.grad_dtype)
+        else:  # delayed scaling (megacoat.fp8.grad_scaling): one pass, the history rolled
+            da8, da8t, da_scale, s8t = swiglu_fp8_bwd_delayed(ds, a1_8, s1, a3_8, s3, s_scale, ctx.grad_history, g,
+                                                              ctx.grad_dtype, bootstrap=ctx.bootstrap)
         del ds
         dw2 = scaled_mm(g8t, s8t.t(), g_scale, s_scale, ctx.w_dtype)
         del g8, g8t, s8t
@@ -106,7 +113,7 @@ class CoatMLPFunction(torch.autograd.Function):
         dw13 = scaled_mm(da8t, y8t.t(), da_scale, y_scale, ctx.w_dtype)
         dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, g)
         dw1, dw3 = _split_rows(dw13, [ctx.ffn, ctx.ffn])
-        return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, *(None,) * 10
+        return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, *(None,) * 12
 
 
 def coat_norm_qkv(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, group_size: int,
@@ -121,10 +128,15 @@ def coat_norm_qkv(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, gr
 
 
 def coat_mlp(x, norm_weight, w1, w3, w2, cache13: Fp8WeightCache, cache2: Fp8WeightCache, eps: float,
-             group_size: int, grad_dtype: torch.dtype, fast_accum: bool = False):
+             group_size: int, grad_dtype: torch.dtype, fast_accum: bool = False,
+             grad_scale: DelayedGradScale | None = None):
+    """grad_scale: SwiGLU's gradient with delayed scaling from that history (None: current scaling)."""
+    history, bootstrap = None, False
     if torch.is_grad_enabled():
         check_gemm_dims(tokens_per_micro_batch=x[..., 0].numel())
+        if grad_scale is not None:
+            history, bootstrap = grad_scale.amax_history, grad_scale.bootstrap()
     out = CoatMLPFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w1, w3, w2, *cache13.get((w1, w3)),
-                                *cache2.get((w2,)), eps, group_size, grad_dtype, fast_accum)
+                                *cache2.get((w2,)), eps, group_size, grad_dtype, fast_accum, history, bootstrap)
     return out.view(x.shape)
 

@@ -90,9 +90,10 @@ def launcher(kernel):
     return wrap_triton(kernel) if getattr(_traced, "on", False) and not getattr(_traced, "direct", False) else kernel
 
 
-def fp8_operator(name: str):
+def fp8_operator(name: str, mutates_args: tuple[str, ...] = ()):
     """Register `body` (a function of tensors and plain values, returning tensors) as the custom operator `name`:
-    at run time `body` launches its kernels directly, under tracing it is its own fake."""
+    at run time `body` launches its kernels directly, under tracing it is its own fake. `mutates_args` names the
+    arguments `body` writes in place (a state tensor such as an amax history), so the compiler orders them."""
     def register(body):
         def run(*args):
             prev = getattr(_traced, "direct", False)
@@ -102,7 +103,8 @@ def fp8_operator(name: str):
             finally:
                 _traced.direct = prev
 
-        op = torch.library.custom_op(name, run, mutates_args=(), schema=infer_schema(body, mutates_args=()))
+        op = torch.library.custom_op(name, run, mutates_args=mutates_args,
+                                     schema=infer_schema(body, mutates_args=mutates_args))
         op.register_fake(body)
         return op
     return register

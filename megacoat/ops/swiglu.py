@@ -12,6 +12,9 @@ byte is written, so ds, a1, a3 are read twice; 12 bytes per (token, ffn) pair in
 kernel reduces max|da1|, |da3| into one float by atomic max; the second derives the scale from it and writes
 da13 [M, 2F] for the dgrad GEMM and da13^T [2F, M] for the wgrad GEMM from one read. `swiglu_fp8_bwd_out_t`
 also writes s^T in the first pass, in place of a `swiglu_fp8_out(transpose=True)` launch.
+`swiglu_fp8_bwd_delayed` (delayed scaling, megacoat.fp8.grad_scaling) runs the second pass alone: its scale comes
+from an amax history, and the pass writes s^T and folds this call's amax into the history (8 bytes per pair
+instead of 12).
 On the GPU the kernels use the cheaper math of megacoat.ops.triton_math (fast sigmoid, saturating casts).
 """
 from __future__ import annotations
@@ -69,15 +72,43 @@ def swiglu_fp8_bwd_out_t_ref(ds, a1_8, s1, a3_8, s3, s_scale, group_size: int, g
 
 def swiglu_fp8_bwd_ref(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=torch.float8_e5m2):
     """→ (da13 [M, 2F], da13^T [2F, M], scale): d(silu(a1) a3) in `grad_dtype` with one per-tensor scale."""
+    da = _da_ref(ds, a1_8, s1, a3_8, s3, group_size)
+    return _cast_ref(da, _scale(da.abs().amax(), grad_dtype), grad_dtype)
+
+
+def _da_ref(ds, a1_8, s1, a3_8, s3, group_size: int) -> torch.Tensor:
+    """da1 | da3 [M, 2F] in float32."""
     a1 = group_dequantize(a1_8, s1, group_size)
     a3 = group_dequantize(a3_8, s3, group_size)
     sig = torch.sigmoid(a1)
     dsf = ds.float()
-    da = torch.cat((dsf * a3 * sig * (1 + a1 * (1 - sig)), dsf * a1 * sig), dim=1)
-    scale = _scale(da.abs().amax(), grad_dtype)
+    return torch.cat((dsf * a3 * sig * (1 + a1 * (1 - sig)), dsf * a1 * sig), dim=1)
+
+
+def _cast_ref(da, scale, grad_dtype):
     fmax = torch.finfo(grad_dtype).max
     q = (da / scale).clamp(-fmax, fmax).to(grad_dtype)
     return q, q.t().contiguous(), scale
+
+
+def swiglu_fp8_bwd_delayed_ref(ds, a1_8, s1, a3_8, s3, s_scale, history, group_size: int,
+                               grad_dtype=torch.float8_e5m2, out_dtype=E4M3, bootstrap: bool = False):
+    """swiglu_fp8_bwd_out_t with delayed scaling: the scale comes from max(history), the amaxes of earlier calls
+    (bootstrap: from this call's own amax, as swiglu_fp8_bwd_out_t); values beyond it saturate at the format's
+    max. history [L] (float32, most recent first) is rolled in place, this call's amax in front (zero for a
+    non-finite one: that step is refused anyway, and later calls should not inherit it)."""
+    da = _da_ref(ds, a1_8, s1, a3_8, s3, group_size)
+    amax = da.abs().amax().reshape(1)
+    amax_in = amax if bootstrap else history.amax().reshape(1)
+    out = (*_cast_ref(da, _scale(amax_in, grad_dtype), grad_dtype),
+           swiglu_fp8_out_ref(a1_8, s1, a3_8, s3, s_scale, group_size, True, out_dtype))
+    _record(history, amax)
+    return out
+
+
+def _record(history: torch.Tensor, amax: torch.Tensor) -> None:
+    amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+    history.copy_(torch.cat((amax.to(history.dtype), history[:-1])))
 
 
 # --------------------------------------------------------------------------------------------------- triton
@@ -169,10 +200,13 @@ def _bwd_amax_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, s_scale_p
 
 
 @triton.jit
-def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, F, NG,
-                     fmax_g, amax_floor, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr):
+def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, s_scale_ptr,
+                     st_ptr, amax_out_ptr, M, F, NG, fmax_g, fmax_s, amax_floor, G: tl.constexpr, BM: tl.constexpr,
+                     FAST: tl.constexpr, WRITE_ST: tl.constexpr, AMAX_OUT: tl.constexpr):
     """Pass 2: one read of ds, a1, a3 writes da1|da3 both row-major [M, 2F] (dgrad) and transposed [2F, M]
-    (wgrad). Tiles run in the reverse order of pass 1, so the first ones read what pass 1 left in L2."""
+    (wgrad). Tiles run in the reverse order of pass 1, so the first ones read what pass 1 left in L2.
+    Delayed scaling runs this pass alone, with the amax of earlier calls: WRITE_ST then writes s^T (pass 1's
+    other job) and AMAX_OUT folds this call's max |da1|, |da3| into amax_out by atomic max, for later calls."""
     gi = tl.num_programs(1) - 1 - tl.program_id(1)
     rm = ((tl.num_programs(0) - 1 - tl.program_id(0)) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
@@ -180,7 +214,13 @@ def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr
     scale = tl.math.div_rn(tl.maximum(tl.load(amax_ptr), amax_floor), fmax_g)  # IEEE, as the reference's torch division
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(scale_ptr, scale)
-    da1, da3, _ = _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG, FAST)
+    da1, da3, s = _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG, FAST)
+    if AMAX_OUT:
+        tl.atomic_max(amax_out_ptr, tl.max(tl.max(tl.maximum(tl.abs(da1), tl.abs(da3)), axis=1), axis=0))
+    if WRITE_ST:
+        qs = div_saturate(s, tl.load(s_scale_ptr), fmax_s, FAST)
+        tl.store(st_ptr + rn[:, None] * M + rm[None, :], tl.trans(qs).to(st_ptr.dtype.element_ty),
+                 mask=tl.trans(mask))
     ty = out_ptr.dtype.element_ty
     inv = 1.0 / scale  # as in div_saturate, with one branch for both halves
     if inv < 3.0e38:
@@ -235,7 +275,28 @@ def swiglu_fp8_bwd_out_t_triton(ds, a1_8, s1, a3_8, s3, s_scale, group_size: int
     return _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dtype)
 
 
-def _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dtype):
+def swiglu_fp8_bwd_delayed_triton(ds, a1_8, s1, a3_8, s3, s_scale, history, group_size: int,
+                                  grad_dtype=torch.float8_e5m2, out_dtype=E4M3, bootstrap: bool = False):
+    """Delayed scaling: one pass (the cast pass, writing s^T and folding this call's amax in), no amax pass;
+    bootstrap: both passes, as swiglu_fp8_bwd_out_t. Then the history roll (swiglu_fp8_bwd_delayed_ref)."""
+    if bootstrap:
+        *out, amax = _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dtype, True)
+        _record(history, amax)
+        return tuple(out)
+    ds = ds.contiguous()
+    m, f = a1_8.shape
+    dev = ds.device
+    amax = torch.zeros((1,), dtype=torch.float32, device=dev)  # this call's, for later ones
+    scale = torch.empty((1,), dtype=torch.float32, device=dev)
+    da = torch.empty((m, 2 * f), dtype=grad_dtype, device=dev)
+    dat = torch.empty((2 * f, m), dtype=grad_dtype, device=dev)
+    st = torch.empty((f, m), dtype=out_dtype, device=dev)
+    _cast_launch((ds, a1_8, s1, a3_8, s3, history.amax().reshape(1)), scale, da, dat, s_scale, st, amax, group_size)
+    _record(history, amax)
+    return da, dat, scale, st
+
+
+def _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dtype, with_amax=False):
     ds = ds.contiguous()
     m, f = a1_8.shape
     ng = s1.shape[1]
@@ -251,10 +312,20 @@ def _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dty
         *args, s_scale if write_st else amax, st if write_st else amax, m, f, ng,
         torch.finfo(out_dtype).max if write_st else 0.0, G=group_size, BM=_BM, FAST=FAST, WRITE_ST=write_st,
         num_warps=4)
-    launcher(_bwd_cast_kernel)[(triton.cdiv(m, _BM_T), ng)](*args, scale, da, dat, m, f, ng, torch.finfo(grad_dtype).max,
-                                                  AMAX_FLOOR, G=group_size, BM=_BM_T, FAST=FAST,
-                                                  num_warps=_WARPS_T)
-    return (da, dat, scale, st) if write_st else (da, dat, scale)
+    _cast_launch(args, scale, da, dat, None, None, None, group_size)
+    out = (da, dat, scale, st) if write_st else (da, dat, scale)
+    return out + (amax,) if with_amax else out
+
+
+def _cast_launch(args, scale, da, dat, s_scale, st, amax_out, group_size):
+    """The cast pass over args = (ds, a1_8, s1, a3_8, s3, amax); s^T and the amax out only where given."""
+    m, f = args[1].shape
+    ng = args[2].shape[1]
+    launcher(_bwd_cast_kernel)[(triton.cdiv(m, _BM_T), ng)](
+        *args, scale, da, dat, scale if s_scale is None else s_scale, da if st is None else st,
+        scale if amax_out is None else amax_out, m, f, ng, torch.finfo(da.dtype).max,
+        0.0 if st is None else torch.finfo(st.dtype).max, AMAX_FLOOR, G=group_size, BM=_BM_T, FAST=FAST,
+        WRITE_ST=st is not None, AMAX_OUT=amax_out is not None, num_warps=_WARPS_T)
 
 
 # ---------------------------------------------------------------------------------------------- dispatchers
@@ -285,6 +356,14 @@ def swiglu_fp8_bwd_out_t(ds, a1_8, s1, a3_8, s3, s_scale, group_size: int, grad_
                     ds, a1_8, s1, a3_8, s3, s_scale, group_size, grad_dtype, out_dtype)
 
 
+def swiglu_fp8_bwd_delayed(ds, a1_8, s1, a3_8, s3, s_scale, history, group_size: int,
+                           grad_dtype=torch.float8_e5m2, out_dtype=E4M3, bootstrap: bool = False):
+    """swiglu_fp8_bwd_out_t with delayed scaling (swiglu_fp8_bwd_delayed_ref): one pass over ds and the pair
+    instead of two, `history` rolled in place."""
+    return dispatch(_bwd_delayed_op, ds, swiglu_fp8_bwd_delayed_triton, swiglu_fp8_bwd_delayed_ref,
+                    ds, a1_8, s1, a3_8, s3, s_scale, history, group_size, grad_dtype, out_dtype, bootstrap)
+
+
 @fp8_operator("megacoat::swiglu_fp8_fwd")
 def _fwd_op(a13: Tensor, group_size: int, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return traced_body(a13, swiglu_fp8_fwd_triton, swiglu_fp8_fwd_ref, a13, group_size, out_dtype)
@@ -308,3 +387,11 @@ def _bwd_out_t_op(ds: Tensor, a1_8: Tensor, s1: Tensor, a3_8: Tensor, s3: Tensor
                   grad_dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return traced_body(ds, swiglu_fp8_bwd_out_t_triton, swiglu_fp8_bwd_out_t_ref, ds, a1_8, s1, a3_8, s3, s_scale,
                        group_size, grad_dtype, out_dtype)
+
+
+@fp8_operator("megacoat::swiglu_fp8_bwd_delayed", mutates_args=("history",))
+def _bwd_delayed_op(ds: Tensor, a1_8: Tensor, s1: Tensor, a3_8: Tensor, s3: Tensor, s_scale: Tensor, history: Tensor,
+                    group_size: int, grad_dtype: torch.dtype, out_dtype: torch.dtype,
+                    bootstrap: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return traced_body(ds, swiglu_fp8_bwd_delayed_triton, swiglu_fp8_bwd_delayed_ref, ds, a1_8, s1, a3_8, s3, s_scale,
+                       history, group_size, grad_dtype, out_dtype, bootstrap)

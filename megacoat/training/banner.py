@@ -22,8 +22,10 @@ def _fp8(cfg: MegacoatConfig, bf16: bool) -> str:
     gemms = f"FP8 GEMMs (E4M3 inputs and weights, per-tensor scales; gradients {f.grad_dtype.upper()}{accum})"
     if f.mode == "fp8-linear":
         return f"fp8-linear: {gemms}; norms, SwiGLU and attention in high precision"
+    delayed = (f"; SwiGLU's gradient with delayed scaling (history of {f.amax_history_len}, --fp8-grad-scaling)"
+               if f.grad_scaling == "delayed" else "")
     return (f"coat: {gemms}; RMSNorm and SwiGLU in E4M3 with 1x{f.group_size} group scales, FP8 tensors saved "
-            f"for backward")
+            f"for backward{delayed}")
 
 
 def _optimizer(cfg: MegacoatConfig) -> str:

@@ -101,3 +101,74 @@ def test_gpu_large_shape_matches_reference():
     assert_close_f32(tb[2], rb[2], rtol=1e-5, atol=0)
     assert_fp8_close(tb[0], rb[0])
     assert_fp8_close(tb[1], rb[1])
+
+
+# --- delayed scaling (--fp8-grad-scaling delayed) -----------------------------------------------------------------
+def _same(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype.itemsize == 1 else torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["ref", "triton"])
+def test_delayed_bootstrap_is_current_scaling(backend):
+    """The first call (no history yet) scales by its own amax: exactly swiglu_fp8_bwd_out_t, and it records that
+    amax in front of the history."""
+    if backend == "triton" and DEV == "cpu" and not interpreted(S._fwd_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+    delayed, current = ((S.swiglu_fp8_bwd_delayed_ref, S.swiglu_fp8_bwd_out_t_ref) if backend == "ref" else
+                        (S.swiglu_fp8_bwd_delayed_triton, S.swiglu_fp8_bwd_out_t_triton))
+    m, f, g = SHAPES[0]
+    ra = S.swiglu_fp8_fwd_ref(_a13(m, f), g)
+    ds = torch.randn(m, f, device=DEV).to(torch.bfloat16)
+    history = torch.tensor([0.0, 0.0, 0.0], device=DEV)
+    got = delayed(ds, *ra, history, g, bootstrap=True)
+    assert all(_same(a, b) for a, b in zip(got, current(ds, *ra, g)))
+    # the scale is max(amax, floor) / F.max of the recorded amax, so the recorded amax is the one the cast used
+    assert _same(got[2], S.scale_from_amax(history[:1], E5M2.dtype)) and history[1:].eq(0).all()
+
+
+def test_delayed_scale_is_the_history_max_and_saturates():
+    m, f, g = SHAPES[1]
+    ra = S.swiglu_fp8_fwd_ref(_a13(m, f), g)
+    ds = torch.randn(m, f, device=DEV).to(torch.bfloat16)
+    da = S._da_ref(ds, *ra[:4], g)
+    amax = da.abs().amax().item()
+    fmax = torch.finfo(E5M2.dtype).max
+    for hist in ([amax * 4, 0.5 * amax, 0.0], [0.25 * amax, 0.125 * amax, 0.0]):  # headroom, then overflow
+        history = torch.tensor(hist, device=DEV)
+        q, qt, scale, st = S.swiglu_fp8_bwd_delayed_ref(ds, *ra, history, g)
+        want_scale = S.scale_from_amax(torch.tensor([max(hist)], device=DEV), E5M2.dtype)
+        assert _same(scale, want_scale)
+        assert _same(q, (da / want_scale).clamp(-fmax, fmax).to(E5M2.dtype)) and _same(qt, q.t().contiguous())
+        assert _same(st, S.swiglu_fp8_out_ref(*ra, g, True))
+        saturated = (q.float().abs() == fmax).float().mean().item()
+        assert (saturated > 0) == (max(hist) < amax)  # beyond the history's amax, values clamp to F.max
+        assert history[0].item() == amax and torch.equal(history[1:], torch.tensor(hist[:-1], device=DEV))
+
+
+def test_delayed_records_a_non_finite_amax_as_zero():
+    m, f, g = SHAPES[1]
+    ra = S.swiglu_fp8_fwd_ref(_a13(m, f), g)
+    ds = torch.randn(m, f, device=DEV).to(torch.bfloat16)
+    ds[3, 5] = float("inf")
+    history = torch.tensor([2.0, 1.0], device=DEV)
+    S.swiglu_fp8_bwd_delayed_ref(ds, *ra, history, g)
+    assert history.tolist() == [0.0, 2.0]
+
+
+@pytest.mark.parametrize("m,f,g", SHAPES)
+def test_delayed_triton_matches_reference(m, f, g):
+    """One pass (no amax pass): the cast as the reference's, s^T as swiglu_fp8_out's bytes, the same history."""
+    if DEV == "cpu" and not interpreted(S._fwd_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+    ra = S.swiglu_fp8_fwd_ref(_a13(m, f), g)
+    ds = torch.randn(m, f, device=DEV).to(torch.bfloat16)
+    amax = S._da_ref(ds, *ra[:4], g).abs().amax().item()
+    h_ref, h_tri = (torch.tensor([0.5 * amax, 0.9 * amax, 0.0], device=DEV) for _ in range(2))
+    want = S.swiglu_fp8_bwd_delayed_ref(ds, *ra, h_ref, g)
+    got = S.swiglu_fp8_bwd_delayed_triton(ds, *ra, h_tri, g)
+    assert _same(got[2], want[2])  # the scale from the history alone: bit for bit
+    assert_fp8_close(got[0], want[0])
+    assert _same(got[1], got[0].t().contiguous())
+    assert _same(got[3], S.swiglu_fp8_out_triton(*ra, g, True))
+    assert_close_f32(h_tri, h_ref, rtol=1e-5 if DEV == "cuda" else 0.1, atol=0)
+    assert torch.equal(h_tri[1:], h_ref[1:])  # rolled, not recomputed

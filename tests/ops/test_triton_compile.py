@@ -74,6 +74,7 @@ ds = torch.randn(m, f, dtype=bf)
 for fmt in (e4, e5):
     S.swiglu_fp8_bwd_triton(ds, a1, s1, a3, s3, g, fmt)
     S.swiglu_fp8_bwd_out_t_triton(ds, a1, s1, a3, s3, ss, g, fmt)
+    S.swiglu_fp8_bwd_delayed_triton(ds, a1, s1, a3, s3, ss, torch.ones(4), g, fmt)  # the one-pass variant
 dq = torch.randn(2, 4, 128, 128, dtype=bf).transpose(1, 2)  # [b, s, heads, d] as attention's backward leaves it
 cos, sin = torch.randn(128, 64), torch.randn(128, 64)
 rope.rope_triton(dq, cos, sin)

@@ -25,10 +25,13 @@ def _interrupted_then_resumed(tmp_path, argv, ranks=1, port=29600):
 
 
 # AdamW resumes are covered by the ZeRO-2 test below (slow); here CoatAdamW (FP8 moments, per-group scales
-# and expansion exponents in the optimizer state) on plain data parallelism.
-@pytest.mark.parametrize("optimizer", ["fp8-optimizer"])
-def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, optimizer):
-    argv = ["--train-iters", str(ITERS), "--zero-stage", "0", "--fp32", "--fp8-optimizer"]
+# and expansion exponents in the optimizer state) on plain data parallelism, and with the full COAT flow and
+# delayed gradient scaling (the amax histories are model state: without them the resumed backward would differ).
+@pytest.mark.parametrize("flags", [["--fp8-optimizer"],
+                                   ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-amax-history-len", "5"]],
+                         ids=["fp8-optimizer", "coat-delayed"])
+def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, flags):
+    argv = ["--train-iters", str(ITERS), "--zero-stage", "0", "--fp32", *flags]
     run(tmp_path, argv, tmp_path / "full.json")
     ckpt, log = _interrupted_then_resumed(tmp_path, argv)
     full, resumed = losses(tmp_path / "full.json"), losses(log)

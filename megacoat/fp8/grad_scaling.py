@@ -1,0 +1,68 @@
+"""Delayed scaling of an FP8 gradient (--fp8-grad-scaling delayed): the amax history one cast site keeps.
+
+Just-in-time ("current") scaling needs a tensor's whole amax before its first FP8 byte is written. For a gradient
+that megacoat's own kernel produces, SwiGLU's backward in coat mode, that is a second pass over its inputs
+(ds and the saved FP8 pair: 4.8 ms of a 218 ms step for the 1.3 B model at micro-batch 4 on an H100,
+benchmarks/results/bench_e2e_kernels_mb4.json). With delayed scaling, TransformerEngine's default recipe, the cast
+takes its scale from the amaxes that earlier calls recorded and records its own in the same pass, so one pass
+does the work of two. A value beyond the recorded amaxes saturates at the format's largest value (never inf).
+
+`DelayedGradScale` holds the history [L] (float32, most recent first: one entry per backward call, so one per
+micro-batch; the scale is the history's maximum, TransformerEngine's "max" rule). It is a buffer, so it is saved
+in checkpoints and an exact resume continues from it. The first backward has nothing recorded: it scales by its
+own amax (both passes) and records it. Which backward that is, the forward decides (a Python flag read where
+torch.compile can guard on it: the flag flips once, so a compiled block is traced once more, and never again).
+That needs each forward's backward before the next forward with gradients, which the trainer's micro-batch loop
+gives; DeepSpeed's pipeline schedule does not, so --pipeline-model-parallel-size > 1 refuses the option.
+
+Gradients whose amax torch.compile fuses into the op that makes them (the residual stream's, the joined
+[q|k|v] gradient's) keep current scaling: there the amax costs no pass of its own.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+HISTORY_KEY = "amax_history"
+
+
+class DelayedGradScale(nn.Module):
+    def __init__(self, history_len: int):
+        super().__init__()
+        if history_len < 1:
+            raise ValueError(f"--fp8-amax-history-len must be at least 1, got {history_len}")
+        self.register_buffer(HISTORY_KEY, torch.zeros(history_len, dtype=torch.float32))
+        self.ready = False  # an amax is (or will be, by the pending backward) in the history
+        self._register_load_state_dict_pre_hook(self._fit_loaded_history)
+        self.register_load_state_dict_post_hook(self._ready_from_history)
+
+    def bootstrap(self) -> bool:
+        """For a forward with gradients: whether its backward must scale by its own amax (nothing recorded yet)."""
+        if self.ready:
+            return False
+        self.ready = True
+        return True
+
+    def _fit_loaded_history(self, state_dict, prefix, *_):
+        """A checkpoint saved without delayed scaling starts from an empty history (the first backward scales by
+        its own amax again); one with another --fp8-amax-history-len keeps its most recent entries."""
+        key = prefix + HISTORY_KEY
+        mine = getattr(self, HISTORY_KEY)
+        saved = state_dict.get(key)
+        fitted = torch.zeros_like(mine)
+        if saved is not None:
+            n = min(len(saved), len(fitted))
+            fitted[:n] = saved[:n]
+        state_dict[key] = fitted
+
+    @staticmethod
+    def _ready_from_history(module, _incompatible) -> None:
+        module.ready = bool(getattr(module, HISTORY_KEY).amax() > 0)  # one host read, at load time only
+
+
+def drop_saved_history(module: nn.Module, attr: str):
+    """A load_state_dict pre-hook for a module without delayed scaling: forget the history a checkpoint saved
+    with it (--fp8-grad-scaling current resumes a delayed run), instead of failing on an unexpected key."""
+    def hook(state_dict, prefix, *_):
+        state_dict.pop(f"{prefix}{attr}.{HISTORY_KEY}", None)
+    module._register_load_state_dict_pre_hook(hook)
