@@ -36,6 +36,13 @@ class DelayedGradScale(nn.Module):
         self._register_load_state_dict_pre_hook(self._fit_loaded_history)
         self.register_load_state_dict_post_hook(self._ready_from_history)
 
+    def _apply(self, fn, recurse=True):
+        """Module.to / .cuda / .bfloat16 move the history but keep it float32: the kernels read it as float32,
+        and an amax rounded to bf16 would move the scale by up to 2^-9 for nothing."""
+        history = self._buffers[HISTORY_KEY]
+        self._buffers[HISTORY_KEY] = history.to(device=fn(history).device, dtype=torch.float32)
+        return self
+
     def bootstrap(self) -> bool:
         """For a forward with gradients: whether its backward must scale by its own amax (nothing recorded yet)."""
         if self.ready:

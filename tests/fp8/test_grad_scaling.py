@@ -111,6 +111,17 @@ def test_checkpoints_carry_the_history_and_switching_the_flag_loads():
     assert torch.equal(short.layers[0].swiglu_grad_scale.amax_history, saved[:2])
 
 
+def test_a_bf16_model_keeps_its_history_in_float32():
+    model = _model("delayed", dtype=torch.bfloat16)
+    history = model.layers[0].swiglu_grad_scale.amax_history
+    assert history.dtype == torch.float32
+    x, cos, sin = _inputs(model, torch.bfloat16)
+    for _ in range(2):
+        _step(model.layers[0], model.layers[0], x, cos, sin)
+    assert history.dtype == torch.float32 and history[:2].gt(0).all()
+    assert model.half().layers[0].swiglu_grad_scale.amax_history.dtype == torch.float32
+
+
 def test_history_length_is_checked():
     with pytest.raises(ValueError, match="--fp8-amax-history-len"):
         DelayedGradScale(0)
