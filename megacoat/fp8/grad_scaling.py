@@ -15,8 +15,9 @@ torch.compile can guard on it: the flag flips once, so a compiled block is trace
 That needs each forward's backward before the next forward with gradients, which the trainer's micro-batch loop
 gives; DeepSpeed's pipeline schedule does not, so --pipeline-model-parallel-size > 1 refuses the option.
 
-Gradients whose amax torch.compile fuses into the op that makes them (the residual stream's, the joined
-[q|k|v] gradient's) keep current scaling: there the amax costs no pass of its own.
+The other FP8 gradients keep current scaling, where their amax costs little or no pass of its own: the joined
+[q|k|v] gradient's is folded into RoPE's backward kernel, the residual stream's is a torch reduction that Inductor
+fuses into the add making it, and the MLP's incoming gradient's is a reduction of ~0.6 ms a step (same table).
 """
 from __future__ import annotations
 

@@ -64,8 +64,9 @@ def test_history_meets_current_scaling_exactly_where_the_amax_repeats():
 
 
 def test_evaluation_forwards_leave_the_history_alone():
-    block = _model("delayed").layers[0]
-    x, cos, sin = _inputs(_model("delayed"))
+    model = _model("delayed")
+    block = model.layers[0]
+    x, cos, sin = _inputs(model)
     with torch.no_grad():
         block(x, cos, sin)
     assert not block.swiglu_grad_scale.ready and block.swiglu_grad_scale.amax_history.eq(0).all()
