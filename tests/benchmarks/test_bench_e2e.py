@@ -103,3 +103,14 @@ def test_speed_on_a_tiny_model_writes_each_point_with_its_profile(tmp_path):
         assert point["tokens_per_s"] > 0 and point["speedup_vs_baseline"] > 0
         assert point["profile"]["device"]["steps"] == 3 and point["profile"]["device"]["wall_us"] > 0
     assert result["points"]["2"]["bf16"]["speedup_vs_baseline"] == 1
+
+
+def test_every_trainer_mode_parses():
+    """bench_e2e's megacoat modes (pretrain_gpt.py with extra flags) parse, with the benchmark's model flags."""
+    import bench_e2e as bench
+
+    from megacoat.arguments import parse_config
+
+    for mode, (script, flags) in bench.MODES.items():
+        if script == "pretrain_gpt.py":
+            assert parse_config(bench.MODEL_TINY + list(flags)) is not None, mode

@@ -96,3 +96,12 @@ def test_cuda_graph_without_a_gpu_is_one_error_line(tiny_data, tmp_path):
     proc = run_script(SCRIPT, "run", "--preset", "tiny", "--cuda-graph", "--data", tiny_data, "--out",
                       str(tmp_path / "x.json"))
     assert proc.returncode == 1 and proc.stderr.startswith("error: --cuda-graph") and "Traceback" not in proc.stderr
+
+
+def test_every_mode_is_a_valid_trainer_command():
+    """A mode's flags are parsed by pretrain_gpt.py's parser before any device time is spent on them."""
+    from megacoat.arguments import parse_config
+
+    fidelity = load_benchmark("fidelity")
+    for mode, flags in fidelity.MODES.items():
+        assert parse_config(list(flags)).fp8 is not None, mode
