@@ -99,11 +99,11 @@ def swiglu_fp8_bwd_delayed_ref(ds, a1_8, s1, a3_8, s3, s_scale, history, group_s
     non-finite one: that step is refused anyway, and later calls should not inherit it)."""
     da = _da_ref(ds, a1_8, s1, a3_8, s3, group_size)
     amax = da.abs().amax().reshape(1)
-    amax_in = amax if bootstrap else history.amax().reshape(1)
-    out = (*_cast_ref(da, _scale(amax_in, grad_dtype), grad_dtype),
-           swiglu_fp8_out_ref(a1_8, s1, a3_8, s3, s_scale, group_size, True, out_dtype))
+    q, qt, scale = _cast_ref(da, _scale(amax if bootstrap else history.amax().reshape(1), grad_dtype), grad_dtype)
+    del da  # float32 [M, 2F]: gone before s^T is made, as in swiglu_fp8_bwd_out_t_ref
+    st = swiglu_fp8_out_ref(a1_8, s1, a3_8, s3, s_scale, group_size, True, out_dtype)
     _record(history, amax)
-    return out
+    return q, qt, scale, st
 
 
 def _record(history: torch.Tensor, amax: torch.Tensor) -> None:
