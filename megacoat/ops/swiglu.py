@@ -279,24 +279,14 @@ def swiglu_fp8_bwd_delayed_triton(ds, a1_8, s1, a3_8, s3, s_scale, history, grou
                                   grad_dtype=torch.float8_e5m2, out_dtype=E4M3, bootstrap: bool = False):
     """Delayed scaling: one pass (the cast pass, writing s^T and folding this call's amax in), no amax pass;
     bootstrap: both passes, as swiglu_fp8_bwd_out_t. Then the history roll (swiglu_fp8_bwd_delayed_ref)."""
-    if bootstrap:
-        *out, amax = _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dtype, True)
-        _record(history, amax)
-        return tuple(out)
-    ds = ds.contiguous()
-    m, f = a1_8.shape
-    dev = ds.device
-    amax = torch.zeros((1,), dtype=torch.float32, device=dev)  # this call's, for later ones
-    scale = torch.empty((1,), dtype=torch.float32, device=dev)
-    da = torch.empty((m, 2 * f), dtype=grad_dtype, device=dev)
-    dat = torch.empty((2 * f, m), dtype=grad_dtype, device=dev)
-    st = torch.empty((f, m), dtype=out_dtype, device=dev)
-    _cast_launch((ds, a1_8, s1, a3_8, s3, history.amax().reshape(1)), scale, da, dat, s_scale, st, amax, group_size)
-    _record(history, amax)
-    return da, dat, scale, st
+    return _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dtype,
+                       None if bootstrap else history, history)
 
 
-def _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dtype, with_amax=False):
+def _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dtype, scale_from=None, record=None):
+    """scale_from: an amax history whose maximum sets the scale (delayed: the cast pass alone, writing s^T and
+    this call's amax); None: the amax pass first (current scaling). record: the history this call's amax is
+    rolled into."""
     ds = ds.contiguous()
     m, f = a1_8.shape
     ng = s1.shape[1]
@@ -307,14 +297,18 @@ def _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dty
     dat = torch.empty((2 * f, m), dtype=grad_dtype, device=dev)
     write_st = s_scale is not None
     st = torch.empty((f, m), dtype=out_dtype, device=dev) if write_st else None
-    args = (ds, a1_8, s1, a3_8, s3, amax)
-    launcher(_bwd_amax_kernel)[(triton.cdiv(m, _BM), ng)](
-        *args, s_scale if write_st else amax, st if write_st else amax, m, f, ng,
-        torch.finfo(out_dtype).max if write_st else 0.0, G=group_size, BM=_BM, FAST=FAST, WRITE_ST=write_st,
-        num_warps=4)
-    _cast_launch(args, scale, da, dat, None, None, None, group_size)
-    out = (da, dat, scale, st) if write_st else (da, dat, scale)
-    return out + (amax,) if with_amax else out
+    pair = (ds, a1_8, s1, a3_8, s3)
+    if scale_from is None:
+        launcher(_bwd_amax_kernel)[(triton.cdiv(m, _BM), ng)](
+            *pair, amax, s_scale if write_st else amax, st if write_st else amax, m, f, ng,
+            torch.finfo(out_dtype).max if write_st else 0.0, G=group_size, BM=_BM, FAST=FAST, WRITE_ST=write_st,
+            num_warps=4)
+        _cast_launch((*pair, amax), scale, da, dat, None, None, None, group_size)
+    else:
+        _cast_launch((*pair, scale_from.amax().reshape(1)), scale, da, dat, s_scale, st, amax, group_size)
+    if record is not None:
+        _record(record, amax)
+    return (da, dat, scale, st) if write_st else (da, dat, scale)
 
 
 def _cast_launch(args, scale, da, dat, s_scale, st, amax_out, group_size):

@@ -15,6 +15,11 @@ def _a13(m, f):
     return (torch.randn(m, 2 * f, device=DEV) * 2).to(torch.bfloat16)
 
 
+def _saved_pair_and_grad(m, f, g):
+    """The forward's saved outputs (reference) and a bf16 output gradient ds [M, F]."""
+    return S.swiglu_fp8_fwd_ref(_a13(m, f), g), torch.randn(m, f, device=DEV).to(torch.bfloat16)
+
+
 @pytest.mark.parametrize("m,f,g", SHAPES)
 def test_triton_matches_reference(m, f, g):
     if DEV == "cpu" and not interpreted(S._fwd_kernel):
@@ -40,8 +45,7 @@ def test_backward_with_out_t_is_both_calls(m, f, g):
     """swiglu_fp8_bwd_out_t writes s^T in the amax pass: the same bytes as swiglu_fp8_out(transpose=True)."""
     if DEV == "cpu" and not interpreted(S._fwd_kernel):
         pytest.skip("kernels were imported before TRITON_INTERPRET was set")
-    ra = S.swiglu_fp8_fwd_ref(_a13(m, f), g)
-    ds = torch.randn(m, f, device=DEV).to(torch.bfloat16)
+    ra, ds = _saved_pair_and_grad(m, f, g)
     da, dat, scale, st = S.swiglu_fp8_bwd_out_t_triton(ds, *ra, g)
     assert torch.equal(st.view(torch.uint8), S.swiglu_fp8_out_triton(*ra, g, True).view(torch.uint8))
     for got, want in zip((da, dat, scale), S.swiglu_fp8_bwd_triton(ds, *ra[:4], g)):
@@ -117,8 +121,7 @@ def test_delayed_bootstrap_is_current_scaling(backend):
     delayed, current = ((S.swiglu_fp8_bwd_delayed_ref, S.swiglu_fp8_bwd_out_t_ref) if backend == "ref" else
                         (S.swiglu_fp8_bwd_delayed_triton, S.swiglu_fp8_bwd_out_t_triton))
     m, f, g = SHAPES[0]
-    ra = S.swiglu_fp8_fwd_ref(_a13(m, f), g)
-    ds = torch.randn(m, f, device=DEV).to(torch.bfloat16)
+    ra, ds = _saved_pair_and_grad(m, f, g)
     history = torch.tensor([0.0, 0.0, 0.0], device=DEV)
     got = delayed(ds, *ra, history, g, bootstrap=True)
     assert all(_same(a, b) for a, b in zip(got, current(ds, *ra, g)))
@@ -128,8 +131,7 @@ def test_delayed_bootstrap_is_current_scaling(backend):
 
 def test_delayed_scale_is_the_history_max_and_saturates():
     m, f, g = SHAPES[1]
-    ra = S.swiglu_fp8_fwd_ref(_a13(m, f), g)
-    ds = torch.randn(m, f, device=DEV).to(torch.bfloat16)
+    ra, ds = _saved_pair_and_grad(m, f, g)
     da = S._da_ref(ds, *ra[:4], g)
     amax = da.abs().amax().item()
     fmax = torch.finfo(E5M2.dtype).max
@@ -147,8 +149,7 @@ def test_delayed_scale_is_the_history_max_and_saturates():
 
 def test_delayed_records_a_non_finite_amax_as_zero():
     m, f, g = SHAPES[1]
-    ra = S.swiglu_fp8_fwd_ref(_a13(m, f), g)
-    ds = torch.randn(m, f, device=DEV).to(torch.bfloat16)
+    ra, ds = _saved_pair_and_grad(m, f, g)
     ds[3, 5] = float("inf")
     history = torch.tensor([2.0, 1.0], device=DEV)
     S.swiglu_fp8_bwd_delayed_ref(ds, *ra, history, g)
@@ -160,8 +161,7 @@ def test_delayed_triton_matches_reference(m, f, g):
     """One pass (no amax pass): the cast as the reference's, s^T as swiglu_fp8_out's bytes, the same history."""
     if DEV == "cpu" and not interpreted(S._fwd_kernel):
         pytest.skip("kernels were imported before TRITON_INTERPRET was set")
-    ra = S.swiglu_fp8_fwd_ref(_a13(m, f), g)
-    ds = torch.randn(m, f, device=DEV).to(torch.bfloat16)
+    ra, ds = _saved_pair_and_grad(m, f, g)
     amax = S._da_ref(ds, *ra[:4], g).abs().amax().item()
     h_ref, h_tri = (torch.tensor([0.5 * amax, 0.9 * amax, 0.0], device=DEV) for _ in range(2))
     want = S.swiglu_fp8_bwd_delayed_ref(ds, *ra, h_ref, g)
