@@ -7,7 +7,13 @@ maximum is this call's own amax (a bootstrap call records it), the two produce t
 device before timing. Median of triton.testing.do_bench per call, repeated; bytes counted as each read and write
 (ds 2 B and the E4M3 pair 2 B per (token, ffn) element, read twice by current scaling; da twice 2 B, s^T 1 B).
 
-    python benchmarks/bench_swiglu_grad_scaling.py [--repeats 3] [--out benchmarks/results/bench_swiglu_grad_scaling.json]
+The delayed call also runs small torch ops around its pass (the history's maximum, the roll that records this
+call's amax): `delayed_pass` times the cast pass alone, with its outputs allocated once, so the JSON tells the
+pass's bandwidth from those ops' cost. `--sweep BM:WARPS ...` repeats everything with other tile heights and warp
+counts of the cast pass (the library's are the first row), each checked for the same bytes before it is timed.
+
+    python benchmarks/bench_swiglu_grad_scaling.py [--repeats 3] [--sweep 64:8 32:4 128:8 128:16]
+        [--out benchmarks/results/bench_swiglu_grad_scaling.json]
     python benchmarks/bench_swiglu_grad_scaling.py --cpu-smoke   # no GPU: a tiny shape under TRITON_INTERPRET=1
 """
 from __future__ import annotations
@@ -51,13 +57,24 @@ def measure(name: str, m: int, f: int, repeats: int, device: str) -> dict:
     swiglu.swiglu_fp8_bwd_delayed_triton(ds, *pair, history, GROUP, E5M2, bootstrap=True)
     delayed = swiglu.swiglu_fp8_bwd_delayed_triton(ds, *pair, history, GROUP, E5M2)  # history max = own amax
     same = all(_same(a, b) for a, b in zip(current, delayed))
-    del current, delayed
 
     def run_current():
         swiglu.swiglu_fp8_bwd_out_t_triton(ds, *pair, GROUP, E5M2)
 
     def run_delayed():
         swiglu.swiglu_fp8_bwd_delayed_triton(ds, *pair, history, GROUP, E5M2)
+
+    outs = (torch.empty((m, 2 * f), dtype=E5M2, device=device), torch.empty((2 * f, m), dtype=E5M2, device=device),
+            torch.empty((f, m), dtype=pair[0].dtype, device=device))
+    scale, amax_in, amax_out = (torch.zeros(1, device=device) for _ in range(3))
+    amax_in.copy_(history.max())
+
+    def run_delayed_pass():  # the one kernel of a delayed call, without the history's ops around it
+        swiglu._cast_launch((ds, *pair[:4], amax_in), scale, outs[0], outs[1], pair[4], outs[2], amax_out, GROUP)
+
+    run_delayed_pass()
+    same = same and all(_same(a, b) for a, b in zip((current[0], current[1], current[3]), outs))
+    del current, delayed
 
     def timed(fn):
         if device == "cuda":
@@ -66,13 +83,15 @@ def measure(name: str, m: int, f: int, repeats: int, device: str) -> dict:
         fn()
         return (time.perf_counter() - t0) * 1e3
 
-    times = {"current": [], "delayed": []}
-    for _ in range(repeats):  # interleaved, so drift touches both alike
-        times["current"].append(timed(run_current))
-        times["delayed"].append(timed(run_delayed))
+    runs = {"current": run_current, "delayed": run_delayed, "delayed_pass": run_delayed_pass}
+    times = {k: [] for k in runs}
+    for _ in range(repeats):  # interleaved, so drift touches all alike
+        for k, fn in runs.items():
+            times[k].append(timed(fn))
     med = {k: statistics.median(v) for k, v in times.items()}
     n = m * f
     moved = {"current": 2 * (4 * n) + 4 * n + n, "delayed": 4 * n + 4 * n + n}  # reads + writes, bytes
+    moved["delayed_pass"] = moved["delayed"]
     return {"shape": name, "tokens": m, "ffn": f, "same_bytes_at_equal_amax": same,
             "ms": med, "ms_repeats": times, "speedup": med["current"] / med["delayed"],
             "bytes": moved, "gb_per_s": {k: moved[k] / (med[k] * 1e-3) / 1e9 for k in med}}
@@ -83,17 +102,33 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="benchmarks/results/bench_swiglu_grad_scaling.json")
     p.add_argument("--cpu-smoke", action="store_true")
+    p.add_argument("--sweep", nargs="*", default=[], metavar="BM:WARPS",
+                   help="also time the cast pass at these tile heights and warp counts (e.g. 128:8)")
     args = p.parse_args()
+    try:
+        configs = [(swiglu._BM_T, swiglu._WARPS_T)] + [tuple(int(x) for x in c.split(":")) for c in args.sweep]
+        assert all(len(c) == 2 and c[0] >= 16 and c[0] & (c[0] - 1) == 0 and c[1] in (1, 2, 4, 8, 16, 32)
+                   for c in configs)
+    except (ValueError, AssertionError):
+        print(f"error: --sweep takes BM:WARPS pairs, BM a power of two >= 16, WARPS one of 1-32: {args.sweep}",
+              file=sys.stderr)
+        return 2
     device = "cpu" if args.cpu_smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("error: needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
         return 2
     rows = []
-    for name, m, f in (SMOKE if args.cpu_smoke else SHAPES):
-        r = measure(name, m, f, 1 if args.cpu_smoke else args.repeats, device)
-        rows.append(r)
-        print(f"{name:10s} current {r['ms']['current'] * 1e3:8.1f} us  delayed {r['ms']['delayed'] * 1e3:8.1f} us  "
-              f"x{r['speedup']:.2f}  same bytes at equal amax: {r['same_bytes_at_equal_amax']}", flush=True)
+    library = configs[0]
+    for bm, warps in configs:
+        swiglu._BM_T, swiglu._WARPS_T = bm, warps  # read at each launch
+        for name, m, f in (SMOKE if args.cpu_smoke else SHAPES):
+            r = measure(name, m, f, 1 if args.cpu_smoke else args.repeats, device)
+            r["cast_pass"] = {"BM": bm, "num_warps": warps, "library": (bm, warps) == library}
+            rows.append(r)
+            print(f"{name:10s} BM {bm:3d} warps {warps:2d}  current {r['ms']['current'] * 1e3:8.1f} us  "
+                  f"delayed {r['ms']['delayed'] * 1e3:8.1f} us (its pass {r['ms']['delayed_pass'] * 1e3:8.1f})  "
+                  f"x{r['speedup']:.2f}  same bytes at equal amax: {r['same_bytes_at_equal_amax']}", flush=True)
+    swiglu._BM_T, swiglu._WARPS_T = library
     result = {"what": "SwiGLU FP8 backward per call: current vs delayed gradient scaling",
               "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device == "cuda"
               else platform.processor() or "cpu", "torch": torch.__version__, "triton": triton.__version__,

@@ -7,8 +7,17 @@ from tests.benchmarks.conftest import run_script
 
 def test_cpu_smoke_writes_its_json(tmp_path):
     out = tmp_path / "bench.json"
-    proc = run_script("benchmarks/bench_swiglu_grad_scaling.py", "--cpu-smoke", "--out", str(out))
+    proc = run_script("benchmarks/bench_swiglu_grad_scaling.py", "--cpu-smoke", "--sweep", "128:8", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["results"]
-    assert [r["shape"] for r in rows] == ["smoke"] and rows[0]["same_bytes_at_equal_amax"] is True
-    assert rows[0]["bytes"]["current"] > rows[0]["bytes"]["delayed"] > 0
+    assert [r["shape"] for r in rows] == ["smoke", "smoke"]
+    assert all(r["same_bytes_at_equal_amax"] is True for r in rows)
+    assert [r["cast_pass"]["library"] for r in rows] == [True, False] and rows[1]["cast_pass"]["BM"] == 128
+    assert rows[0]["bytes"]["current"] > rows[0]["bytes"]["delayed"] == rows[0]["bytes"]["delayed_pass"] > 0
+    assert set(rows[0]["ms"]) == {"current", "delayed", "delayed_pass"}
+
+
+def test_bad_sweep_is_one_line_and_exit_2(tmp_path):
+    proc = run_script("benchmarks/bench_swiglu_grad_scaling.py", "--cpu-smoke", "--sweep", "100:8",
+                      "--out", str(tmp_path / "bench.json"))
+    assert proc.returncode == 2 and "--sweep" in proc.stderr and "Traceback" not in proc.stderr
