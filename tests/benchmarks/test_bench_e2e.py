@@ -15,7 +15,7 @@ from torch import nn
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 sys.path.insert(0, BENCH)
 
-from bench_e2e import mode_command, mode_spec, summarize, timed_window  # noqa: E402
+from bench_e2e import MODEL_TINY, MODES, mode_command, mode_spec, summarize, timed_window  # noqa: E402
 
 
 def _records(rates, every=5, mfu_per_rate=None):
@@ -107,10 +107,8 @@ def test_speed_on_a_tiny_model_writes_each_point_with_its_profile(tmp_path):
 
 def test_every_trainer_mode_parses():
     """bench_e2e's megacoat modes (pretrain_gpt.py with extra flags) parse, with the benchmark's model flags."""
-    import bench_e2e as bench
-
     from megacoat.arguments import parse_config
 
-    for mode, (script, flags) in bench.MODES.items():
+    for mode, (script, flags) in MODES.items():
         if script == "pretrain_gpt.py":
-            assert parse_config(bench.MODEL_TINY + list(flags)) is not None, mode
+            assert parse_config(MODEL_TINY + list(flags)) is not None, mode
