@@ -155,6 +155,10 @@ def parse_log(path: str) -> dict:
     train = [r for r in records if "loss" in r]
     steady = train[1:] or train
     return {"train_loss": [(r["iteration"], r["loss"]) for r in train],
+            # the gradient norm before clipping and the steps skipped for inf/nan gradients: what a run that
+            # falls behind its pair did differently (a spike, a clipped stretch, a skipped step)
+            "grad_norm": [(r["iteration"], r["grad_norm"]) for r in train if r.get("grad_norm") is not None],
+            "skipped_steps": train[-1].get("skipped_steps", 0) if train else 0,
             "val_loss": [(r["iteration"], r["val_loss"]) for r in records if "val_loss" in r],
             "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in steady) if steady else None,
             "max_memory_gib": max((r["max_memory_bytes"] for r in train), default=0) / 2**30}
@@ -273,7 +277,8 @@ def run(args) -> dict:
 
 
 # --- report ---------------------------------------------------------------------------------------------------------
-def report(paths: list[str]) -> dict:
+def load_results(paths: list[str]) -> tuple[list, list]:
+    """The (path, doc) pairs of run and grads JSON files, checked to be of one data set and one schedule."""
     runs_files, grads_files = [], []
     for path in paths:
         try:
@@ -300,6 +305,12 @@ def report(paths: list[str]) -> dict:
     for path, doc in grads_files:
         if doc["data_id"] != first["data"]["data_id"]:
             raise UserError(f"{path}: gradients measured on data {doc['data_id']}, runs on {first['data']['data_id']}")
+    return runs_files, grads_files
+
+
+def report(paths: list[str]) -> dict:
+    runs_files, grads_files = load_results(paths)
+    first = runs_files[0][1]
     runs, seen = [], {}
     for path, doc in runs_files:
         for r in doc["runs"]:
@@ -329,6 +340,39 @@ def report(paths: list[str]) -> dict:
             "modes": modes, "gradient_agreement": [doc for _, doc in grads_files],
             "runs": runs,
             "not_counted": [f"{r['mode']} seed {r['seed']}: {r['status']}" for r in runs if r["status"] != "ok"]}
+
+
+def repeats(paths: list[str]) -> dict:
+    """Identical runs (same mode and seed, several times): how far one command moves by itself.
+
+    Runs are not bitwise reproducible on a GPU (atomics in attention's backward, among others), and a short
+    schedule can amplify that: this is the noise a single run carries even with its seed fixed, beside the
+    seed-to-seed noise that pairing removes. `report` refuses repeats, so that each seed counts once."""
+    runs_files, _ = load_results(paths)
+    groups: dict[tuple[str, int], list] = {}
+    for path, doc in runs_files:
+        for r in doc["runs"]:
+            if r["status"] == "ok":
+                groups.setdefault((r["mode"], r["seed"]), []).append((r["final_val_loss"], path))
+    out, rel_devs = [], []
+    for (mode, seed), items in sorted(groups.items(), key=lambda kv: (kv[0][1], list(MODES).index(kv[0][0]))):
+        vals = [v for v, _ in items]
+        mean = statistics.fmean(vals)
+        g = {"mode": mode, "seed": seed, "final_val_loss": vals, "sources": [p for _, p in items], "mean": mean}
+        if len(vals) > 1:
+            g.update(std=statistics.stdev(vals), range_pct=100 * (max(vals) - min(vals)) / mean)
+            rel_devs += [(v - mean) / mean for v in vals]
+        base = groups.get(("bf16", seed))
+        if mode != "bf16" and base:
+            g["mean_gap_to_bf16_mean_pct"] = 100 * (mean / statistics.fmean(v for v, _ in base) - 1)
+        out.append(g)
+    repeated = [g for g in out if len(g["final_val_loss"]) > 1]
+    # pooled over the repeated groups: the relative std of one run around its group's mean (n - groups dof)
+    dof = len(rel_devs) - len(repeated)
+    pooled = 100 * (sum(d * d for d in rel_devs) / dof) ** 0.5 if dof > 0 else None
+    return {"kind": "fidelity_repeats", "inputs": paths, "plan": runs_files[0][1]["plan"],
+            "data": runs_files[0][1]["data"], "groups": out, "repeated_groups": len(repeated),
+            "pooled_run_to_run_std_pct": pooled}
 
 
 def plot(rep: dict, path: str) -> None:
@@ -409,6 +453,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="merge run (and grads) JSON files: statistics, JSON and PNG")
     rep.add_argument("inputs", nargs="+")
     rep.add_argument("--out", required=True, help="JSON path; the PNG goes beside it")
+    rp = sub.add_parser("repeats", help="runs repeated with the same mode and seed: how far one command moves "
+                                        "by itself (report counts each seed once and refuses repeats)")
+    rp.add_argument("inputs", nargs="+")
+    rp.add_argument("--out", required=True, help="JSON path")
     return p
 
 
@@ -428,6 +476,8 @@ def main(argv=None) -> int:
                     args.checkpoint, manifest, args.modes, args.batch_size, environment())
             except (FileNotFoundError, ValueError) as e:
                 raise UserError(f"--checkpoint {args.checkpoint}: {e}") from None
+        elif args.what == "repeats":
+            result = repeats(args.inputs)
         else:
             result = report(args.inputs)
     except UserError as e:
@@ -439,6 +489,15 @@ def main(argv=None) -> int:
         json.dump(result, f, indent=1)
     os.replace(tmp, args.out)
     print("wrote", args.out)
+    if args.what == "repeats":
+        for g in result["groups"]:
+            spread = f"  range {g['range_pct']:.2f}%" if "range_pct" in g else ""
+            gap = (f"  mean vs bf16's {g['mean_gap_to_bf16_mean_pct']:+.2f}%"
+                   if "mean_gap_to_bf16_mean_pct" in g else "")
+            print(f"{g['mode']:18s} seed {g['seed']}: " + ", ".join(f"{v:.4f}" for v in g["final_val_loss"])
+                  + spread + gap)
+        if result["pooled_run_to_run_std_pct"] is not None:
+            print(f"one run's std around its (mode, seed) mean, pooled: {result['pooled_run_to_run_std_pct']:.2f}%")
     if args.what == "report":
         png = os.path.splitext(args.out)[0] + ".png"
         plot(result, png)

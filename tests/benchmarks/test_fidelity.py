@@ -29,6 +29,8 @@ def test_end_to_end_tiny(tiny_data, tmp_path):
         assert math.isfinite(r["final_val_loss"]) and r["val_loss"][-1] == [runs["plan"]["train_iters"],
                                                                             r["final_val_loss"]]
         assert len(r["train_loss"]) == runs["plan"]["train_iters"]
+        assert [it for it, _ in r["grad_norm"]] == [it for it, _ in r["train_loss"]]
+        assert all(math.isfinite(g) and g > 0 for _, g in r["grad_norm"]) and r["skipped_steps"] == 0
     # Same seed, same data order and initial weights: the first logged losses of bf16 and coat are close (FP8
     # rounding only), different seeds are not the same run.
     first = {(r["mode"], r["seed"]): r["train_loss"][0][1] for r in runs["runs"]}
@@ -105,3 +107,42 @@ def test_every_mode_is_a_valid_trainer_command():
     fidelity = load_benchmark("fidelity")
     for mode, flags in fidelity.MODES.items():
         assert parse_config(list(flags)).fp8 is not None, mode
+
+
+def _runs_doc(path, runs, data_id="d1"):
+    doc = {"kind": "fidelity_runs", "environment": {"device": "cpu"}, "plan": {"preset": "tiny"},
+           "data": {"data_id": data_id}, "common_flags": [],
+           "runs": [{"mode": m, "seed": s, "status": "ok", "final_val_loss": v, "train_loss": [[1, v]],
+                     "val_loss": [[1, v]]} for m, s, v in runs]}
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    return str(path)
+
+
+def test_repeats_reports_what_report_refuses(tmp_path):
+    """The same (mode, seed) in two files: report stops with one error line (a seed counts once in a paired
+    interval); repeats lists every run, its group's mean, spread and gap to bf16's mean at that seed."""
+    a = _runs_doc(tmp_path / "a.json", [("bf16", 6, 2.0), ("coat", 6, 2.2)])
+    b = _runs_doc(tmp_path / "b.json", [("bf16", 6, 2.1), ("coat", 6, 2.0), ("fp8-linear", 6, 2.05)])
+    proc = run_script(SCRIPT, "report", a, b, "--out", str(tmp_path / "r.json"))
+    assert proc.returncode == 1 and proc.stderr.startswith("error:")
+    assert "finished in both" in proc.stderr and "Traceback" not in proc.stderr
+    out = str(tmp_path / "rep.json")
+    proc = run_script(SCRIPT, "repeats", a, b, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(out) as f:
+        rep = json.load(f)
+    groups = {(g["mode"], g["seed"]): g for g in rep["groups"]}
+    assert groups[("bf16", 6)]["final_val_loss"] == [2.0, 2.1] and groups[("coat", 6)]["final_val_loss"] == [2.2, 2.0]
+    assert groups[("coat", 6)]["range_pct"] == pytest.approx(100 * 0.2 / 2.1)
+    assert groups[("coat", 6)]["mean_gap_to_bf16_mean_pct"] == pytest.approx(100 * (2.1 / 2.05 - 1))
+    assert "range_pct" not in groups[("fp8-linear", 6)]
+    assert groups[("fp8-linear", 6)]["mean_gap_to_bf16_mean_pct"] == pytest.approx(100 * (2.05 / 2.05 - 1))
+    # pooled: deviations from each group's mean over (runs - groups) degrees of freedom
+    devs = [(2.0 - 2.05) / 2.05, (2.1 - 2.05) / 2.05, (2.2 - 2.1) / 2.1, (2.0 - 2.1) / 2.1]
+    assert rep["repeated_groups"] == 2
+    assert rep["pooled_run_to_run_std_pct"] == pytest.approx(100 * math.sqrt(sum(d * d for d in devs) / 2))
+    # other data: refused as report refuses it
+    c = _runs_doc(tmp_path / "c.json", [("bf16", 6, 2.0)], data_id="d2")
+    proc = run_script(SCRIPT, "repeats", a, c, "--out", out)
+    assert proc.returncode == 1 and proc.stderr.startswith("error:") and "data_id" in proc.stderr
