@@ -7,10 +7,10 @@ maximum is this call's own amax (a bootstrap call records it), the two produce t
 device before timing. Median of triton.testing.do_bench per call, repeated; bytes counted as each read and write
 (ds 2 B and the E4M3 pair 2 B per (token, ffn) element, read twice by current scaling; da twice 2 B, s^T 1 B).
 
-The delayed call also runs small torch ops around its pass (the history's maximum, the roll that records this
-call's amax): `delayed_pass` times the cast pass alone, with its outputs allocated once, so the JSON tells the
-pass's bandwidth from those ops' cost. `--sweep BM:WARPS ...` repeats everything with other tile heights and warp
-counts of the cast pass (the library's are the first row), each checked for the same bytes before it is timed.
+The delayed call is the cast pass and one memset: the pass reads the history's maximum and its last program rolls
+this call's amax in (benchmarks/results/bench_e2e_notes.md has the sweep that showed the torch ops this replaced
+costing ~25 us a call). `--sweep BM:WARPS ...` repeats everything with other tile heights and warp counts of the
+cast pass (the library's are the first row), each checked for the same bytes before it is timed.
 
     python benchmarks/bench_swiglu_grad_scaling.py [--repeats 3] [--sweep 64:4 32:4 128:8 128:16]
         [--out benchmarks/results/bench_swiglu_grad_scaling.json]
@@ -64,16 +64,6 @@ def measure(name: str, m: int, f: int, repeats: int, device: str) -> dict:
     def run_delayed():
         swiglu.swiglu_fp8_bwd_delayed_triton(ds, *pair, history, GROUP, E5M2)
 
-    outs = (torch.empty((m, 2 * f), dtype=E5M2, device=device), torch.empty((2 * f, m), dtype=E5M2, device=device),
-            torch.empty((f, m), dtype=pair[0].dtype, device=device))
-    scale, amax_in, amax_out = (torch.zeros(1, device=device) for _ in range(3))
-    amax_in.copy_(history.max())
-
-    def run_delayed_pass():  # the one kernel of a delayed call, without the history's ops around it
-        swiglu._cast_launch((ds, *pair[:4], amax_in), scale, outs[0], outs[1], pair[4], outs[2], amax_out, GROUP)
-
-    run_delayed_pass()
-    same = same and all(_same(a, b) for a, b in zip((current[0], current[1], current[3]), outs))
     del current, delayed
 
     def timed(fn):
@@ -83,7 +73,7 @@ def measure(name: str, m: int, f: int, repeats: int, device: str) -> dict:
         fn()
         return (time.perf_counter() - t0) * 1e3
 
-    runs = {"current": run_current, "delayed": run_delayed, "delayed_pass": run_delayed_pass}
+    runs = {"current": run_current, "delayed": run_delayed}
     times = {k: [] for k in runs}
     for _ in range(repeats):  # interleaved, so drift touches all alike
         for k, fn in runs.items():
@@ -91,7 +81,6 @@ def measure(name: str, m: int, f: int, repeats: int, device: str) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     n = m * f
     moved = {"current": 2 * (4 * n) + 4 * n + n, "delayed": 4 * n + 4 * n + n}  # reads + writes, bytes
-    moved["delayed_pass"] = moved["delayed"]
     return {"shape": name, "tokens": m, "ffn": f, "same_bytes_at_equal_amax": same,
             "ms": med, "ms_repeats": times, "speedup": med["current"] / med["delayed"],
             "bytes": moved, "gb_per_s": {k: moved[k] / (med[k] * 1e-3) / 1e9 for k in med}}
@@ -127,7 +116,7 @@ def main() -> int:
             r["cast_pass"] = {"BM": bm, "num_warps": warps, "library": (bm, warps) == library}
             rows.append(r)
             print(f"{name:10s} BM {bm:3d} warps {warps:2d}  current {r['ms']['current'] * 1e3:8.1f} us  "
-                  f"delayed {r['ms']['delayed'] * 1e3:8.1f} us (its pass {r['ms']['delayed_pass'] * 1e3:8.1f})  "
+                  f"delayed {r['ms']['delayed'] * 1e3:8.1f} us  "
                   f"x{r['speedup']:.2f}  same bytes at equal amax: {r['same_bytes_at_equal_amax']}", flush=True)
     swiglu._BM_T, swiglu._WARPS_T = library
     result = {"what": "SwiGLU FP8 backward per call: current vs delayed gradient scaling",

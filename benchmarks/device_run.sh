@@ -91,8 +91,8 @@ gpu-suite)
     # every gpu test (CoatAdamW's extension included), then the delayed-scaling SwiGLU backward per call
     step gpu_tests_all 420 python3 -m pytest -m gpu -q --no-header -p no:cacheprovider tests -rfE
     cp "$LOGS/gpu_tests_all.txt" "$OUT/gpu_tests_all.txt"
-    step bench_swiglu_grad_scaling 200 python3 benchmarks/bench_swiglu_grad_scaling.py \
-        --sweep 64:4 32:4 128:8 128:16 --out "$OUT/bench_swiglu_grad_scaling.json"
+    step bench_swiglu_grad_scaling 120 python3 benchmarks/bench_swiglu_grad_scaling.py \
+        --out "$OUT/bench_swiglu_grad_scaling.json"
     ;;
 optimizer)
     # The extension builds once (~1 min); the tests then run the kernel against the reference.

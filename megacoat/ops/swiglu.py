@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.tensor_scale import fold_amax_to_scale, scale_workspace
+from megacoat.ops.tensor_scale import fold_amax_into_history, fold_amax_to_scale, history_max, scale_workspace
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, group_dequantize, group_quantize,
                                    fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate, sigmoid
@@ -201,22 +201,29 @@ def _bwd_amax_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, s_scale_p
 
 @triton.jit
 def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, s_scale_ptr,
-                     st_ptr, amax_out_ptr, M, F, NG, fmax_g, fmax_s, amax_floor, G: tl.constexpr, BM: tl.constexpr,
-                     FAST: tl.constexpr, WRITE_ST: tl.constexpr, AMAX_OUT: tl.constexpr):
+                     st_ptr, amax_out_ptr, count_ptr, hist_ptr, hist_len, M, F, NG, fmax_g, fmax_s, amax_floor,
+                     G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr, WRITE_ST: tl.constexpr,
+                     HIST: tl.constexpr):
     """Pass 2: one read of ds, a1, a3 writes da1|da3 both row-major [M, 2F] (dgrad) and transposed [2F, M]
     (wgrad). Tiles run in the reverse order of pass 1, so the first ones read what pass 1 left in L2.
-    Delayed scaling runs this pass alone, with the amax of earlier calls: WRITE_ST then writes s^T (pass 1's
-    other job) and AMAX_OUT folds this call's max |da1|, |da3| into amax_out by atomic max, for later calls."""
+    Delayed scaling (HIST > 0) runs this pass alone: the scale comes from the amax history's maximum, WRITE_ST
+    writes s^T (pass 1's other job), and this call's max |da1|, |da3| is folded into amax_out, which the last
+    program rolls into the history (megacoat.ops.tensor_scale)."""
     gi = tl.num_programs(1) - 1 - tl.program_id(1)
     rm = ((tl.num_programs(0) - 1 - tl.program_id(0)) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < F)
-    scale = tl.math.div_rn(tl.maximum(tl.load(amax_ptr), amax_floor), fmax_g)  # IEEE, as the reference's torch division
+    if HIST > 0:
+        amax_in = history_max(hist_ptr, hist_len, HIST)
+    else:
+        amax_in = tl.load(amax_ptr)
+    scale = tl.math.div_rn(tl.maximum(amax_in, amax_floor), fmax_g)  # IEEE, as the reference's torch division
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(scale_ptr, scale)
     da1, da3, s = _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG, FAST)
-    if AMAX_OUT:
-        tl.atomic_max(amax_out_ptr, tl.max(tl.max(tl.maximum(tl.abs(da1), tl.abs(da3)), axis=1), axis=0))
+    if HIST > 0:
+        fold_amax_into_history(tl.max(tl.max(tl.maximum(tl.abs(da1), tl.abs(da3)), axis=1), axis=0),
+                               amax_out_ptr, count_ptr, hist_ptr, hist_len, HIST)
     if WRITE_ST:
         qs = div_saturate(s, tl.load(s_scale_ptr), fmax_s, FAST)
         tl.store(st_ptr + rn[:, None] * M + rm[None, :], tl.trans(qs).to(st_ptr.dtype.element_ty),
@@ -277,49 +284,54 @@ def swiglu_fp8_bwd_out_t_triton(ds, a1_8, s1, a3_8, s3, s_scale, group_size: int
 
 def swiglu_fp8_bwd_delayed_triton(ds, a1_8, s1, a3_8, s3, s_scale, history, group_size: int,
                                   grad_dtype=torch.float8_e5m2, out_dtype=E4M3, bootstrap: bool = False):
-    """Delayed scaling: one pass (the cast pass, writing s^T and folding this call's amax in), no amax pass;
-    bootstrap: both passes, as swiglu_fp8_bwd_out_t. Then the history roll (swiglu_fp8_bwd_delayed_ref)."""
-    return _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dtype,
-                       None if bootstrap else history, history)
+    """Delayed scaling: one pass (the cast pass: the scale from the history's maximum, s^T written, this call's
+    amax rolled into the history by its last program) and one memset; bootstrap: both passes, as
+    swiglu_fp8_bwd_out_t, then the roll as swiglu_fp8_bwd_delayed_ref does it (once per run)."""
+    return _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dtype, history, bootstrap)
 
 
-def _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dtype, scale_from=None, record=None):
-    """scale_from: an amax history whose maximum sets the scale (delayed: the cast pass alone, writing s^T and
-    this call's amax); None: the amax pass first (current scaling). record: the history this call's amax is
-    rolled into."""
+def _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dtype, history=None, bootstrap=False):
+    """history None: current scaling (the amax pass, then the cast pass). Otherwise delayed scaling with this amax
+    history (bootstrap: current scaling, then this call's amax recorded)."""
     ds = ds.contiguous()
     m, f = a1_8.shape
     ng = s1.shape[1]
     dev = ds.device
-    amax = torch.zeros((1,), dtype=torch.float32, device=dev)  # |da| >= 0: zero is the neutral start
+    delayed = history is not None and not bootstrap
+    # |da| >= 0: zero is the neutral start; delayed scaling also needs the finished-programs counter
+    amax, count = scale_workspace(dev) if delayed else (torch.zeros((1,), dtype=torch.float32, device=dev), None)
     scale = torch.empty((1,), dtype=torch.float32, device=dev)
     da = torch.empty((m, 2 * f), dtype=grad_dtype, device=dev)
     dat = torch.empty((2 * f, m), dtype=grad_dtype, device=dev)
     write_st = s_scale is not None
     st = torch.empty((f, m), dtype=out_dtype, device=dev) if write_st else None
     pair = (ds, a1_8, s1, a3_8, s3)
-    if scale_from is None:
+    if not delayed:
         launcher(_bwd_amax_kernel)[(triton.cdiv(m, _BM), ng)](
             *pair, amax, s_scale if write_st else amax, st if write_st else amax, m, f, ng,
             torch.finfo(out_dtype).max if write_st else 0.0, G=group_size, BM=_BM, FAST=FAST, WRITE_ST=write_st,
             num_warps=4)
-        _cast_launch((*pair, amax), scale, da, dat, None, None, None, group_size)
+        _cast_launch((*pair, amax), scale, da, dat, None, None, group_size)
+        if history is not None:
+            _record(history, amax)
     else:
-        _cast_launch((*pair, scale_from.amax().reshape(1)), scale, da, dat, s_scale, st, amax, group_size)
-    if record is not None:
-        _record(record, amax)
+        _cast_launch((*pair, amax), scale, da, dat, s_scale, st, group_size, history, amax, count)
     return (da, dat, scale, st) if write_st else (da, dat, scale)
 
 
-def _cast_launch(args, scale, da, dat, s_scale, st, amax_out, group_size):
-    """The cast pass over args = (ds, a1_8, s1, a3_8, s3, amax); s^T and the amax out only where given."""
+def _cast_launch(args, scale, da, dat, s_scale, st, group_size, history=None, amax_out=None, count=None):
+    """The cast pass over args = (ds, a1_8, s1, a3_8, s3, amax); s^T only where given. With an amax history
+    (delayed scaling): the scale from its maximum instead of args' amax, and this call's amax folded into amax_out
+    (zero, beside a zero counter: scale_workspace) and rolled into the history."""
     m, f = args[1].shape
     ng = args[2].shape[1]
+    hist_len = 0 if history is None else history.numel()
     launcher(_bwd_cast_kernel)[(triton.cdiv(m, _BM_T), ng)](
         *args, scale, da, dat, scale if s_scale is None else s_scale, da if st is None else st,
-        scale if amax_out is None else amax_out, m, f, ng, torch.finfo(da.dtype).max,
+        scale if amax_out is None else amax_out, scale if count is None else count,
+        scale if history is None else history, hist_len, m, f, ng, torch.finfo(da.dtype).max,
         0.0 if st is None else torch.finfo(st.dtype).max, AMAX_FLOOR, G=group_size, BM=_BM_T, FAST=FAST,
-        WRITE_ST=st is not None, AMAX_OUT=amax_out is not None, num_warps=_WARPS_T)
+        WRITE_ST=st is not None, HIST=triton.next_power_of_2(hist_len) if hist_len else 0, num_warps=_WARPS_T)
 
 
 # ---------------------------------------------------------------------------------------------- dispatchers

@@ -13,8 +13,8 @@ def test_cpu_smoke_writes_its_json(tmp_path):
     assert [r["shape"] for r in rows] == ["smoke", "smoke"]
     assert all(r["same_bytes_at_equal_amax"] is True for r in rows)
     assert [r["cast_pass"]["library"] for r in rows] == [True, False] and rows[1]["cast_pass"]["BM"] == 128
-    assert rows[0]["bytes"]["current"] > rows[0]["bytes"]["delayed"] == rows[0]["bytes"]["delayed_pass"] > 0
-    assert set(rows[0]["ms"]) == {"current", "delayed", "delayed_pass"}
+    assert rows[0]["bytes"]["current"] > rows[0]["bytes"]["delayed"] > 0
+    assert set(rows[0]["ms"]) == {"current", "delayed"}
 
 
 def test_bad_sweep_is_one_line_and_exit_2(tmp_path):

@@ -172,3 +172,28 @@ def test_delayed_triton_matches_reference(m, f, g):
     assert _same(got[3], S.swiglu_fp8_out_triton(*ra, g, True))
     assert_close_f32(h_tri, h_ref, rtol=1e-5 if DEV == "cuda" else 0.1, atol=0)
     assert torch.equal(h_tri[1:], h_ref[1:])  # rolled, not recomputed
+
+
+@pytest.mark.parametrize("hist_len", [1, 5, 16, 17])
+def test_delayed_triton_rolls_the_history_in_the_kernel(hist_len):
+    """The kernel's last program rolls the history: any length (the kernel pads to a power of two), two calls in
+    a row (the second scales by what the first recorded), and a non-finite amax recorded as zero."""
+    if DEV == "cpu" and not interpreted(S._fwd_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+    m, f, g = SHAPES[1]
+    ra, ds = _saved_pair_and_grad(m, f, g)
+    amax = S._da_ref(ds, *ra[:4], g).abs().amax().item()
+    start = [0.5 * amax * (k + 1) / hist_len for k in range(hist_len)]
+    h_ref, h_tri = (torch.tensor(start, device=DEV) for _ in range(2))
+    for ds_call in (ds, 2 * ds):  # the second call's scale comes from the first call's record
+        want = S.swiglu_fp8_bwd_delayed_ref(ds_call, *ra, h_ref, g)
+        got = S.swiglu_fp8_bwd_delayed_triton(ds_call, *ra, h_tri, g)
+        assert _same(got[2], want[2])
+        assert_fp8_close(got[0], want[0])
+        assert_close_f32(h_tri, h_ref, rtol=1e-5 if DEV == "cuda" else 0.1, atol=0)
+        assert torch.equal(h_tri[1:], h_ref[1:])
+    bad = ds.clone()
+    bad[3, 5] = float("inf")
+    S.swiglu_fp8_bwd_delayed_triton(bad, *ra, h_tri, g)
+    S.swiglu_fp8_bwd_delayed_ref(bad, *ra, h_ref, g)
+    assert h_tri[0].item() == 0.0 and torch.equal(h_tri, h_ref)
