@@ -38,8 +38,9 @@
 #               checkpoint (make it a bf16 run) and measures gradient agreement and moment error on it. The text
 #               (benchmarks/fidelity_data.py) and the CoatAdamW build are cached under .cache/ while the machine
 #               stays warm (~2-3 min on a fresh one). FLAGS adds fidelity.py run options (FLAGS=--cuda-graph:
-#               every mode's blocks replayed as CUDA graphs, for the 350m preset). Merge the calls' JSON with
-#               fidelity.py report                                                               issue 19
+#               every mode's blocks replayed as CUDA graphs, for the 350m preset). RESUME=1 [STOP_EVERY=N]:
+#               runs longer than a call save when they stop and continue on the next call of the same warm
+#               machine (its JSON then holds them whole). Merge the calls' JSON with fidelity.py report  issue 19
 #   quality     (~6 min, 1 GPU) CoatAdamW vs AdamW on a larger model; coat vs bf16 300 steps    issues 5, 6
 #   parallel2   (~9 min, nvidia-h200-x2) TP=2, PP=2, DP=2 x bf16/coat, 1.3 B model              issue 8
 #   parallel4   (~9 min, nvidia-h200-x4) TP2xPP2, TP2xDP2 x bf16/coat, 7 B model, micro-batch 1  issue 11
@@ -159,8 +160,13 @@ fidelity)
     GRADS_S=0; SAVE=()
     if [ "${GRADS:-0}" = 1 ]; then GRADS_S=60; SAVE=(--save-checkpoint "${RUNS[0]}"); fi
     BUDGET=$((565 - SECONDS - GRADS_S))
+    # RESUME=1 [STOP_EVERY=N]: runs save when they stop and continue on the next call of the same warm machine
+    # (.cache/fidelity_runs is kept while it stays warm): one long run over several calls
+    RESUME_FLAGS=()
+    if [ "${RESUME:-0}" = 1 ]; then RESUME_FLAGS=(--resume ${STOP_EVERY:+--stop-every "$STOP_EVERY"}); fi
     step fidelity_run $((BUDGET + 40)) python3 benchmarks/fidelity.py run --preset "$PRESET" --runs "${RUNS[@]}" \
-        --parallel ${#RUNS[@]} --data .cache/fidelity_data --time-budget $BUDGET "${SAVE[@]}" ${FLAGS:-} \
+        --parallel ${#RUNS[@]} --data .cache/fidelity_data --time-budget $BUDGET "${SAVE[@]}" "${RESUME_FLAGS[@]}" \
+        ${FLAGS:-} \
         --out "$OUT/fidelity_${PRESET}_${NAME}.json"
     if [ "${GRADS:-0}" = 1 ]; then
         R=${RUNS[0]}

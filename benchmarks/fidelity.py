@@ -164,19 +164,46 @@ def parse_log(path: str) -> dict:
             "max_memory_gib": max((r["max_memory_bytes"] for r in train), default=0) / 2**30}
 
 
+def has_checkpoint(directory: str | None) -> bool:
+    """A complete megacoat checkpoint under `directory` (its `latest`, or an iter_N with its metadata)."""
+    if not directory or not os.path.isdir(directory):
+        return False
+    from megacoat.training.checkpointing import latest_tag
+
+    try:
+        return latest_tag(directory) is not None
+    except FileNotFoundError:  # `latest` names a checkpoint that is not there: the trainer will say so
+        return True
+
+
+def finished(log: dict, train_iters: int) -> bool:
+    return bool(log["train_loss"]) and log["train_loss"][-1][0] >= train_iters and any(
+        it == train_iters for it, _ in log["val_loss"])
+
+
 class Run:
     """One pretrain_gpt.py process: launched, polled, then summarised."""
 
-    def __init__(self, mode: str, seed: int, folder: str, flags: list[str], port: int, save: bool):
+    def __init__(self, mode: str, seed: int, folder: str, flags: list[str], port: int, save: bool,
+                 resume: bool = False, train_iters: int = 0):
+        """resume: the run saves its checkpoint whenever it stops, and continues from the one its folder holds
+        (the trainer's exact resume, its log kept up to that iteration); a run whose log already ends with the
+        final validation is not launched again."""
         self.mode, self.seed, self.folder, self.port = mode, seed, folder, port
         os.makedirs(folder, exist_ok=True)
         self.log = os.path.join(folder, "log.jsonl")
-        if os.path.exists(self.log):
+        self.checkpoint = os.path.join(folder, "checkpoint") if save or resume else None
+        resuming = resume and has_checkpoint(self.checkpoint)
+        if os.path.exists(self.log) and not resuming:
             os.remove(self.log)
-        self.checkpoint = os.path.join(folder, "checkpoint") if save else None
         self.argv = [*flags, *MODES[mode], "--seed", str(seed), "--log-json", self.log]
-        if save:
+        if self.checkpoint:
             self.argv += ["--save", self.checkpoint]
+        if resume:  # --load of the --save directory: from scratch while it holds no checkpoint
+            self.argv += ["--load", self.checkpoint, "--keep-last", "1"]
+        log = parse_log(self.log) if resuming else None
+        self.resumed_from = log["train_loss"][-1][0] if log and log["train_loss"] else 0
+        self.finished_before = log is not None and finished(log, train_iters)
         self.proc, self.started, self.wall = None, None, None
 
     def launch(self, stop_after_s: float, cpu_threads: int | None = None) -> None:
@@ -203,7 +230,11 @@ class Run:
 
     def result(self, train_iters: int) -> dict:
         out = {"mode": self.mode, "seed": self.seed, "flags": MODES[self.mode], "argv": self.argv,
-               "folder": self.folder, "wall_s": self.wall}
+               "folder": self.folder, "wall_s": self.wall, "resumed_from_iteration": self.resumed_from}
+        if self.finished_before:
+            log = parse_log(self.log)
+            return dict(out, **log, status="ok", final_val_loss=[v for it, v in log["val_loss"] if it == train_iters][0],
+                        note="finished by an earlier invocation (--resume); not run again")
         if self.proc is None:
             return dict(out, status="not_started", final_val_loss=None)
         out.update(parse_log(self.log))
@@ -249,9 +280,11 @@ def run(args) -> dict:
     save = {parse_run(item, "--save-checkpoint") for item in args.save_checkpoint}
     if save - set(pairs):
         raise UserError(f"--save-checkpoint {sorted(save - set(pairs))}: not a run of this invocation")
-    runs = [Run(m, s, os.path.join(args.workdir, f"{m}_s{s}"), flags, args.port_base + i, (m, s) in save)
-            for i, (m, s) in enumerate(pairs)]
-    queue, running, done = list(runs), [], []
+    if args.stop_every:  # each invocation trains at most this many iterations of a run (--resume continues it)
+        flags = [*flags, "--exit-interval", str(args.stop_every)]
+    runs = [Run(m, s, os.path.join(args.workdir, f"{m}_s{s}"), flags, args.port_base + i, (m, s) in save,
+                args.resume, plan["train_iters"]) for i, (m, s) in enumerate(pairs)]
+    queue, running, done = [r for r in runs if not r.finished_before], [], []
     while queue or running:
         while queue and len(running) < args.parallel:
             left = deadline - time.time()
@@ -440,6 +473,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "path): larger presets fit a device call; runs of one report must all use it or none")
     r.add_argument("--save-checkpoint", nargs="*", default=[], metavar="MODE:SEED",
                    help="keep this run's final checkpoint (for 'grads')")
+    r.add_argument("--resume", action="store_true",
+                   help="runs save a checkpoint when they stop (time budget, --stop-every) and continue from it "
+                        "on the next invocation with the same --workdir: one run spread over several device "
+                        "calls, its curve and final loss as one uninterrupted run's (exact resume)")
+    r.add_argument("--stop-every", type=int, default=None, metavar="N",
+                   help="with --resume: stop each run at every N-th iteration, so a long run is split into "
+                        "calls of known length")
     r.add_argument("--workdir", default=os.path.join(ROOT, ".cache", "fidelity_runs"))
     r.add_argument("--port-base", type=int, default=29700)
     g = sub.add_parser("grads", help="gradient agreement and moment quantization error on a trained checkpoint")
@@ -466,6 +506,9 @@ def main(argv=None) -> int:
         if args.what == "run":
             if args.parallel < 1 or args.time_budget <= 0:
                 raise UserError("--parallel and --time-budget must be positive")
+            if args.stop_every is not None and (args.stop_every < 1 or not args.resume):
+                raise UserError("--stop-every needs --resume and a positive N (a run stopped without a checkpoint "
+                                "could not continue)")
             result = run(args)
         elif args.what == "grads":
             if args.batch_size < 1:

@@ -146,3 +146,37 @@ def test_repeats_reports_what_report_refuses(tmp_path):
     c = _runs_doc(tmp_path / "c.json", [("bf16", 6, 2.0)], data_id="d2")
     proc = run_script(SCRIPT, "repeats", a, c, "--out", out)
     assert proc.returncode == 1 and proc.stderr.startswith("error:") and "data_id" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_run_split_over_invocations_is_the_uninterrupted_run(tiny_data, tmp_path):
+    """--resume --stop-every 2: the first invocation stops each run at iteration 2 with a checkpoint (reported as
+    incomplete), the second continues it to the end; curve and final loss equal an uninterrupted run's (exact
+    resume, bitwise on the CPU), and a third invocation launches nothing."""
+    common = ["--preset", "tiny", "--data", tiny_data, "--time-budget", "300", "--port-base", "29870"]
+
+    def invoke(name, *extra):
+        out = str(tmp_path / f"{name}.json")
+        proc = run_script(SCRIPT, "run", *common, "--runs", "coat:1", "--out", out, *extra)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        with open(out) as f:
+            return json.load(f)["runs"][0], proc.stdout
+
+    whole, _ = invoke("whole", "--workdir", str(tmp_path / "w1"))
+    split = ["--workdir", str(tmp_path / "w2"), "--resume", "--stop-every", "2"]
+    first, _ = invoke("first", *split)
+    assert whole["train_loss"][-1][0] == 4 and first["status"] == "incomplete" and first["train_loss"][-1][0] == 2
+    second, _ = invoke("second", *split)
+    assert second["status"] == "ok" and second["resumed_from_iteration"] == 2
+    assert second["final_val_loss"] == whole["final_val_loss"]
+    assert second["train_loss"] == whole["train_loss"] and second["grad_norm"] == whole["grad_norm"]
+    third, stdout = invoke("third", *split)
+    assert third["status"] == "ok" and "note" in third and "start coat" not in stdout
+    assert third["final_val_loss"] == whole["final_val_loss"]
+
+
+def test_stop_every_without_resume_is_one_error_line(tiny_data, tmp_path):
+    proc = run_script(SCRIPT, "run", "--preset", "tiny", "--data", tiny_data, "--stop-every", "2",
+                      "--out", str(tmp_path / "x.json"))
+    assert proc.returncode == 1 and proc.stderr.startswith("error:") and "--stop-every" in proc.stderr
+    assert "Traceback" not in proc.stderr
