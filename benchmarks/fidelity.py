@@ -73,6 +73,9 @@ PRESETS = {
     # model flags, sequence length, tokens per run, global/micro batch, peak LR, validation points per run
     "125m": dict(model=MODEL_125M, seq=1024, tokens=50e6, gbs=32, mbs=16, lr=6e-4, val_points=4),
     "350m": dict(model=MODEL_350M, seq=1024, tokens=30e6, gbs=32, mbs=16, lr=3e-4, val_points=4),
+    # twice the tokens: at 30 M one run's own noise is ~2% (benchmarks/results/fidelity_notes.md); a pair takes
+    # two device calls (RESUME=1 in device_run.sh)
+    "350m-long": dict(model=MODEL_350M, seq=1024, tokens=60e6, gbs=32, mbs=16, lr=3e-4, val_points=4),
     "ablation": dict(model=MODEL_125M, seq=1024, tokens=20e6, gbs=32, mbs=16, lr=6e-4, val_points=2),
     # a CPU check of this script (tests/benchmarks/test_fidelity.py), not a measurement
     "tiny": dict(model=["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
