@@ -100,7 +100,8 @@ def main() -> int:
         configs = [()]
     if not all(len(c) == 2 and c[0] >= 16 and c[0] & (c[0] - 1) == 0 and c[1] in (1, 2, 4, 8, 16, 32)
                for c in configs):
-        print(f"error: --sweep takes BM:WARPS pairs, BM a power of two >= 16, WARPS a power of two up to 32: {args.sweep}",
+        print("error: --sweep takes BM:WARPS pairs, BM a power of two >= 16, WARPS a power of two up to 32: "
+              f"{args.sweep}",
               file=sys.stderr)
         return 2
     device = "cpu" if args.cpu_smoke else "cuda"

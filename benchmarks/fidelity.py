@@ -236,7 +236,8 @@ class Run:
                "folder": self.folder, "wall_s": self.wall, "resumed_from_iteration": self.resumed_from}
         if self.finished_before:
             log = parse_log(self.log)
-            return dict(out, **log, status="ok", final_val_loss=[v for it, v in log["val_loss"] if it == train_iters][0],
+            final = [v for it, v in log["val_loss"] if it == train_iters][0]
+            return dict(out, **log, status="ok", final_val_loss=final,
                         note="finished by an earlier invocation (--resume); not run again")
         if self.proc is None:
             return dict(out, status="not_started", final_val_loss=None)
