@@ -382,7 +382,7 @@ def report(paths: list[str]) -> dict:
 def repeats(paths: list[str]) -> dict:
     """Identical runs (same mode and seed, several times): how far one command moves by itself.
 
-    Runs are not bitwise reproducible on a GPU (atomics in attention's backward, among others), and a short
+    Runs are not bitwise reproducible on a GPU (kernels that sum with atomics, e.g. attention's backward), and a short
     schedule can amplify that: this is the noise a single run carries even with its seed fixed, beside the
     seed-to-seed noise that pairing removes. `report` refuses repeats, so that each seed counts once."""
     runs_files, _ = load_results(paths)
