@@ -122,6 +122,9 @@ def main(rank):
         engine.step()
     with open(f"{sys.argv[2]}_rank{rank}.txt", "w") as f:  # one file per rank: their prints would interleave
         f.write(f"{views} {[p.detach().float().sum().item() for p in model.parameters()]}")
+    # gloo's threads must stop before the process exits, or one rank can abort in teardown (SIGABRT)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
