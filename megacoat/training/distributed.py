@@ -52,7 +52,8 @@ def shutdown_distributed() -> None:
     Left to interpreter exit, the process group's C++ threads are torn down in no set order, and a rank can
     abort after training finished ("terminate called without an active exception", status -6 under
     DeepSpeed's launcher). The barrier keeps a fast rank from closing its connections while a slow one still
-    talks to it. Only for a run that ended normally: after an error another rank may never reach the barrier."""
+    talks to it. Only for a run that ended normally: after an error another rank may never reach the barrier.
+    Free the DeepSpeed engine first (pretrain_gpt.main): its work handles outliving the group aborted a rank too."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
