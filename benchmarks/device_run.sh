@@ -8,9 +8,8 @@
 # output); copy them into benchmarks/results/ afterwards. Each command has its own time limit, so one that hangs
 # or fails leaves the others' results intact. Groups, in the order a session should take them:
 #   kernels     (~8 min, 1 GPU) GPU tests (pytest -m gpu) but CoatAdamW's, bench_quant         issues 6, 16
-#   gpu-suite   (~5 min, 1 GPU) every GPU test (pytest -m gpu), then bench_swiglu_grad_scaling (SwiGLU's
-#               backward per call, current vs --fp8-grad-scaling delayed, its cast pass alone, and a sweep of
-#               the cast pass's tile height and warps)                                            issue 17
+#   gpu-suite   (~4 min, 1 GPU) every GPU test (pytest -m gpu), then bench_swiglu_grad_scaling (SwiGLU's
+#               backward per call, current vs --fp8-grad-scaling delayed)                          issue 17
 #   optimizer   (~6 min, 1 GPU) CoatAdamW's GPU tests (the CUDA kernel), bench_optimizer          issues 5, 16
 #   layers      (~8 min, 1 GPU) bench_layer: new vs legacy fp8-linear (--ab), then compiled FP8 modes    issue 6
 #   mlp         (~6 min, 1 GPU) bench_mlp_block, with the last measured kernels (739ce90) beside the new

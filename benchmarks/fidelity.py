@@ -179,9 +179,11 @@ def has_checkpoint(directory: str | None) -> bool:
         return True
 
 
-def finished(log: dict, train_iters: int) -> bool:
-    return bool(log["train_loss"]) and log["train_loss"][-1][0] >= train_iters and any(
-        it == train_iters for it, _ in log["val_loss"])
+def final_val_loss(log: dict, train_iters: int) -> float | None:
+    """The validation loss at the last iteration, where the log reached it (None: the run has not finished)."""
+    if not log["train_loss"] or log["train_loss"][-1][0] < train_iters:
+        return None
+    return next((v for it, v in log["val_loss"] if it == train_iters), None)
 
 
 class Run:
@@ -206,7 +208,7 @@ class Run:
             self.argv += ["--load", self.checkpoint, "--keep-last", "1"]
         log = parse_log(self.log) if resuming else None
         self.resumed_from = log["train_loss"][-1][0] if log and log["train_loss"] else 0
-        self.finished_before = log is not None and finished(log, train_iters)
+        self.finished_before = log is not None and final_val_loss(log, train_iters) is not None
         self.proc, self.started, self.wall = None, None, None
 
     def launch(self, stop_after_s: float, cpu_threads: int | None = None) -> None:
@@ -234,23 +236,20 @@ class Run:
     def result(self, train_iters: int) -> dict:
         out = {"mode": self.mode, "seed": self.seed, "flags": MODES[self.mode], "argv": self.argv,
                "folder": self.folder, "wall_s": self.wall, "resumed_from_iteration": self.resumed_from}
-        if self.finished_before:
-            log = parse_log(self.log)
-            final = [v for it, v in log["val_loss"] if it == train_iters][0]
-            return dict(out, **log, status="ok", final_val_loss=final,
-                        note="finished by an earlier invocation (--resume); not run again")
-        if self.proc is None:
+        if self.proc is None and not self.finished_before:
             return dict(out, status="not_started", final_val_loss=None)
         out.update(parse_log(self.log))
-        last = out["train_loss"][-1][0] if out["train_loss"] else 0
-        final = [v for it, v in out["val_loss"] if it == train_iters]
-        if self.proc.returncode != 0:
+        final = final_val_loss(out, train_iters)
+        if self.finished_before:
+            out.update(status="ok", final_val_loss=final,
+                       note="finished by an earlier invocation (--resume); not run again")
+        elif self.proc.returncode != 0:
             with open(os.path.join(self.folder, "stdout.txt"), errors="replace") as f:
                 out.update(status="failed", error=f.read()[-3000:], final_val_loss=None)
-        elif last < train_iters or not final:
+        elif final is None:
             out.update(status="incomplete", final_val_loss=None)
         else:
-            out.update(status="ok", final_val_loss=final[0])
+            out.update(status="ok", final_val_loss=final)
         if self.checkpoint and out["status"] == "ok":
             out["checkpoint"] = self.checkpoint
         return out
