@@ -16,7 +16,7 @@
 #               ones when .baseline/739ce90 is carried (the device copy has no .git); make it with
 #               mkdir -p .baseline/739ce90 && git archive 739ce90 megacoat/ops | tar -x -C .baseline/739ce90
 #               (and '/.baseline/' in .git/info/exclude), then name .baseline in the call's carry      issue 6
-#   e2e MB PART (~7-9 min, 1 GPU) issue 17's table, 1.3 B model at micro-batch MB (2, 4 or 8): 2 repeats x 30
+#   e2e MB PART (~7-9 min, 1 GPU) issue 17's table, 1.3 B model at micro-batch MB (2, 4, 8 or a list: 1,2): 2 repeats x 30
 #               timed iterations per mode, each mode profiled once (GPU-busy fraction, kernels, idle time by
 #               phase); PART baseline: bf16+compile plain-llama torchao-float8 (needs the torchao wheel in .whl);
 #               PART fp8: bf16+compile coat coat+compile; PART cudagraph: bf16+compile coat+cudagraph torchao-float8
@@ -120,8 +120,10 @@ e2e)
     delayed) MODES="bf16+compile coat+cudagraph coat-delayed+cudagraph" ;;
     *) echo "e2e: part must be baseline, fp8, cudagraph, fastaccum or delayed (see the header of $0)"; exit 2 ;;
     esac
-    step "e2e_${3}_mb$MB" 565 $E2E --micro-batch-size "$MB" --profile --modes $MODES \
-        --out "$OUT/bench_e2e_speed_${3}_mb$MB.json"
+    # MB may be a comma list (e.g. 1,2: both in one call); PROFILE=0 skips the profiled iteration per mode
+    PROF=(--profile); [ "${PROFILE:-1}" = 0 ] && PROF=()
+    step "e2e_${3}_mb${MB//,/_}" 565 $E2E --micro-batch-size ${MB//,/ } "${PROF[@]}" --modes $MODES \
+        --out "$OUT/bench_e2e_speed_${3}_mb${MB//,/_}.json"
     ;;
 e2e-memory)
     step e2e_memory 585 python3 benchmarks/bench_e2e.py speed --warmup 5 --iters 30 --log-interval 5 --repeats 1 \
