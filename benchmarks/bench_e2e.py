@@ -62,6 +62,9 @@ MODES = {
     "coat-fast-accum": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-fast-accum"]),
     # SwiGLU's gradient with delayed scaling (one pass of its backward instead of two; TransformerEngine's recipe)
     "coat-delayed": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-grad-scaling", "delayed"]),
+    # and the norms' and SwiGLU's FP8 outputs with delayed scaling (each written in the launch that reads its input)
+    "coat-delayed-all": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling",
+                                             "delayed"]),
     "torchao-float8": ("benchmarks/torchao_pretrain.py", []),
     "plain-llama": ("benchmarks/plain_llama.py", []),
 }

@@ -22,7 +22,9 @@
 #               PART fp8: bf16+compile coat coat+compile; PART cudagraph: bf16+compile coat+cudagraph torchao-float8
 #               (the FP8 speed path); PART fastaccum: bf16+compile coat+cudagraph coat-fast-accum+cudagraph
 #               (--fp8-fast-accum's speed); PART delayed: bf16+compile coat+cudagraph coat-delayed+cudagraph
-#               (--fp8-grad-scaling delayed's speed). Each holds bf16+compile: ratios stay within one call  issue 17
+#               (--fp8-grad-scaling delayed's speed); PART delayedall: bf16+compile coat-delayed+cudagraph
+#               coat-delayed-all+cudagraph (--fp8-activation-scaling delayed on top). Each holds bf16+compile:
+#               ratios stay within one call                                                         issue 17
 #   e2e-memory  (~7 min, 1 GPU) peak memory and speed at micro-batch 4 and 8: bf16+compile, coat,
 #               coat-fp32-master and coat-rowwise with CUDA graphs, one repeat (memory is
 #               deterministic)                                                                   issue 18
@@ -118,7 +120,8 @@ e2e)
     cudagraph) MODES="bf16+compile coat+cudagraph torchao-float8" ;;
     fastaccum) MODES="bf16+compile coat+cudagraph coat-fast-accum+cudagraph" ;;
     delayed) MODES="bf16+compile coat+cudagraph coat-delayed+cudagraph" ;;
-    *) echo "e2e: part must be baseline, fp8, cudagraph, fastaccum or delayed (see the header of $0)"; exit 2 ;;
+    delayedall) MODES="bf16+compile coat-delayed+cudagraph coat-delayed-all+cudagraph" ;;
+    *) echo "e2e: part must be baseline, fp8, cudagraph, fastaccum, delayed or delayedall (see the header of $0)"; exit 2 ;;
     esac
     # MB may be a comma list (e.g. 1,2: both in one call); PROFILE=0 skips the profiled iteration per mode
     PROF=(--profile); [ "${PROFILE:-1}" = 0 ] && PROF=()

@@ -66,6 +66,8 @@ MODES = {
     "coat-fast-accum": ["--coat-fp8", "--fp8-fast-accum"],
     # SwiGLU's gradient scaled by the amaxes of earlier backward calls: whether --fp8-grad-scaling delayed costs loss
     "coat-delayed": ["--coat-fp8", "--fp8-grad-scaling", "delayed"],
+    # and the norms' and SwiGLU's FP8 outputs scaled by the amaxes of earlier forwards (--fp8-activation-scaling)
+    "coat-delayed-all": ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling", "delayed"],
 }
 MODEL_125M = ["--num-layers", "12", "--hidden-size", "768", "--ffn-hidden-size", "2048", "--num-attention-heads", "12"]
 MODEL_350M = ["--num-layers", "24", "--hidden-size", "1024", "--ffn-hidden-size", "2816", "--num-attention-heads", "16"]

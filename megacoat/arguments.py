@@ -7,7 +7,7 @@ import re
 
 from megacoat.config import MegacoatConfig
 from megacoat.data.config import DataConfig
-from megacoat.fp8.config import ACTIVATION_MODES, FP8_DTYPES, GRAD_SCALINGS, WEIGHT_CACHES, FP8Config
+from megacoat.fp8.config import ACTIVATION_MODES, ACTIVATION_SCALINGS, FP8_DTYPES, GRAD_SCALINGS, WEIGHT_CACHES, FP8Config
 from megacoat.model.config import ModelConfig
 from megacoat.optim.config import DECAY_STYLES, MAIN_GRADS_DTYPES, MAIN_PARAMS_DTYPES, OptimizerConfig
 from megacoat.parallel.config import ParallelConfig
@@ -116,8 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "scaled by the largest amax of its last --fp8-amax-history-len backward calls, recording its "
                         "own in the same pass (TransformerEngine's delayed scaling: one pass of SwiGLU's backward "
                         "instead of two; values beyond the history's amax saturate)")
+    g.add_argument("--fp8-activation-scaling", choices=ACTIVATION_SCALINGS, default=FP8Config().activation_scaling,
+                   help="current: every FP8 activation scaled by its own amax; delayed (coat mode): the FP8 outputs of "
+                        "RMSNorm and SwiGLU scaled by the largest amax of their last --fp8-amax-history-len forwards "
+                        "with gradients, each written in the kernel that reads its input (one launch instead of two; "
+                        "values beyond the history's amax saturate; evaluation scales just in time)")
     g.add_argument("--fp8-amax-history-len", type=int, default=FP8Config().amax_history_len,
-                   help="delayed scaling: how many backward calls (micro-batches) of amaxes set the scale")
+                   help="delayed scaling: how many calls (micro-batches) of amaxes set the scale")
 
     t = TrainingConfig()
     g = p.add_argument_group("training")
@@ -217,7 +222,8 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
                       cache_dir=args.data_cache_dir, num_workers=args.num_workers, mock_data=args.mock_data)
     fp8 = FP8Config(mode=fp8_activations, grad_dtype=args.fp8_grad_dtype, group_size=args.fp8_group_size,
                     weight_cache=args.fp8_weight_cache, fast_accum=args.fp8_fast_accum,
-                    grad_scaling=args.fp8_grad_scaling, amax_history_len=args.fp8_amax_history_len)
+                    grad_scaling=args.fp8_grad_scaling, activation_scaling=args.fp8_activation_scaling,
+                    amax_history_len=args.fp8_amax_history_len)
     parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                               pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                               sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage)
@@ -254,6 +260,9 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
     if fp8.grad_scaling == "delayed" and parallel.pipeline_model_parallel_size > 1:
         raise ValueError("--fp8-grad-scaling delayed is not supported with --pipeline-model-parallel-size > 1 (the "
                          "pipeline schedule runs several forwards before the first backward records an amax)")
+    if fp8.activation_scaling == "delayed" and parallel.pipeline_model_parallel_size > 1:
+        raise ValueError("--fp8-activation-scaling delayed is not supported with --pipeline-model-parallel-size > 1 "
+                         "(untested with DeepSpeed's pipeline engine)")
     if training.enable_cuda_graph:
         check_cuda_graph(parallel)
     return MegacoatConfig(model=model, optim=optim, data=data, fp8=fp8, parallel=parallel, training=training)

@@ -31,6 +31,9 @@ def test_defaults_build_a_config():
     (["--fp8-activations", "fp8-linear", "--fp8-grad-scaling", "delayed"], "--fp8-grad-scaling"),  # no SwiGLU kernel
     (["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-amax-history-len", "0"], "--fp8-amax-history-len"),
     (["--coat-fp8", "--fp8-grad-scaling", "delayed", "--pipeline-model-parallel-size", "2"], "--fp8-grad-scaling"),
+    (["--fp8-activations", "fp8-linear", "--fp8-activation-scaling", "delayed"], "--fp8-activation-scaling"),
+    (["--coat-fp8", "--fp8-activation-scaling", "delayed", "--pipeline-model-parallel-size", "2"],
+     "--fp8-activation-scaling"),
 ])
 def test_bad_flags_name_the_flag(capsys, argv, flag):
     assert flag in _error(capsys, argv)
@@ -45,7 +48,8 @@ def test_fast_accum_reaches_the_fp8_config():
 def test_grad_scaling_reaches_the_fp8_config():
     assert parse_config(["--coat-fp8"]).fp8.grad_scaling == "current"
     fp8 = parse_config(["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-amax-history-len", "4"]).fp8
-    assert fp8.grad_scaling == "delayed" and fp8.amax_history_len == 4
+    assert fp8.grad_scaling == "delayed" and fp8.amax_history_len == 4 and fp8.activation_scaling == "current"
+    assert parse_config(["--coat-fp8", "--fp8-activation-scaling", "delayed"]).fp8.activation_scaling == "delayed"
 
 
 def test_checkpoint_conversion_flags_reach_the_config():

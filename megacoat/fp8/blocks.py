@@ -23,7 +23,7 @@ from torch import nn
 
 from megacoat.fp8.config import FP8Config
 from megacoat.fp8.formats import get_format
-from megacoat.fp8.grad_scaling import DelayedGradScale, drop_saved_history
+from megacoat.fp8.delayed_scaling import DelayedScale, drop_saved_history
 from megacoat.fp8.linear import Fp8Linear, Fp8WeightCache
 from megacoat.fp8.precision_flow import coat_mlp, coat_norm_qkv
 from megacoat.ops.attention import causal_attention
@@ -60,22 +60,27 @@ class CoatTransformerBlock(nn.Module):
         self.grad_dtype = get_format(fp8.grad_dtype).dtype
         self.qkv_cache, self.w13_cache, self.w2_cache = (Fp8WeightCache(fp8.weight_cache)
                                                          for _ in range(3))
-        if fp8.grad_scaling == "delayed":
-            self.swiglu_grad_scale = DelayedGradScale(fp8.amax_history_len)
-        else:
-            self.swiglu_grad_scale = None
-            drop_saved_history(self, "swiglu_grad_scale")
+        # delayed scaling sites (megacoat.fp8.delayed_scaling): SwiGLU's gradient; the two norms' and SwiGLU's outputs
+        sites = {"swiglu_grad_scale": fp8.grad_scaling == "delayed"}
+        sites.update(dict.fromkeys(("qkv_norm_out_scale", "mlp_norm_out_scale", "swiglu_out_scale"),
+                                   fp8.activation_scaling == "delayed"))
+        for name, delayed in sites.items():
+            setattr(self, name, DelayedScale(fp8.amax_history_len) if delayed else None)
+            if not delayed:
+                drop_saved_history(self, name)
         self.region = NO_REGION
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         a, ff, region = self.attention, self.feed_forward, self.region
         q, k, v = coat_norm_qkv(region.enter(x), region.replicated(self.attention_norm.weight),
                                 (a.wq.weight, a.wk.weight, a.wv.weight), self.qkv_cache, self.attention_norm.eps,
-                                self.group_size, self.grad_dtype, cos, sin, a.head_dim, self.fast_accum)
+                                self.group_size, self.grad_dtype, cos, sin, a.head_dim, self.fast_accum,
+                                self.qkv_norm_out_scale)
         h = x + a.wo(causal_attention(q, k, v))
         out = coat_mlp(region.enter(h), region.replicated(self.ffn_norm.weight), ff.w1.weight, ff.w3.weight,
                        ff.w2.weight, self.w13_cache, self.w2_cache, self.ffn_norm.eps, self.group_size,
-                       self.grad_dtype, self.fast_accum, self.swiglu_grad_scale)
+                       self.grad_dtype, self.fast_accum, self.swiglu_grad_scale, self.mlp_norm_out_scale,
+                       self.swiglu_out_scale)
         return h + region.exit(out)
 
     def fp8_weight_caches(self):

@@ -14,8 +14,11 @@ FP8_DTYPES = ("e4m3", "e5m2")
 # bytes as step's W8^T). none: made per use and dropped (no persistent bytes, ~3 extra weight reads per micro-batch).
 WEIGHT_CACHES = ("step", "rowwise", "none")
 # current: each FP8 gradient scaled by its own amax. delayed: SwiGLU's gradient in coat mode by the amaxes its
-# earlier calls recorded (megacoat.fp8.grad_scaling: one pass of its backward instead of two).
+# earlier calls recorded (megacoat.fp8.delayed_scaling: one pass of its backward instead of two).
 GRAD_SCALINGS = ("current", "delayed")
+# current: each FP8 activation scaled by its own amax. delayed: in coat mode the FP8 outputs of RMSNorm and SwiGLU by
+# the amaxes their earlier forwards recorded (one launch each instead of two).
+ACTIVATION_SCALINGS = ("current", "delayed")
 
 
 @dataclass
@@ -29,7 +32,8 @@ class FP8Config:
     # the tokens, where the tensor cores' limited accumulator precision loses the most.
     fast_accum: bool = False
     grad_scaling: str = "current"
-    amax_history_len: int = 16  # delayed scaling: backward calls (micro-batches) whose amaxes set the scale
+    activation_scaling: str = "current"
+    amax_history_len: int = 16  # delayed scaling: calls (micro-batches) whose amaxes set the scale
 
     def __post_init__(self):
         if self.mode not in ACTIVATION_MODES:
@@ -40,6 +44,12 @@ class FP8Config:
             raise ValueError(f"--fp8-weight-cache must be one of {WEIGHT_CACHES}, got {self.weight_cache!r}")
         if self.grad_scaling not in GRAD_SCALINGS:
             raise ValueError(f"--fp8-grad-scaling must be one of {GRAD_SCALINGS}, got {self.grad_scaling!r}")
+        if self.activation_scaling not in ACTIVATION_SCALINGS:
+            raise ValueError(f"--fp8-activation-scaling must be one of {ACTIVATION_SCALINGS}, "
+                             f"got {self.activation_scaling!r}")
+        if self.activation_scaling == "delayed" and self.mode != "coat":
+            raise ValueError("--fp8-activation-scaling delayed applies to the coat precision flow (the FP8 outputs of "
+                             f"RMSNorm and SwiGLU): add --coat-fp8 or --fp8-activations coat (the mode is {self.mode})")
         if self.amax_history_len < 1:
             raise ValueError(f"--fp8-amax-history-len must be at least 1, got {self.amax_history_len}")
         if self.grad_scaling == "delayed" and self.mode != "coat":

@@ -11,9 +11,12 @@ scales): FP8 only. The GEMM inputs that wgrad needs (normed x, silu(a1)*a3) are 
 are made again in backward, transposed (normed x by the norm's output kernel, silu(a1)*a3 by SwiGLU's
 backward pass, which reads the pair anyway). Gradients between the layers are FP8 too (E5M2 by default):
 SwiGLU's backward writes da1|da3 straight into the layouts of the two GEMMs that consume it (with delayed scaling,
-megacoat.fp8.grad_scaling, in one pass instead of two), and attention's dq,
+megacoat.fp8.delayed_scaling, in one pass instead of two), and attention's dq,
 dk, dv go through RoPE's backward straight into the joined [q|k|v] gradient, its amax folded in, then one cast into
 the layouts of the [q|k|v] GEMMs (megacoat.ops.rope_grad_cast).
+
+With delayed activation scaling (megacoat.fp8.delayed_scaling) the norm and SwiGLU write their FP8 output in the
+kernel that reads their input, with a scale from the amaxes of earlier forwards, instead of in a second launch.
 
 The kernels are megacoat:: operators under torch.compile, and the weights' FP8 copies are passed in as tensors
 (read from their caches by the wrappers), so a compiled block traces both functions with no graph break.
@@ -22,16 +25,34 @@ from __future__ import annotations
 
 import torch
 
-from megacoat.fp8.grad_scaling import DelayedGradScale
+from megacoat.fp8.delayed_scaling import DelayedScale
 from megacoat.fp8.linear import Fp8WeightCache, check_gemm_dims, fp8_weight_t, quantize_grad, scaled_mm
-from megacoat.ops.rmsnorm import rmsnorm_fp8_bwd, rmsnorm_fp8_fwd, rmsnorm_fp8_out
+from megacoat.ops.rmsnorm import rmsnorm_fp8_bwd, rmsnorm_fp8_fwd, rmsnorm_fp8_fwd_delayed, rmsnorm_fp8_out
 from megacoat.ops.rope import rope_rotate
 from megacoat.ops.rope_grad_cast import rope_qkv_grad_fp8
-from megacoat.ops.swiglu import swiglu_fp8_bwd_delayed, swiglu_fp8_bwd_out_t, swiglu_fp8_fwd, swiglu_fp8_out
+from megacoat.ops.swiglu import (swiglu_fp8_bwd_delayed, swiglu_fp8_bwd_out_t, swiglu_fp8_fwd, swiglu_fp8_fwd_delayed,
+                                 swiglu_fp8_out)
 
 
 def _split_rows(t: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
     return tuple(t.split(sizes, dim=0))
+
+
+def _norm_fwd(x, weight, eps, group_size, history, bootstrap):
+    """→ (x8, xs, rstd, y_scale, y8): RMSNorm's saved FP8 input and its FP8 output for the next GEMM. history None:
+    current scaling (two launches); otherwise delayed scaling from that amax history (one launch)."""
+    if history is None:
+        x8, xs, rstd, y_scale = rmsnorm_fp8_fwd(x, weight, eps, group_size)
+        return x8, xs, rstd, y_scale, rmsnorm_fp8_out(x8, xs, rstd, weight, y_scale, group_size, transpose=False)
+    return rmsnorm_fp8_fwd_delayed(x, weight, history, eps, group_size, bootstrap=bootstrap)
+
+
+def _swiglu_fwd(a13, group_size, history, bootstrap):
+    """→ (a1_8, s1, a3_8, s3, s_scale, s8): SwiGLU's saved FP8 pair and its FP8 output, as _norm_fwd."""
+    if history is None:
+        saved = swiglu_fp8_fwd(a13, group_size)
+        return (*saved, swiglu_fp8_out(*saved, group_size, transpose=False))
+    return swiglu_fp8_fwd_delayed(a13, history, group_size, bootstrap=bootstrap)
 
 
 class CoatNormQKVFunction(torch.autograd.Function):
@@ -41,9 +62,8 @@ class CoatNormQKVFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, norm_weight, w8, w8t, w_scale, eps, group_size, grad_dtype, fast_accum, cos, sin, batch,
-                head_dim, *weights):
-        x8, xs, rstd, y_scale = rmsnorm_fp8_fwd(x, norm_weight, eps, group_size)
-        y8 = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, group_size, transpose=False)
+                head_dim, norm_history, norm_bootstrap, *weights):
+        x8, xs, rstd, y_scale, y8 = _norm_fwd(x, norm_weight, eps, group_size, norm_history, norm_bootstrap)
         qkv = scaled_mm(y8, w8.t(), y_scale, w_scale, x.dtype, fast_accum)
         sizes = [w.shape[0] for w in weights]
         q, k, v = (t.view(batch, -1, n // head_dim, head_dim) for t, n in zip(qkv.split(sizes, dim=1), sizes))
@@ -65,7 +85,7 @@ class CoatNormQKVFunction(torch.autograd.Function):
         y8t = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, ctx.group_size, transpose=True)
         dw = scaled_mm(g8t, y8t.t(), g_scale, y_scale, ctx.w_dtype)
         dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, ctx.group_size)
-        return (dx, dnorm.to(norm_weight.dtype), *(None,) * 11, *_split_rows(dw, ctx.sizes))
+        return (dx, dnorm.to(norm_weight.dtype), *(None,) * 13, *_split_rows(dw, ctx.sizes))
 
 
 class CoatMLPFunction(torch.autograd.Function):
@@ -73,13 +93,12 @@ class CoatMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, norm_weight, w1, w3, w2, w13_8, w13_8t, w13_scale, w2_8, w2_8t, w2_scale, eps, group_size,
-                grad_dtype, fast_accum, grad_history, bootstrap):
-        x8, xs, rstd, y_scale = rmsnorm_fp8_fwd(x, norm_weight, eps, group_size)
-        y8 = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, group_size, transpose=False)
+                grad_dtype, fast_accum, grad_history, bootstrap, norm_history, norm_bootstrap, swiglu_history,
+                swiglu_bootstrap):
+        x8, xs, rstd, y_scale, y8 = _norm_fwd(x, norm_weight, eps, group_size, norm_history, norm_bootstrap)
         a13 = scaled_mm(y8, w13_8.t(), y_scale, w13_scale, x.dtype, fast_accum)  # [M, 2F]: gate | up
-        a1_8, s1, a3_8, s3, s_scale = swiglu_fp8_fwd(a13, group_size)
+        a1_8, s1, a3_8, s3, s_scale, s8 = _swiglu_fwd(a13, group_size, swiglu_history, swiglu_bootstrap)
         del a13  # the BF16 GEMM output dies here; backward keeps its FP8 copy
-        s8 = swiglu_fp8_out(a1_8, s1, a3_8, s3, s_scale, group_size, transpose=False)
         out = scaled_mm(s8, w2_8.t(), s_scale, w2_scale, x.dtype, fast_accum)
         ctx.save_for_backward(x8, xs, rstd, y_scale, a1_8, s1, a3_8, s3, s_scale, norm_weight)
         ctx.w13_8t, ctx.w13_scale, ctx.w2_8t, ctx.w2_scale = w13_8t, w13_scale, w2_8t, w2_scale
@@ -100,7 +119,7 @@ class CoatMLPFunction(torch.autograd.Function):
         # SwiGLU's backward also remakes s^T (w2's wgrad operand) from the pair it reads anyway
         if ctx.grad_history is None:
             da8, da8t, da_scale, s8t = swiglu_fp8_bwd_out_t(ds, a1_8, s1, a3_8, s3, s_scale, g, ctx.grad_dtype)
-        else:  # delayed scaling (megacoat.fp8.grad_scaling): one pass, the history rolled
+        else:  # delayed scaling (megacoat.fp8.delayed_scaling): one pass, the history rolled
             da8, da8t, da_scale, s8t = swiglu_fp8_bwd_delayed(ds, a1_8, s1, a3_8, s3, s_scale, ctx.grad_history, g,
                                                               ctx.grad_dtype, bootstrap=ctx.bootstrap)
         del ds
@@ -113,30 +132,39 @@ class CoatMLPFunction(torch.autograd.Function):
         dw13 = scaled_mm(da8t, y8t.t(), da_scale, y_scale, ctx.w_dtype)
         dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, g)
         dw1, dw3 = _split_rows(dw13, [ctx.ffn, ctx.ffn])
-        return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, *(None,) * 12
+        return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, *(None,) * 16
+
+
+def _history(scale: DelayedScale | None) -> tuple[torch.Tensor | None, bool]:
+    """(history, bootstrap) of a delayed-scaling site for a forward with gradients; (None, False), current
+    scaling, without the site or without gradients (evaluation leaves the history alone)."""
+    if scale is None or not torch.is_grad_enabled():
+        return None, False
+    return scale.amax_history, scale.bootstrap()
 
 
 def coat_norm_qkv(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, group_size: int,
                   grad_dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
-                  fast_accum: bool = False):
-    """x [batch, seq, H] → q, k, v [batch, seq, heads, head_dim] (q and k rotated); weights (wq, wk, wv)."""
+                  fast_accum: bool = False, norm_scale: DelayedScale | None = None):
+    """x [batch, seq, H] → q, k, v [batch, seq, heads, head_dim] (q and k rotated); weights (wq, wk, wv).
+    norm_scale: the norm's FP8 output with delayed scaling from that history (None: current scaling)."""
     if torch.is_grad_enabled():
         check_gemm_dims(tokens_per_micro_batch=x.shape[0] * x.shape[1])  # wgrad contracts over the tokens
     w8, w8t, w_scale = cache.get(weights)
     return CoatNormQKVFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w8, w8t, w_scale, eps, group_size,
-                                     grad_dtype, fast_accum, cos, sin, x.shape[0], head_dim, *weights)
+                                     grad_dtype, fast_accum, cos, sin, x.shape[0], head_dim, *_history(norm_scale),
+                                     *weights)
 
 
 def coat_mlp(x, norm_weight, w1, w3, w2, cache13: Fp8WeightCache, cache2: Fp8WeightCache, eps: float,
              group_size: int, grad_dtype: torch.dtype, fast_accum: bool = False,
-             grad_scale: DelayedGradScale | None = None):
-    """grad_scale: SwiGLU's gradient with delayed scaling from that history (None: current scaling)."""
-    history, bootstrap = None, False
+             grad_scale: DelayedScale | None = None, norm_scale: DelayedScale | None = None,
+             swiglu_scale: DelayedScale | None = None):
+    """grad_scale: SwiGLU's gradient with delayed scaling from that history; norm_scale, swiglu_scale: the norm's and
+    SwiGLU's FP8 outputs (None: current scaling)."""
     if torch.is_grad_enabled():
         check_gemm_dims(tokens_per_micro_batch=x[..., 0].numel())
-        if grad_scale is not None:
-            history, bootstrap = grad_scale.amax_history, grad_scale.bootstrap()
     out = CoatMLPFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w1, w3, w2, *cache13.get((w1, w3)),
-                                *cache2.get((w2,)), eps, group_size, grad_dtype, fast_accum, history, bootstrap)
+                                *cache2.get((w2,)), eps, group_size, grad_dtype, fast_accum, *_history(grad_scale),
+                                *_history(norm_scale), *_history(swiglu_scale))
     return out.view(x.shape)
-

@@ -7,6 +7,9 @@ Forward, in two launches:
      no reduction launches after the kernel).
   2. `rmsnorm_fp8_out`: re-read the 1-byte x and write y quantized with that per-tensor scale, row-major
      for the next GEMM, or transposed for its weight gradient (made again in backward instead of saved).
+`rmsnorm_fp8_fwd_delayed` (delayed scaling, megacoat.fp8.delayed_scaling) does both in the first launch: the scale
+comes from an amax history, the kernel writes y row-major beside x8 and folds this call's amax into the history
+(x8 is not read again: 1 byte per element fewer, and one launch).
 Backward `rmsnorm_fp8_bwd` reads dy and the saved FP8 x once and writes dx, with a persistent grid (two
 programs per SM) whose programs each keep one partial sum of dw, summed by torch.
 
@@ -19,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.tensor_scale import fold_amax_to_scale, scale_workspace
+from megacoat.ops.tensor_scale import (fold_amax_to_scale, history_max, record_amax, record_program_amax, roll_history,
+                                       scale_workspace)
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, group_dequantize, group_quantize,
                                    fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate
@@ -40,9 +44,13 @@ def rmsnorm_fp8_fwd_ref(x, weight, eps: float, group_size: int, out_dtype=E4M3):
     x8, xs = group_quantize(x, group_size, E4M3)
     xd = group_dequantize(x8, xs, group_size)
     rstd = 1.0 / torch.sqrt((xd * xd).mean(-1) + eps)
-    amax = (rstd * (xd * weight.float()).abs().amax(-1)).amax()
-    y_scale = scale_from_amax(amax, out_dtype).reshape(1)
+    y_scale = scale_from_amax(_y_amax(xd, rstd, weight), out_dtype).reshape(1)
     return x8, xs, rstd, y_scale
+
+
+def _y_amax(xd, rstd, weight) -> torch.Tensor:
+    """max|xd * rstd * w| as the kernel takes it: rstd times each row's max|xd * w| (rstd > 0)."""
+    return (rstd * (xd * weight.float()).abs().amax(-1)).amax().reshape(1)
 
 
 def rmsnorm_fp8_out_ref(x8, x_scales, rstd, weight, y_scale, group_size: int, transpose: bool, out_dtype=E4M3):
@@ -51,6 +59,20 @@ def rmsnorm_fp8_out_ref(x8, x_scales, rstd, weight, y_scale, group_size: int, tr
     y = group_dequantize(x8, x_scales, group_size) * rstd[:, None] * weight.float()
     q = (y / y_scale).clamp(-fmax, fmax).to(out_dtype)
     return q.t().contiguous() if transpose else q
+
+
+def rmsnorm_fp8_fwd_delayed_ref(x, weight, history, eps: float, group_size: int, out_dtype=E4M3,
+                                bootstrap: bool = False):
+    """rmsnorm_fp8_fwd and rmsnorm_fp8_out (row-major) with delayed scaling: → (x8, x_scales, rstd, y_scale, y8),
+    y_scale from max(history), the amaxes of earlier calls (bootstrap: from this call's own amax, as
+    rmsnorm_fp8_fwd); values beyond it saturate. history [L] (float32, most recent first) is rolled in place, this
+    call's amax in front (zero for a non-finite one)."""
+    x8, xs, rstd, own_scale = rmsnorm_fp8_fwd_ref(x, weight, eps, group_size, out_dtype)
+    amax = _y_amax(group_dequantize(x8, xs, group_size), rstd, weight)
+    y_scale = own_scale if bootstrap else scale_from_amax(history.amax(), out_dtype).reshape(1)
+    y8 = rmsnorm_fp8_out_ref(x8, xs, rstd, weight, y_scale, group_size, False, out_dtype)
+    record_amax(history, amax)
+    return x8, xs, rstd, y_scale, y8
 
 
 def rmsnorm_fp8_bwd_ref(dy, x8, x_scales, rstd, weight, group_size: int):
@@ -75,8 +97,11 @@ def _row_tile(H, G: tl.constexpr, NGP: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, count_ptr, scale_ptr, H, NG, eps, fmax_in,
-                fmax_out, amax_floor, G: tl.constexpr, NGP: tl.constexpr, FAST: tl.constexpr):
+def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, count_ptr, scale_ptr, y_ptr, hist_ptr, hist_len,
+                H, NG, eps, fmax_in, fmax_out, amax_floor, G: tl.constexpr, NGP: tl.constexpr, FAST: tl.constexpr,
+                HIST: tl.constexpr):
+    """HIST > 0 (delayed scaling): y's scale comes from the amax history's maximum, y is written here, and the
+    row amaxes go into amax (for roll_history, megacoat.ops.tensor_scale) instead of into a scale."""
     row = tl.program_id(0).to(tl.int64)
     gi, col, mask = _row_tile(H, G, NGP)
     x = tl.load(x_ptr + row * H + col, mask=mask, other=0.0).to(tl.float32)
@@ -91,7 +116,15 @@ def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, count_ptr, sca
     # rstd > 0, so max|x * rstd * w| over a row is rstd * max|x * w|: the output amax without the output.
     w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
     amax = rstd * tl.max(tl.max(tl.abs(xd * w), axis=1), axis=0)
-    fold_amax_to_scale(amax, amax_ptr, count_ptr, scale_ptr, fmax_out, amax_floor)
+    if HIST > 0:
+        scale = tl.math.div_rn(tl.maximum(history_max(hist_ptr, hist_len, HIST), amax_floor), fmax_out)
+        if row == 0:
+            tl.store(scale_ptr, scale)
+        yq = div_saturate(xd * rstd * w, scale, fmax_out, FAST)  # _out_kernel's product, in its order
+        tl.store(y_ptr + row * H + col, yq.to(y_ptr.dtype.element_ty), mask=mask)
+        record_program_amax(amax, amax_ptr)
+    else:
+        fold_amax_to_scale(amax, amax_ptr, count_ptr, scale_ptr, fmax_out, amax_floor)
 
 
 @triton.jit
@@ -156,6 +189,23 @@ def _bwd_kernel(dy_ptr, x8_ptr, xs_ptr, rstd_ptr, w_ptr, dx_ptr, dwp_ptr, M, H, 
 
 
 def rmsnorm_fp8_fwd_triton(x, weight, eps: float, group_size: int, out_dtype=E4M3):
+    return _fwd_launch(x, weight, eps, group_size, out_dtype)[:4]
+
+
+def rmsnorm_fp8_fwd_delayed_triton(x, weight, history, eps: float, group_size: int, out_dtype=E4M3,
+                                   bootstrap: bool = False):
+    """Delayed scaling: one launch writes x8 and y, one more (single program) rolls the history, after one memset;
+    bootstrap: the two launches of current scaling, then the roll (once per run)."""
+    x8, xs, rstd, y_scale, amax, y = _fwd_launch(x, weight, eps, group_size, out_dtype, None if bootstrap else history)
+    if bootstrap:
+        y = rmsnorm_fp8_out_triton(x8, xs, rstd, weight, y_scale, group_size, False, out_dtype)
+    roll_history(history, amax)
+    return x8, xs, rstd, y_scale, y
+
+
+def _fwd_launch(x, weight, eps, group_size, out_dtype, history=None):
+    """→ (x8, xs, rstd, y_scale, amax, y): amax is y's total either way; without a history y_scale comes from it and
+    y is None (rmsnorm_fp8_out writes y), with one y_scale comes from the history and y is written."""
     _check(x, weight, group_size)
     x = x.contiguous()
     m, h = x.shape
@@ -164,12 +214,16 @@ def rmsnorm_fp8_fwd_triton(x, weight, eps: float, group_size: int, out_dtype=E4M
     xs = torch.empty((m, ng), dtype=torch.float32, device=x.device)
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
     y_scale = torch.empty((1,), dtype=torch.float32, device=x.device)
+    y = None if history is None else torch.empty((m, h), dtype=out_dtype, device=x.device)
     amax, count = scale_workspace(x.device)
     ngp = triton.next_power_of_2(ng)
-    launcher(_fwd_kernel)[(m,)](x, weight, x8, xs, rstd, amax, count, y_scale, h, ng, eps, torch.finfo(E4M3).max,
-                      torch.finfo(out_dtype).max, AMAX_FLOOR, G=group_size, NGP=ngp, FAST=FAST,
-                      num_warps=_warps(ngp * group_size, 1024))
-    return x8, xs, rstd, y_scale
+    hist_len = 0 if history is None else history.numel()
+    launcher(_fwd_kernel)[(m,)](x, weight, x8, xs, rstd, amax, count, y_scale, x8 if y is None else y,
+                                y_scale if history is None else history, hist_len, h, ng, eps,
+                                torch.finfo(E4M3).max, torch.finfo(out_dtype).max, AMAX_FLOOR, G=group_size,
+                                NGP=ngp, FAST=FAST, HIST=triton.next_power_of_2(hist_len) if hist_len else 0,
+                                num_warps=_warps(ngp * group_size, 1024))
+    return x8, xs, rstd, y_scale, amax, y
 
 
 def _warps(row_elements: int, per_warp: int) -> int:
@@ -224,6 +278,14 @@ def rmsnorm_fp8_out(x8, x_scales, rstd, weight, y_scale, group_size: int, transp
                     x8, x_scales, rstd, weight, y_scale, group_size, transpose, out_dtype)
 
 
+def rmsnorm_fp8_fwd_delayed(x, weight, history, eps: float, group_size: int, out_dtype=E4M3,
+                            bootstrap: bool = False):
+    """rmsnorm_fp8_fwd and rmsnorm_fp8_out(transpose=False) with delayed scaling (rmsnorm_fp8_fwd_delayed_ref):
+    one launch instead of two, `history` rolled in place."""
+    return dispatch(_fwd_delayed_op, x, rmsnorm_fp8_fwd_delayed_triton, rmsnorm_fp8_fwd_delayed_ref,
+                    x, weight, history, eps, group_size, out_dtype, bootstrap)
+
+
 def rmsnorm_fp8_bwd(dy, x8, x_scales, rstd, weight, group_size: int):
     return dispatch(_bwd_op, dy, rmsnorm_fp8_bwd_triton, rmsnorm_fp8_bwd_ref, dy, x8, x_scales, rstd, weight,
                     group_size)
@@ -233,6 +295,13 @@ def rmsnorm_fp8_bwd(dy, x8, x_scales, rstd, weight, group_size: int):
 def _fwd_op(x: Tensor, weight: Tensor, eps: float, group_size: int,
             out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return traced_body(x, rmsnorm_fp8_fwd_triton, rmsnorm_fp8_fwd_ref, x, weight, eps, group_size, out_dtype)
+
+
+@fp8_operator("megacoat::rmsnorm_fp8_fwd_delayed", mutates_args=("history",))
+def _fwd_delayed_op(x: Tensor, weight: Tensor, history: Tensor, eps: float, group_size: int, out_dtype: torch.dtype,
+                    bootstrap: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return traced_body(x, rmsnorm_fp8_fwd_delayed_triton, rmsnorm_fp8_fwd_delayed_ref, x, weight, history, eps,
+                       group_size, out_dtype, bootstrap)
 
 
 @fp8_operator("megacoat::rmsnorm_fp8_out")

@@ -7,12 +7,15 @@ Forward, two launches:
      from the dequantized values, into the output's per-tensor scale inside the kernel (megacoat.ops.tensor_scale).
   2. `swiglu_fp8_out`: re-read the FP8 pair and write s with that per-tensor scale, row-major for the down
      projection's GEMM, or transposed for its weight gradient (made again in backward, not saved).
+`swiglu_fp8_fwd_delayed` (delayed scaling, megacoat.fp8.delayed_scaling) does both in the first launch: the scale
+comes from an amax history, the kernel writes s row-major beside the pair and folds this call's amax into the
+history (the pair is not read again: 2 bytes per pair fewer, and one launch).
 Backward, two passes over ds and the saved pair (the per-tensor scale needs the whole tensor's amax before any
 byte is written, so ds, a1, a3 are read twice; 12 bytes per (token, ffn) pair in all): `swiglu_fp8_bwd`'s first
 kernel reduces max|da1|, |da3| into one float by atomic max; the second derives the scale from it and writes
 da13 [M, 2F] for the dgrad GEMM and da13^T [2F, M] for the wgrad GEMM from one read. `swiglu_fp8_bwd_out_t`
 also writes s^T in the first pass, in place of a `swiglu_fp8_out(transpose=True)` launch.
-`swiglu_fp8_bwd_delayed` (delayed scaling, megacoat.fp8.grad_scaling) runs the second pass alone: its scale comes
+`swiglu_fp8_bwd_delayed` (delayed scaling, megacoat.fp8.delayed_scaling) runs the second pass alone: its scale comes
 from an amax history, and the pass writes s^T and folds this call's amax into the history (8 bytes per pair
 instead of 12).
 On the GPU the kernels use the cheaper math of megacoat.ops.triton_math (fast sigmoid, saturating casts).
@@ -23,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.tensor_scale import fold_amax_into_history, fold_amax_to_scale, history_max, scale_workspace
+from megacoat.ops.tensor_scale import (fold_amax_to_scale, history_max, record_amax, record_program_amax, roll_history,
+                                       scale_workspace)
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, group_dequantize, group_quantize,
                                    fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate, sigmoid
@@ -50,6 +54,19 @@ def swiglu_fp8_fwd_ref(a13, group_size: int, out_dtype=E4M3):
     a3_8, s3 = group_quantize(a13[:, f:], group_size, E4M3)
     s = _silu_mul(group_dequantize(a1_8, s1, group_size), group_dequantize(a3_8, s3, group_size))
     return a1_8, s1, a3_8, s3, _scale(s.abs().amax(), out_dtype)
+
+
+def swiglu_fp8_fwd_delayed_ref(a13, history, group_size: int, out_dtype=E4M3, bootstrap: bool = False):
+    """swiglu_fp8_fwd and swiglu_fp8_out (row-major) with delayed scaling: → (a1_8, s1, a3_8, s3, s_scale, s8),
+    s_scale from max(history), the amaxes of earlier calls (bootstrap: from this call's own amax, as
+    swiglu_fp8_fwd); values beyond it saturate. history [L] (float32, most recent first) is rolled in place, this
+    call's amax in front (zero for a non-finite one)."""
+    a1_8, s1, a3_8, s3, own_scale = swiglu_fp8_fwd_ref(a13, group_size, out_dtype)
+    amax = _silu_mul(group_dequantize(a1_8, s1, group_size), group_dequantize(a3_8, s3, group_size)).abs().amax()
+    s_scale = own_scale if bootstrap else _scale(history.amax(), out_dtype)
+    s8 = swiglu_fp8_out_ref(a1_8, s1, a3_8, s3, s_scale, group_size, False, out_dtype)
+    record_amax(history, amax)
+    return a1_8, s1, a3_8, s3, s_scale, s8
 
 
 def _silu_mul(a1, a3):
@@ -102,13 +119,8 @@ def swiglu_fp8_bwd_delayed_ref(ds, a1_8, s1, a3_8, s3, s_scale, history, group_s
     q, qt, scale = _cast_ref(da, _scale(amax if bootstrap else history.amax().reshape(1), grad_dtype), grad_dtype)
     del da  # float32 [M, 2F]: gone before s^T is made, as in swiglu_fp8_bwd_out_t_ref
     st = swiglu_fp8_out_ref(a1_8, s1, a3_8, s3, s_scale, group_size, True, out_dtype)
-    _record(history, amax)
+    record_amax(history, amax)
     return q, qt, scale, st
-
-
-def _record(history: torch.Tensor, amax: torch.Tensor) -> None:
-    amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
-    history.copy_(torch.cat((amax.to(history.dtype), history[:-1])))
 
 
 # --------------------------------------------------------------------------------------------------- triton
@@ -127,8 +139,11 @@ def _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG):
 
 
 @triton.jit
-def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, count_ptr, scale_ptr, M, F, NG, fmax_in, fmax_out,
-                amax_floor, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr):
+def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, count_ptr, scale_ptr, y_ptr, hist_ptr, hist_len,
+                M, F, NG, fmax_in, fmax_out, amax_floor, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr,
+                HIST: tl.constexpr):
+    """HIST > 0 (delayed scaling): s's scale comes from the amax history's maximum, s is written here (row-major,
+    _out_kernel's bytes), and the tile amaxes go into amax (for roll_history) instead of into a scale."""
     gi = tl.program_id(1)
     rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
@@ -148,8 +163,15 @@ def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, count_ptr, scal
     a1 = q1.to(tl.float32) * g1[:, None]
     a3 = q3.to(tl.float32) * g3[:, None]
     s = a1 * sigmoid(a1, FAST) * a3
-    fold_amax_to_scale(tl.max(tl.max(tl.abs(s), axis=1), axis=0), amax_ptr, count_ptr, scale_ptr, fmax_out,
-                       amax_floor)
+    amax = tl.max(tl.max(tl.abs(s), axis=1), axis=0)
+    if HIST > 0:
+        scale = tl.math.div_rn(tl.maximum(history_max(hist_ptr, hist_len, HIST), amax_floor), fmax_out)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(scale_ptr, scale)
+        tl.store(y_ptr + offs, div_saturate(s, scale, fmax_out, FAST).to(y_ptr.dtype.element_ty), mask=mask)
+        record_program_amax(amax, amax_ptr)
+    else:
+        fold_amax_to_scale(amax, amax_ptr, count_ptr, scale_ptr, fmax_out, amax_floor)
 
 
 @triton.jit
@@ -201,14 +223,14 @@ def _bwd_amax_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, s_scale_p
 
 @triton.jit
 def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, s_scale_ptr,
-                     st_ptr, amax_out_ptr, count_ptr, hist_ptr, hist_len, M, F, NG, fmax_g, fmax_s, amax_floor,
+                     st_ptr, amax_out_ptr, hist_ptr, hist_len, M, F, NG, fmax_g, fmax_s, amax_floor,
                      G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr, WRITE_ST: tl.constexpr,
                      HIST: tl.constexpr):
     """Pass 2: one read of ds, a1, a3 writes da1|da3 both row-major [M, 2F] (dgrad) and transposed [2F, M]
     (wgrad). Tiles run in the reverse order of pass 1, so the first ones read what pass 1 left in L2.
     Delayed scaling (HIST > 0) runs this pass alone: the scale comes from the amax history's maximum, WRITE_ST
-    writes s^T (pass 1's other job), and this call's max |da1|, |da3| is folded into amax_out, which the last
-    program rolls into the history (megacoat.ops.tensor_scale)."""
+    writes s^T (pass 1's other job), and this call's max |da1|, |da3| is folded into amax_out, which
+    roll_history puts into the history after the pass (megacoat.ops.tensor_scale)."""
     gi = tl.num_programs(1) - 1 - tl.program_id(1)
     rm = ((tl.num_programs(0) - 1 - tl.program_id(0)) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
@@ -222,8 +244,7 @@ def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr
         tl.store(scale_ptr, scale)
     da1, da3, s = _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG, FAST)
     if HIST > 0:
-        fold_amax_into_history(tl.max(tl.max(tl.maximum(tl.abs(da1), tl.abs(da3)), axis=1), axis=0),
-                               amax_out_ptr, count_ptr, hist_ptr, hist_len, HIST)
+        record_program_amax(tl.max(tl.max(tl.maximum(tl.abs(da1), tl.abs(da3)), axis=1), axis=0), amax_out_ptr)
     if WRITE_ST:
         qs = div_saturate(s, tl.load(s_scale_ptr), fmax_s, FAST)
         tl.store(st_ptr + rn[:, None] * M + rm[None, :], tl.trans(qs).to(st_ptr.dtype.element_ty),
@@ -249,6 +270,22 @@ _BM_T, _WARPS_T = 64, 8  # the transposed store writes BM contiguous bytes per r
 
 
 def swiglu_fp8_fwd_triton(a13, group_size: int, out_dtype=E4M3):
+    return _fwd_launch(a13, group_size, out_dtype)[:5]
+
+
+def swiglu_fp8_fwd_delayed_triton(a13, history, group_size: int, out_dtype=E4M3, bootstrap: bool = False):
+    """Delayed scaling: one launch writes the pair and s, one more (single program) rolls the history, after one
+    memset; bootstrap: the two launches of current scaling, then the roll (once per run)."""
+    a1_8, s1, a3_8, s3, s_scale, amax, s8 = _fwd_launch(a13, group_size, out_dtype, None if bootstrap else history)
+    if bootstrap:
+        s8 = swiglu_fp8_out_triton(a1_8, s1, a3_8, s3, s_scale, group_size, False, out_dtype)
+    roll_history(history, amax)
+    return a1_8, s1, a3_8, s3, s_scale, s8
+
+
+def _fwd_launch(a13, group_size, out_dtype, history=None):
+    """→ (a1_8, s1, a3_8, s3, s_scale, amax, s8): amax is s's total either way; without a history s_scale comes
+    from it and s8 is None (swiglu_fp8_out writes s), with one s_scale comes from the history and s8 is written."""
     f = _check(a13, group_size)
     a13 = a13.contiguous()
     m = a13.shape[0]
@@ -258,10 +295,14 @@ def swiglu_fp8_fwd_triton(a13, group_size: int, out_dtype=E4M3):
     a1_8, a3_8 = (torch.empty((m, f), dtype=E4M3, device=dev) for _ in range(2))
     s1, s3 = (torch.empty((m, ng), dtype=torch.float32, device=dev) for _ in range(2))
     s_scale = torch.empty((1,), dtype=torch.float32, device=dev)
+    y = None if history is None else torch.empty((m, f), dtype=out_dtype, device=dev)
     amax, count = scale_workspace(dev)
-    launcher(_fwd_kernel)[grid](a13, a1_8, s1, a3_8, s3, amax, count, s_scale, m, f, ng, torch.finfo(E4M3).max,
-                      torch.finfo(out_dtype).max, AMAX_FLOOR, G=group_size, BM=_BM, FAST=FAST, num_warps=4)
-    return a1_8, s1, a3_8, s3, s_scale
+    hist_len = 0 if history is None else history.numel()
+    launcher(_fwd_kernel)[grid](a13, a1_8, s1, a3_8, s3, amax, count, s_scale, a1_8 if y is None else y,
+                                s_scale if history is None else history, hist_len, m, f, ng, torch.finfo(E4M3).max,
+                                torch.finfo(out_dtype).max, AMAX_FLOOR, G=group_size, BM=_BM, FAST=FAST,
+                                HIST=triton.next_power_of_2(hist_len) if hist_len else 0, num_warps=4)
+    return a1_8, s1, a3_8, s3, s_scale, amax, y
 
 
 def swiglu_fp8_out_triton(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpose: bool, out_dtype=E4M3):
@@ -285,8 +326,8 @@ def swiglu_fp8_bwd_out_t_triton(ds, a1_8, s1, a3_8, s3, s_scale, group_size: int
 def swiglu_fp8_bwd_delayed_triton(ds, a1_8, s1, a3_8, s3, s_scale, history, group_size: int,
                                   grad_dtype=torch.float8_e5m2, out_dtype=E4M3, bootstrap: bool = False):
     """Delayed scaling: one pass (the cast pass: the scale from the history's maximum, s^T written, this call's
-    amax rolled into the history by its last program) and one memset; bootstrap: both passes, as
-    swiglu_fp8_bwd_out_t, then the roll as swiglu_fp8_bwd_delayed_ref does it (once per run)."""
+    amax folded into a zeroed float) and the single-program roll of the history; bootstrap: both passes, as
+    swiglu_fp8_bwd_out_t, then the roll (once per run)."""
     return _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dtype, history, bootstrap)
 
 
@@ -298,8 +339,7 @@ def _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dty
     ng = s1.shape[1]
     dev = ds.device
     delayed = history is not None and not bootstrap
-    # |da| >= 0: zero is the neutral start; delayed scaling also needs the finished-programs counter
-    amax, count = scale_workspace(dev) if delayed else (torch.zeros((1,), dtype=torch.float32, device=dev), None)
+    amax = torch.zeros((1,), dtype=torch.float32, device=dev)  # |da| >= 0: zero is the neutral start
     scale = torch.empty((1,), dtype=torch.float32, device=dev)
     da = torch.empty((m, 2 * f), dtype=grad_dtype, device=dev)
     dat = torch.empty((2 * f, m), dtype=grad_dtype, device=dev)
@@ -312,24 +352,23 @@ def _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dty
             torch.finfo(out_dtype).max if write_st else 0.0, G=group_size, BM=_BM, FAST=FAST, WRITE_ST=write_st,
             num_warps=4)
         _cast_launch((*pair, amax), scale, da, dat, None, None, group_size)
-        if history is not None:
-            _record(history, amax)
     else:
-        _cast_launch((*pair, amax), scale, da, dat, s_scale, st, group_size, history, amax, count)
+        _cast_launch((*pair, amax), scale, da, dat, s_scale, st, group_size, history, amax)
+    if history is not None:
+        roll_history(history, amax)
     return (da, dat, scale, st) if write_st else (da, dat, scale)
 
 
-def _cast_launch(args, scale, da, dat, s_scale, st, group_size, history=None, amax_out=None, count=None):
+def _cast_launch(args, scale, da, dat, s_scale, st, group_size, history=None, amax_out=None):
     """The cast pass over args = (ds, a1_8, s1, a3_8, s3, amax); s^T only where given. With an amax history
     (delayed scaling): the scale from its maximum instead of args' amax, and this call's amax folded into amax_out
-    (zero, beside a zero counter: scale_workspace) and rolled into the history."""
+    (zero before the pass)."""
     m, f = args[1].shape
     ng = args[2].shape[1]
     hist_len = 0 if history is None else history.numel()
     launcher(_bwd_cast_kernel)[(triton.cdiv(m, _BM_T), ng)](
         *args, scale, da, dat, scale if s_scale is None else s_scale, da if st is None else st,
-        scale if amax_out is None else amax_out, scale if count is None else count,
-        scale if history is None else history, hist_len, m, f, ng, torch.finfo(da.dtype).max,
+        scale if amax_out is None else amax_out, scale if history is None else history, hist_len, m, f, ng, torch.finfo(da.dtype).max,
         0.0 if st is None else torch.finfo(st.dtype).max, AMAX_FLOOR, G=group_size, BM=_BM_T, FAST=FAST,
         WRITE_ST=st is not None, HIST=triton.next_power_of_2(hist_len) if hist_len else 0, num_warps=_WARPS_T)
 
@@ -341,6 +380,13 @@ Tensor = torch.Tensor
 
 def swiglu_fp8_fwd(a13, group_size: int, out_dtype=E4M3):
     return dispatch(_fwd_op, a13, swiglu_fp8_fwd_triton, swiglu_fp8_fwd_ref, a13, group_size, out_dtype)
+
+
+def swiglu_fp8_fwd_delayed(a13, history, group_size: int, out_dtype=E4M3, bootstrap: bool = False):
+    """swiglu_fp8_fwd and swiglu_fp8_out(transpose=False) with delayed scaling (swiglu_fp8_fwd_delayed_ref): one
+    launch instead of two, `history` rolled in place."""
+    return dispatch(_fwd_delayed_op, a13, swiglu_fp8_fwd_delayed_triton, swiglu_fp8_fwd_delayed_ref,
+                    a13, history, group_size, out_dtype, bootstrap)
 
 
 def swiglu_fp8_out(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpose: bool, out_dtype=E4M3):
@@ -373,6 +419,13 @@ def swiglu_fp8_bwd_delayed(ds, a1_8, s1, a3_8, s3, s_scale, history, group_size:
 @fp8_operator("megacoat::swiglu_fp8_fwd")
 def _fwd_op(a13: Tensor, group_size: int, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return traced_body(a13, swiglu_fp8_fwd_triton, swiglu_fp8_fwd_ref, a13, group_size, out_dtype)
+
+
+@fp8_operator("megacoat::swiglu_fp8_fwd_delayed", mutates_args=("history",))
+def _fwd_delayed_op(a13: Tensor, history: Tensor, group_size: int, out_dtype: torch.dtype,
+                    bootstrap: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return traced_body(a13, swiglu_fp8_fwd_delayed_triton, swiglu_fp8_fwd_delayed_ref, a13, history, group_size,
+                       out_dtype, bootstrap)
 
 
 @fp8_operator("megacoat::swiglu_fp8_out")

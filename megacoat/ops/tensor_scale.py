@@ -1,4 +1,5 @@
-"""Triton: a per-tensor scale reduced inside the kernel that computes the amax, with no launch after it.
+"""Triton: a per-tensor scale reduced inside the kernel that computes the amax, with no launch after it; and the
+amax history of delayed scaling (below).
 
 Each program folds its amax into one float by atomic max; the last program to finish (an atomic counter says
 which) turns the total into the dequantization scale max(amax, AMAX_FLOOR) / fmt_max (megacoat.ops.numerics),
@@ -12,6 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from megacoat.ops.numerics import launcher
 
 
 def scale_workspace(device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,9 +32,12 @@ def fold_amax_to_scale(amax, amax_ptr, count_ptr, scale_ptr, fmax, amax_floor):
         tl.store(scale_ptr, tl.math.div_rn(tl.maximum(total, amax_floor), fmax))
 
 
-# Delayed scaling (megacoat.fp8.grad_scaling): the scale comes from an amax history [L] (float32, entries >= 0,
-# most recent first) and the call records its own amax in the same kernel, so a delayed call is one launch and
-# one memset, with no torch ops around it for the history's maximum and its roll.
+# Delayed scaling (megacoat.fp8.delayed_scaling): the scale comes from an amax history [L] (float32, entries >= 0,
+# most recent first), whose maximum each program reads itself; the call's own amax goes into a zeroed float by a
+# relaxed atomic max that no program waits on, and one single-program launch rolls it into the history after the
+# kernel. (Rolling it in the kernel's last program, as fold_amax_to_scale writes a scale, needs every program to
+# wait for its counter increment's answer: on the H100 that made SwiGLU's one-pass backward 30% slower, 272 against
+# 208 us a call at the 1.3 B shape, benchmarks/results/bench_e2e_notes.md.)
 @triton.jit
 def history_max(hist_ptr, hist_len, HIST: tl.constexpr):
     """The largest amax in the history (HIST: a power of two >= hist_len)."""
@@ -40,14 +46,31 @@ def history_max(hist_ptr, hist_len, HIST: tl.constexpr):
 
 
 @triton.jit
-def fold_amax_into_history(amax, amax_ptr, count_ptr, hist_ptr, hist_len, HIST: tl.constexpr):
-    """Fold this program's amax (>= 0) into the tensor's; the last program rolls the history, the total in front,
-    zero where it is not finite (that step is refused, and later calls should not inherit it). Every program
-    reads the history before its counter increment, so the last one rewrites it after all the reads."""
-    tl.atomic_max(amax_ptr, amax)
-    if tl.atomic_add(count_ptr, 1) == tl.num_programs(0) * tl.num_programs(1) - 1:
-        total = tl.atomic_max(amax_ptr, 0.0)  # an atomic read: the final value
-        total = tl.where((total == total) & (total < float("inf")), total, 0.0)
-        i = tl.arange(0, HIST)
-        older = tl.load(hist_ptr + tl.maximum(i - 1, 0), mask=(i >= 1) & (i < hist_len), other=0.0)
-        tl.store(hist_ptr + i, tl.where(i == 0, total, older), mask=i < hist_len)
+def record_program_amax(amax, amax_ptr):
+    """Fold this program's amax (>= 0) into the call's, for roll_history; nothing waits on it."""
+    tl.atomic_max(amax_ptr, amax, sem="relaxed")
+
+
+@triton.jit
+def _roll_kernel(hist_ptr, amax_ptr, hist_len, HIST: tl.constexpr):
+    total = tl.load(amax_ptr)
+    total = tl.where((total == total) & (total < float("inf")), total, 0.0)
+    i = tl.arange(0, HIST)
+    older = tl.load(hist_ptr + tl.maximum(i - 1, 0), mask=(i >= 1) & (i < hist_len), other=0.0)
+    tl.debug_barrier()  # every entry read before any is written
+    tl.store(hist_ptr + i, tl.where(i == 0, total, older), mask=i < hist_len)
+
+
+def roll_history(history: torch.Tensor, amax: torch.Tensor) -> None:
+    """record_amax on the device in one launch: `history` rolled in place with `amax` ([1] float32, the call's
+    total) in front, zero where it is not finite (that step is refused, and later calls should not inherit it)."""
+    n = history.numel()
+    launcher(_roll_kernel)[(1,)](history, amax, n, HIST=triton.next_power_of_2(n), num_warps=1)
+
+
+def record_amax(history: torch.Tensor, amax: torch.Tensor) -> None:
+    """roll_history in torch (the references): `history` rolled in place with `amax` in front, zero where it is not
+    finite."""
+    amax = amax.reshape(1)
+    amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+    history.copy_(torch.cat((amax.to(history.dtype), history[:-1])))

@@ -22,8 +22,10 @@ def _fp8(cfg: MegacoatConfig, bf16: bool) -> str:
     gemms = f"FP8 GEMMs (E4M3 inputs and weights, per-tensor scales; gradients {f.grad_dtype.upper()}{accum})"
     if f.mode == "fp8-linear":
         return f"fp8-linear: {gemms}; norms, SwiGLU and attention in high precision"
-    delayed = (f"; SwiGLU's gradient with delayed scaling (history of {f.amax_history_len}, --fp8-grad-scaling)"
-               if f.grad_scaling == "delayed" else "")
+    sites = [what for what, on in (("SwiGLU's gradient", f.grad_scaling == "delayed"),
+                                   ("RMSNorm's and SwiGLU's outputs", f.activation_scaling == "delayed")) if on]
+    delayed = (f"; {' and '.join(sites)} with delayed scaling (history of {f.amax_history_len}, "
+               f"--fp8-grad-scaling / --fp8-activation-scaling)" if sites else "")
     return (f"coat: {gemms}; RMSNorm and SwiGLU in E4M3 with 1x{f.group_size} group scales, FP8 tensors saved "
             f"for backward{delayed}")
 

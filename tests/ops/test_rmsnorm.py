@@ -100,3 +100,97 @@ def test_gpu_large_shape_matches_reference():
     (tdx, tdw), (rdx, rdw) = (R.rmsnorm_fp8_bwd_triton(dy, *ra[:3], w, 128), R.rmsnorm_fp8_bwd_ref(dy, *ra[:3], w, 128))
     assert_close_f32(tdx, rdx, rtol=1e-2, atol=1e-2)
     assert_close_f32(tdw, rdw, rtol=1e-4, atol=1e-3)  # fp32 sums over 2048 rows in another order
+
+
+# --- delayed scaling of the output (--fp8-activation-scaling delayed) --------------------------------------------
+def _same(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype.itemsize == 1 else torch.equal(a, b)
+
+
+def _fwd_both(backend):
+    """(delayed, current) forward of one backend; current = rmsnorm_fp8_fwd then rmsnorm_fp8_out(transpose=False)."""
+    fwd, out = ((R.rmsnorm_fp8_fwd_ref, R.rmsnorm_fp8_out_ref) if backend == "ref" else
+                (R.rmsnorm_fp8_fwd_triton, R.rmsnorm_fp8_out_triton))
+    delayed = R.rmsnorm_fp8_fwd_delayed_ref if backend == "ref" else R.rmsnorm_fp8_fwd_delayed_triton
+
+    def current(x, w, g):
+        x8, xs, rstd, y_scale = fwd(x, w, 1e-5, g)
+        return x8, xs, rstd, y_scale, out(x8, xs, rstd, w, y_scale, g, False)
+    return delayed, current
+
+
+@pytest.mark.parametrize("backend", ["ref", "triton"])
+def test_delayed_meets_current_scaling_where_the_amax_repeats(backend):
+    """1st call (nothing recorded): current scaling's two launches, its amax recorded. 2nd call, same input: the
+    history holds this call's own amax, so the one launch writes the two launches' bytes exactly."""
+    if backend == "triton" and DEV == "cpu" and not interpreted(R._fwd_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+    delayed, current = _fwd_both(backend)
+    m, h, g = SHAPES[0]
+    x, w = _inputs(m, h)
+    want = current(x, w, g)
+    history = torch.zeros(3, device=DEV)
+    assert all(_same(a, b) for a, b in zip(delayed(x, w, history, 1e-5, g, bootstrap=True), want))
+    assert _same(want[3], R.scale_from_amax(history[:1], E4M3.dtype)) and history[1:].eq(0).all()
+    assert all(_same(a, b) for a, b in zip(delayed(x, w, history, 1e-5, g), want))
+    assert history[0].item() == history[1].item() > 0 and history[2].item() == 0
+
+
+def test_delayed_scale_is_the_history_max_and_saturates():
+    m, h, g = SHAPES[1]
+    x, w = _inputs(m, h)
+    x8, xs, rstd, own = R.rmsnorm_fp8_fwd_ref(x, w, 1e-5, g)
+    amax = own.item() * torch.finfo(E4M3.dtype).max  # the scale is amax / fmax (amax above the floor)
+    fmax = torch.finfo(E4M3.dtype).max
+    for hist in ([amax * 4, 0.5 * amax], [0.25 * amax, 0.125 * amax]):  # headroom, then overflow
+        history = torch.tensor(hist, device=DEV)
+        *saved, y_scale, y8 = R.rmsnorm_fp8_fwd_delayed_ref(x, w, history, 1e-5, g)
+        want_scale = R.scale_from_amax(torch.tensor([max(hist)], device=DEV), E4M3.dtype)
+        assert _same(y_scale, want_scale) and all(_same(a, b) for a, b in zip(saved, (x8, xs, rstd)))
+        assert _same(y8, R.rmsnorm_fp8_out_ref(x8, xs, rstd, w, want_scale, g, False))
+        saturated = (y8.float().abs() == fmax).float().mean().item()
+        assert (saturated > 0) == (max(hist) < amax)
+        assert history[1] == torch.tensor(hist[0], device=DEV)  # rolled (hist as float32)
+
+
+@pytest.mark.parametrize("hist_len", [1, 5, 16, 17])
+def test_delayed_triton_matches_reference(hist_len):
+    """Any history length (padded to a power of two in the kernel), two calls in a row (the second scales by what
+    the first recorded): the scale bit for bit, y as _out_kernel writes it, the history rolled as the reference's."""
+    if DEV == "cpu" and not interpreted(R._fwd_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+    m, h, g = SHAPES[0]
+    x, w = _inputs(m, h)
+    amax = R.rmsnorm_fp8_fwd_ref(x, w, 1e-5, g)[3].item() * torch.finfo(E4M3.dtype).max
+    start = [0.5 * amax * (k + 1) / hist_len for k in range(hist_len)]
+    h_ref, h_tri = (torch.tensor(start, device=DEV) for _ in range(2))
+    for xi in (x, 2 * x):
+        before = h_tri.clone()
+        want = R.rmsnorm_fp8_fwd_delayed_ref(xi, w, h_ref, 1e-5, g)
+        got = R.rmsnorm_fp8_fwd_delayed_triton(xi, w, h_tri, 1e-5, g)
+        assert _same(got[3], R.scale_from_amax(before.amax().reshape(1), E4M3.dtype))  # the history's, exactly
+        assert_fp8_close(got[0], want[0])
+        # y: _out_kernel's bytes from the same x8, rstd and scale (under the interpreter rstd and the casts
+        # differ from torch's, so the reference's y is only compared on CUDA)
+        assert _same(got[4], R.rmsnorm_fp8_out_triton(*got[:3], w, got[3], g, False))
+        if DEV == "cuda":
+            assert _same(got[3], want[3])
+            assert_fp8_close(got[4], want[4])
+        assert torch.equal(h_tri[1:], before[:-1])  # rolled, not recomputed
+        tol = 1e-5 if DEV == "cuda" else 2e-2  # the recorded amax reads rstd (see test_triton_matches_reference)
+        assert_close_f32(h_tri[0], h_ref[0], rtol=tol, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_delayed_at_the_7b_shape():
+    """Llama-2-7B's norm at 2048 tokens with delayed scaling: where the history holds the call's own amax (the
+    bootstrap call's record), one launch writes current scaling's bytes; a history of half that amax saturates."""
+    delayed, current = _fwd_both("triton")
+    x, w = _inputs(2048, 4096)
+    want = current(x, w, 128)
+    history = torch.zeros(16, device=DEV)
+    assert all(_same(a, b) for a, b in zip(delayed(x, w, history, 1e-5, 128, bootstrap=True), want))
+    assert all(_same(a, b) for a, b in zip(delayed(x, w, history, 1e-5, 128), want))
+    assert history[0] == history[1] and _same(want[3], R.scale_from_amax(history[:1], E4M3.dtype))
+    history[:] = 0.5 * history[0]
+    assert (delayed(x, w, history, 1e-5, 128)[4].float().abs() == torch.finfo(E4M3.dtype).max).any()

@@ -197,3 +197,101 @@ def test_delayed_triton_rolls_the_history_in_the_kernel(hist_len):
     S.swiglu_fp8_bwd_delayed_triton(bad, *ra, h_tri, g)
     S.swiglu_fp8_bwd_delayed_ref(bad, *ra, h_ref, g)
     assert h_tri[0].item() == 0.0 and torch.equal(h_tri, h_ref)
+
+
+# --- delayed scaling of the forward's output (--fp8-activation-scaling delayed) ----------------------------------
+def _fwd_both(backend):
+    """(delayed, current) forward of one backend; current = swiglu_fp8_fwd then swiglu_fp8_out(transpose=False)."""
+    fwd, out = ((S.swiglu_fp8_fwd_ref, S.swiglu_fp8_out_ref) if backend == "ref" else
+                (S.swiglu_fp8_fwd_triton, S.swiglu_fp8_out_triton))
+    delayed = S.swiglu_fp8_fwd_delayed_ref if backend == "ref" else S.swiglu_fp8_fwd_delayed_triton
+
+    def current(a13, g):
+        saved = fwd(a13, g)
+        return (*saved, out(*saved, g, False))
+    return delayed, current
+
+
+@pytest.mark.parametrize("backend", ["ref", "triton"])
+def test_delayed_forward_meets_current_scaling_where_the_amax_repeats(backend):
+    """1st call (nothing recorded): current scaling's two launches, its amax recorded. 2nd call, same input: the
+    history holds this call's own amax, so the one launch writes the two launches' bytes exactly."""
+    if backend == "triton" and DEV == "cpu" and not interpreted(S._fwd_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+    delayed, current = _fwd_both(backend)
+    m, f, g = SHAPES[0]
+    a13 = _a13(m, f)
+    want = current(a13, g)
+    history = torch.zeros(3, device=DEV)
+    assert all(_same(a, b) for a, b in zip(delayed(a13, history, g, bootstrap=True), want))
+    assert _same(want[4], S.scale_from_amax(history[:1], E4M3.dtype)) and history[1:].eq(0).all()
+    assert all(_same(a, b) for a, b in zip(delayed(a13, history, g), want))
+    assert history[0].item() == history[1].item() > 0 and history[2].item() == 0
+
+
+def test_delayed_forward_scale_is_the_history_max_and_saturates():
+    m, f, g = SHAPES[1]
+    a13 = _a13(m, f)
+    saved = S.swiglu_fp8_fwd_ref(a13, g)
+    amax = saved[4].item() * torch.finfo(E4M3.dtype).max  # the scale is amax / fmax (amax above the floor)
+    fmax = torch.finfo(E4M3.dtype).max
+    for hist in ([amax * 4, 0.5 * amax], [0.25 * amax, 0.125 * amax]):  # headroom, then overflow
+        history = torch.tensor(hist, device=DEV)
+        *pair, s_scale, s8 = S.swiglu_fp8_fwd_delayed_ref(a13, history, g)
+        want_scale = S.scale_from_amax(torch.tensor([max(hist)], device=DEV), E4M3.dtype)
+        assert _same(s_scale, want_scale) and all(_same(a, b) for a, b in zip(pair, saved[:4]))
+        assert _same(s8, S.swiglu_fp8_out_ref(*saved[:4], want_scale, g, False))
+        saturated = (s8.float().abs() == fmax).float().mean().item()
+        assert (saturated > 0) == (max(hist) < amax)
+        assert history[1] == torch.tensor(hist[0], device=DEV)  # rolled (hist as float32)
+
+
+@pytest.mark.parametrize("hist_len", [1, 5, 16, 17])
+def test_delayed_forward_triton_matches_reference(hist_len):
+    """Any history length (padded to a power of two in the kernel), two calls in a row (the second scales by what
+    the first recorded): the scale bit for bit, s as _out_kernel writes it, the history rolled as the reference's."""
+    if DEV == "cpu" and not interpreted(S._fwd_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+    m, f, g = SHAPES[1]
+    a13 = _a13(m, f)
+    amax = S.swiglu_fp8_fwd_ref(a13, g)[4].item() * torch.finfo(E4M3.dtype).max
+    start = [0.5 * amax * (k + 1) / hist_len for k in range(hist_len)]
+    h_ref, h_tri = (torch.tensor(start, device=DEV) for _ in range(2))
+    for x in (a13, 2 * a13):
+        before = h_tri.clone()
+        want = S.swiglu_fp8_fwd_delayed_ref(x, h_ref, g)
+        got = S.swiglu_fp8_fwd_delayed_triton(x, h_tri, g)
+        assert _same(got[4], S.scale_from_amax(before.amax().reshape(1), E4M3.dtype))  # the history's, exactly
+        assert_fp8_close(got[0], want[0])
+        assert_fp8_close(got[2], want[2])
+        # s: _out_kernel's bytes from the same pair and scale (the interpreter's casts differ from torch's, and
+        # compound over the pair and s, so the reference's s is only compared on CUDA)
+        assert _same(got[5], S.swiglu_fp8_out_triton(*got[:5], g, False))
+        if DEV == "cuda":
+            assert _same(got[4], want[4])
+            assert_fp8_close(got[5], want[5])
+        assert torch.equal(h_tri[1:], before[:-1])  # rolled, not recomputed
+        assert_close_f32(h_tri[0], h_ref[0], rtol=1e-5 if DEV == "cuda" else 0.1, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_delayed_at_the_7b_shape():
+    """Llama-2-7B's SwiGLU at 2048 tokens, forward and backward with delayed scaling: where the history holds the
+    call's own amax (the bootstrap call's record), one launch writes current scaling's bytes; a history of half that
+    amax saturates, and the roll kernel puts the call's amax in front."""
+    m, f, g = 2048, 11008, 128
+    delayed, current = _fwd_both("triton")
+    a13 = _a13(m, f)
+    want = current(a13, g)
+    history = torch.zeros(16, device=DEV)
+    assert all(_same(a, b) for a, b in zip(delayed(a13, history, g, bootstrap=True), want))
+    assert all(_same(a, b) for a, b in zip(delayed(a13, history, g), want))
+    assert history[0] == history[1] and _same(want[4], S.scale_from_amax(history[:1], E4M3.dtype))
+    history[:] = 0.5 * history[0]
+    assert (delayed(a13, history, g)[5].float().abs() == torch.finfo(E4M3.dtype).max).any()
+    ds = torch.randn(m, f, device=DEV).to(torch.bfloat16)
+    grad_history = torch.zeros(16, device=DEV)
+    bwd = S.swiglu_fp8_bwd_delayed_triton(ds, *want[:5], grad_history, g, bootstrap=True)
+    assert all(_same(a, b) for a, b in zip(bwd, S.swiglu_fp8_bwd_out_t_triton(ds, *want[:5], g)))
+    again = S.swiglu_fp8_bwd_delayed_triton(ds, *want[:5], grad_history, g)
+    assert all(_same(a, b) for a, b in zip(again, bwd)) and grad_history[0] == grad_history[1] > 0

@@ -36,7 +36,7 @@ class CompileOnlyDriver:
 
 
 triton.runtime.driver.set_active(CompileOnlyDriver())
-from megacoat.ops import cast_transpose as C, rmsnorm as R, rope, rope_grad_cast as G, swiglu as S
+from megacoat.ops import cast_transpose as C, rmsnorm as R, rope, rope_grad_cast as G, swiglu as S, tensor_scale as T
 
 compiled = set()
 
@@ -52,7 +52,7 @@ class CompileOnly:
         return launch
 
 
-for module in (C, R, rope, G, S):
+for module in (C, R, rope, G, S, T):
     module.launcher = CompileOnly
 
 bf, e4, e5, g = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, 128
@@ -67,7 +67,9 @@ x8, xs, rstd, ys = R.rmsnorm_fp8_fwd_triton(x, w, 1e-5, g)
 for transpose in (False, True):
     R.rmsnorm_fp8_out_triton(x8, xs, rstd, w, ys, g, transpose)
 R.rmsnorm_fp8_bwd_triton(torch.randn(m, h, dtype=bf), x8, xs, rstd, w, g)
+R.rmsnorm_fp8_fwd_delayed_triton(x, w, torch.ones(4), 1e-5, g)  # the one-launch variant
 a1, s1, a3, s3, ss = S.swiglu_fp8_fwd_triton(torch.randn(m, 2 * f, dtype=bf), g)
+S.swiglu_fp8_fwd_delayed_triton(torch.randn(m, 2 * f, dtype=bf), torch.ones(4), g)  # one launch
 for transpose in (False, True):
     S.swiglu_fp8_out_triton(a1, s1, a3, s3, ss, g, transpose)
 ds = torch.randn(m, f, dtype=bf)
@@ -85,7 +87,7 @@ print("compiled:", " ".join(sorted(compiled)))
 
 KERNELS = {"cast_transpose._cast_transpose_kernel", "rmsnorm._fwd_kernel", "rmsnorm._out_kernel",
            "rmsnorm._bwd_kernel", "swiglu._fwd_kernel", "swiglu._out_kernel", "swiglu._bwd_amax_kernel",
-           "swiglu._bwd_cast_kernel", "rope._rope_kernel"}
+           "swiglu._bwd_cast_kernel", "rope._rope_kernel", "tensor_scale._roll_kernel"}
 
 
 @pytest.mark.slow

@@ -43,6 +43,9 @@ def test_plain_run_on_cpu():
     assert "gradients E5M2; forward GEMMs with fast accumulation (--fp8-fast-accum))" in fast
     delayed = startup_banner(parse_config(["--coat-fp8", "--fp8-grad-scaling", "delayed"]), ParallelState(), 1, 2,
                              bf16=True, on_cuda=True)
-    assert "SwiGLU's gradient with delayed scaling (history of 16, --fp8-grad-scaling)" in delayed
+    assert "SwiGLU's gradient with delayed scaling (history of 16, --fp8-grad-scaling" in delayed
+    both = startup_banner(parse_config(["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling",
+                                        "delayed"]), ParallelState(), 1, 2, bf16=True, on_cuda=True)
+    assert "SwiGLU's gradient and RMSNorm's and SwiGLU's outputs with delayed scaling" in both
     assert "delayed" not in startup_banner(parse_config(["--coat-fp8"]), ParallelState(), 1, 2, bf16=True,
                                            on_cuda=True)

@@ -26,9 +26,11 @@ def _interrupted_then_resumed(tmp_path, argv, ranks=1, port=29600):
 
 # AdamW resumes are covered by the ZeRO-2 test below (slow); here CoatAdamW (FP8 moments, per-group scales
 # and expansion exponents in the optimizer state) on plain data parallelism, and with the full COAT flow and
-# delayed gradient scaling (the amax histories are model state: without them the resumed backward would differ).
+# delayed scaling of SwiGLU's gradient and of the norms' and SwiGLU's outputs (the amax histories are model state:
+# without them the resumed forward and backward would differ).
 @pytest.mark.parametrize("flags", [["--fp8-optimizer"],
-                                   ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-amax-history-len", "5"]],
+                                   ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling",
+                                    "delayed", "--fp8-amax-history-len", "5"]],
                          ids=["fp8-optimizer", "coat-delayed"])
 def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, flags):
     argv = ["--train-iters", str(ITERS), "--zero-stage", "0", "--fp32", *flags]
