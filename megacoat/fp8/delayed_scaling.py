@@ -16,9 +16,9 @@ of SwiGLU, three histories per block, one entry per forward call with gradients)
 TransformerEngine's "max" rule). It is a buffer, so it is saved in checkpoints and an exact resume continues from
 it. The first call has nothing recorded: it scales by its own amax (both passes) and records it. Which call that
 is, the forward decides (a Python flag read where torch.compile can guard on it: the flag flips once, so a compiled
-block is traced once more, and never again). For a gradient that needs each forward's backward before the next
-forward with gradients, which the trainer's micro-batch loop gives; DeepSpeed's pipeline schedule does not, so
---pipeline-model-parallel-size > 1 refuses --fp8-grad-scaling delayed. A forward without gradients (evaluation)
+block is traced once more, and never again). For the gradient's site, that needs each forward's backward before
+the next forward with gradients, which the trainer's micro-batch loop gives; DeepSpeed's pipeline schedule does
+not, so --pipeline-model-parallel-size > 1 refuses --fp8-grad-scaling delayed. A forward without gradients (evaluation)
 scales just in time and leaves every history alone, so evaluating never changes training.
 
 The other FP8 tensors keep current scaling, where their amax costs little or no pass of its own: the joined
@@ -42,7 +42,7 @@ class DelayedScale(nn.Module):
         if history_len < 1:
             raise ValueError(f"--fp8-amax-history-len must be at least 1, got {history_len}")
         self.register_buffer(HISTORY_KEY, torch.zeros(history_len, dtype=torch.float32))
-        self.ready = False  # an amax is (or will be, by the pending backward) in the history
+        self.ready = False  # an amax is (or will be, by the pending call) in the history
         self._register_load_state_dict_pre_hook(self._fit_loaded_history)
         self.register_load_state_dict_post_hook(self._ready_from_history)
 
@@ -62,8 +62,8 @@ class DelayedScale(nn.Module):
         return True
 
     def _fit_loaded_history(self, state_dict, prefix, *_):
-        """A checkpoint saved without delayed scaling starts from an empty history (the first backward scales by
-        its own amax again); one with another --fp8-amax-history-len keeps its most recent entries."""
+        """A checkpoint saved without delayed scaling starts from an empty history (the first call scales by its
+        own amax again); one with another --fp8-amax-history-len keeps its most recent entries."""
         key = prefix + HISTORY_KEY
         mine = getattr(self, HISTORY_KEY)
         saved = state_dict.get(key)
@@ -80,7 +80,7 @@ class DelayedScale(nn.Module):
 
 def drop_saved_history(module: nn.Module, attr: str):
     """A load_state_dict pre-hook for a module without delayed scaling: forget the history a checkpoint saved
-    with it (--fp8-grad-scaling current resumes a delayed run), instead of failing on an unexpected key."""
+    with it (current scaling resumes a delayed run), instead of failing on an unexpected key."""
     def hook(state_dict, prefix, *_):
         state_dict.pop(f"{prefix}{attr}.{HISTORY_KEY}", None)
     module._register_load_state_dict_pre_hook(hook)

@@ -8,8 +8,8 @@ Forward, in two launches:
   2. `rmsnorm_fp8_out`: re-read the 1-byte x and write y quantized with that per-tensor scale, row-major
      for the next GEMM, or transposed for its weight gradient (made again in backward instead of saved).
 `rmsnorm_fp8_fwd_delayed` (delayed scaling, megacoat.fp8.delayed_scaling) does both in the first launch: the scale
-comes from an amax history, the kernel writes y row-major beside x8 and folds this call's amax into the history
-(x8 is not read again: 1 byte per element fewer, and one launch).
+comes from an amax history, the kernel writes y row-major beside x8, and a one-program launch after it rolls this
+call's amax into the history (x8 is not read again: 1 byte per element fewer).
 Backward `rmsnorm_fp8_bwd` reads dy and the saved FP8 x once and writes dx, with a persistent grid (two
 programs per SM) whose programs each keep one partial sum of dw, summed by torch.
 
@@ -40,12 +40,16 @@ def _check(x: torch.Tensor, weight: torch.Tensor, group_size: int) -> None:
 # ----------------------------------------------------------------------------------------------- references
 def rmsnorm_fp8_fwd_ref(x, weight, eps: float, group_size: int, out_dtype=E4M3):
     """→ (x8 [M,H] E4M3, x_scales [M, ceil(H/G)], rstd [M] fp32, y_scale [1] fp32)."""
+    x8, xs, xd, rstd = _saved_and_rstd(x, weight, eps, group_size)
+    return x8, xs, rstd, scale_from_amax(_y_amax(xd, rstd, weight), out_dtype).reshape(1)
+
+
+def _saved_and_rstd(x, weight, eps, group_size):
+    """→ (x8, x_scales, xd, rstd): the saved FP8 input, its dequantized fp32 values and their rstd."""
     _check(x, weight, group_size)
     x8, xs = group_quantize(x, group_size, E4M3)
     xd = group_dequantize(x8, xs, group_size)
-    rstd = 1.0 / torch.sqrt((xd * xd).mean(-1) + eps)
-    y_scale = scale_from_amax(_y_amax(xd, rstd, weight), out_dtype).reshape(1)
-    return x8, xs, rstd, y_scale
+    return x8, xs, xd, 1.0 / torch.sqrt((xd * xd).mean(-1) + eps)
 
 
 def _y_amax(xd, rstd, weight) -> torch.Tensor:
@@ -55,10 +59,13 @@ def _y_amax(xd, rstd, weight) -> torch.Tensor:
 
 def rmsnorm_fp8_out_ref(x8, x_scales, rstd, weight, y_scale, group_size: int, transpose: bool, out_dtype=E4M3):
     """y = x * rstd * w cast with the per-tensor y_scale: [M, H], or [H, M] when transpose."""
-    fmax = torch.finfo(out_dtype).max
-    y = group_dequantize(x8, x_scales, group_size) * rstd[:, None] * weight.float()
-    q = (y / y_scale).clamp(-fmax, fmax).to(out_dtype)
+    q = _cast_y(group_dequantize(x8, x_scales, group_size), rstd, weight, y_scale, out_dtype)
     return q.t().contiguous() if transpose else q
+
+
+def _cast_y(xd, rstd, weight, y_scale, out_dtype):
+    fmax = torch.finfo(out_dtype).max
+    return (xd * rstd[:, None] * weight.float() / y_scale).clamp(-fmax, fmax).to(out_dtype)
 
 
 def rmsnorm_fp8_fwd_delayed_ref(x, weight, history, eps: float, group_size: int, out_dtype=E4M3,
@@ -66,11 +73,11 @@ def rmsnorm_fp8_fwd_delayed_ref(x, weight, history, eps: float, group_size: int,
     """rmsnorm_fp8_fwd and rmsnorm_fp8_out (row-major) with delayed scaling: → (x8, x_scales, rstd, y_scale, y8),
     y_scale from max(history), the amaxes of earlier calls (bootstrap: from this call's own amax, as
     rmsnorm_fp8_fwd); values beyond it saturate. history [L] (float32, most recent first) is rolled in place, this
-    call's amax in front (zero for a non-finite one)."""
-    x8, xs, rstd, own_scale = rmsnorm_fp8_fwd_ref(x, weight, eps, group_size, out_dtype)
-    amax = _y_amax(group_dequantize(x8, xs, group_size), rstd, weight)
-    y_scale = own_scale if bootstrap else scale_from_amax(history.amax(), out_dtype).reshape(1)
-    y8 = rmsnorm_fp8_out_ref(x8, xs, rstd, weight, y_scale, group_size, False, out_dtype)
+    call's amax in front (zero for a non-finite one). x is dequantized once (the CPU path's peak)."""
+    x8, xs, xd, rstd = _saved_and_rstd(x, weight, eps, group_size)
+    amax = _y_amax(xd, rstd, weight)
+    y_scale = scale_from_amax(amax if bootstrap else history.amax(), out_dtype).reshape(1)
+    y8 = _cast_y(xd, rstd, weight, y_scale, out_dtype)
     record_amax(history, amax)
     return x8, xs, rstd, y_scale, y8
 
@@ -281,7 +288,7 @@ def rmsnorm_fp8_out(x8, x_scales, rstd, weight, y_scale, group_size: int, transp
 def rmsnorm_fp8_fwd_delayed(x, weight, history, eps: float, group_size: int, out_dtype=E4M3,
                             bootstrap: bool = False):
     """rmsnorm_fp8_fwd and rmsnorm_fp8_out(transpose=False) with delayed scaling (rmsnorm_fp8_fwd_delayed_ref):
-    one launch instead of two, `history` rolled in place."""
+    one launch writes x8 and y (x8 is not read again), `history` rolled in place."""
     return dispatch(_fwd_delayed_op, x, rmsnorm_fp8_fwd_delayed_triton, rmsnorm_fp8_fwd_delayed_ref,
                     x, weight, history, eps, group_size, out_dtype, bootstrap)
 

@@ -8,16 +8,16 @@ Forward, two launches:
   2. `swiglu_fp8_out`: re-read the FP8 pair and write s with that per-tensor scale, row-major for the down
      projection's GEMM, or transposed for its weight gradient (made again in backward, not saved).
 `swiglu_fp8_fwd_delayed` (delayed scaling, megacoat.fp8.delayed_scaling) does both in the first launch: the scale
-comes from an amax history, the kernel writes s row-major beside the pair and folds this call's amax into the
-history (the pair is not read again: 2 bytes per pair fewer, and one launch).
+comes from an amax history, the kernel writes s row-major beside the pair, and a one-program launch after it rolls
+this call's amax into the history (the pair is not read again: 2 bytes per pair fewer).
 Backward, two passes over ds and the saved pair (the per-tensor scale needs the whole tensor's amax before any
 byte is written, so ds, a1, a3 are read twice; 12 bytes per (token, ffn) pair in all): `swiglu_fp8_bwd`'s first
 kernel reduces max|da1|, |da3| into one float by atomic max; the second derives the scale from it and writes
 da13 [M, 2F] for the dgrad GEMM and da13^T [2F, M] for the wgrad GEMM from one read. `swiglu_fp8_bwd_out_t`
 also writes s^T in the first pass, in place of a `swiglu_fp8_out(transpose=True)` launch.
 `swiglu_fp8_bwd_delayed` (delayed scaling, megacoat.fp8.delayed_scaling) runs the second pass alone: its scale comes
-from an amax history, and the pass writes s^T and folds this call's amax into the history (8 bytes per pair
-instead of 12).
+from an amax history, and the pass writes s^T and records this call's amax for the history's roll (8 bytes per
+pair instead of 12).
 On the GPU the kernels use the cheaper math of megacoat.ops.triton_math (fast sigmoid, saturating casts).
 """
 from __future__ import annotations
@@ -49,24 +49,34 @@ def _scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------- references
 def swiglu_fp8_fwd_ref(a13, group_size: int, out_dtype=E4M3):
     """→ (a1_8, a1_scales, a3_8, a3_scales, s_scale): the saved FP8 pair and the output's per-tensor scale."""
+    *pair, s = _pair_and_s(a13, group_size)
+    return (*pair, _scale(s.abs().amax(), out_dtype))
+
+
+def _pair_and_s(a13, group_size: int):
+    """→ (a1_8, s1, a3_8, s3, s): the saved FP8 pair and s = silu(a1) * a3 in fp32 from its dequantized values."""
     f = _check(a13, group_size)
     a1_8, s1 = group_quantize(a13[:, :f], group_size, E4M3)
     a3_8, s3 = group_quantize(a13[:, f:], group_size, E4M3)
-    s = _silu_mul(group_dequantize(a1_8, s1, group_size), group_dequantize(a3_8, s3, group_size))
-    return a1_8, s1, a3_8, s3, _scale(s.abs().amax(), out_dtype)
+    return a1_8, s1, a3_8, s3, _silu_mul(group_dequantize(a1_8, s1, group_size), group_dequantize(a3_8, s3, group_size))
 
 
 def swiglu_fp8_fwd_delayed_ref(a13, history, group_size: int, out_dtype=E4M3, bootstrap: bool = False):
     """swiglu_fp8_fwd and swiglu_fp8_out (row-major) with delayed scaling: → (a1_8, s1, a3_8, s3, s_scale, s8),
     s_scale from max(history), the amaxes of earlier calls (bootstrap: from this call's own amax, as
     swiglu_fp8_fwd); values beyond it saturate. history [L] (float32, most recent first) is rolled in place, this
-    call's amax in front (zero for a non-finite one)."""
-    a1_8, s1, a3_8, s3, own_scale = swiglu_fp8_fwd_ref(a13, group_size, out_dtype)
-    amax = _silu_mul(group_dequantize(a1_8, s1, group_size), group_dequantize(a3_8, s3, group_size)).abs().amax()
-    s_scale = own_scale if bootstrap else _scale(history.amax(), out_dtype)
-    s8 = swiglu_fp8_out_ref(a1_8, s1, a3_8, s3, s_scale, group_size, False, out_dtype)
+    call's amax in front (zero for a non-finite one). s is made once (the CPU path's peak: one fp32 [M, F])."""
+    *pair, s = _pair_and_s(a13, group_size)
+    amax = s.abs().amax()
+    s_scale = _scale(amax if bootstrap else history.amax(), out_dtype)
+    s8 = _cast_s(s, s_scale, out_dtype)
     record_amax(history, amax)
-    return a1_8, s1, a3_8, s3, s_scale, s8
+    return (*pair, s_scale, s8)
+
+
+def _cast_s(s, s_scale, out_dtype):
+    fmax = torch.finfo(out_dtype).max
+    return (s / s_scale).clamp(-fmax, fmax).to(out_dtype)
 
 
 def _silu_mul(a1, a3):
@@ -74,9 +84,8 @@ def _silu_mul(a1, a3):
 
 
 def swiglu_fp8_out_ref(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpose: bool, out_dtype=E4M3):
-    fmax = torch.finfo(out_dtype).max
-    s = _silu_mul(group_dequantize(a1_8, s1, group_size), group_dequantize(a3_8, s3, group_size))
-    q = (s / s_scale).clamp(-fmax, fmax).to(out_dtype)
+    q = _cast_s(_silu_mul(group_dequantize(a1_8, s1, group_size), group_dequantize(a3_8, s3, group_size)), s_scale,
+                out_dtype)
     return q.t().contiguous() if transpose else q
 
 
@@ -384,7 +393,7 @@ def swiglu_fp8_fwd(a13, group_size: int, out_dtype=E4M3):
 
 def swiglu_fp8_fwd_delayed(a13, history, group_size: int, out_dtype=E4M3, bootstrap: bool = False):
     """swiglu_fp8_fwd and swiglu_fp8_out(transpose=False) with delayed scaling (swiglu_fp8_fwd_delayed_ref): one
-    launch instead of two, `history` rolled in place."""
+    launch writes the pair and s (the pair is not read again), `history` rolled in place."""
     return dispatch(_fwd_delayed_op, a13, swiglu_fp8_fwd_delayed_triton, swiglu_fp8_fwd_delayed_ref,
                     a13, history, group_size, out_dtype, bootstrap)
 

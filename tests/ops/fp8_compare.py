@@ -37,3 +37,25 @@ def assert_close_f32(a, b, rtol=1e-5, atol=1e-6):
 
 def rel_err(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype.itemsize == 1 else torch.equal(a, b)
+
+
+def assert_delayed_scale_and_saturation(run, cast_with, amax: float, dtype: torch.dtype) -> None:
+    """A delayed-scaling reference against a history with headroom and one that its own amax overflows: the scale
+    is the history's maximum, the output is the plain cast with that scale, values saturate exactly when the
+    history's maximum is below this call's amax, and the history rolls. run(history) -> (scale, out);
+    cast_with(scale) -> the output the current-scaling path writes with that scale."""
+    from megacoat.ops.numerics import scale_from_amax
+
+    fmax = torch.finfo(dtype).max
+    for hist in ([amax * 4, 0.5 * amax], [0.25 * amax, 0.125 * amax]):
+        history = torch.tensor(hist, device=DEV)
+        scale, out = run(history)
+        want = scale_from_amax(torch.tensor([max(hist)], device=DEV), dtype)
+        assert same_bytes(scale, want) and same_bytes(out, cast_with(want))
+        saturated = (out.float().abs() == fmax).float().mean().item()
+        assert (saturated > 0) == (max(hist) < amax)
+        assert history[1] == torch.tensor(hist[0], device=DEV)  # rolled (hist as float32)

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from tests.ops.fp8_compare import DEV, assert_close_f32, assert_fp8_close, interpreted, rel_err  # noqa: I001
+from tests.ops.fp8_compare import (DEV, assert_close_f32, assert_delayed_scale_and_saturation, assert_fp8_close,  # noqa: I001
+                                   interpreted, rel_err, same_bytes)
 from megacoat.fp8.formats import E4M3
 from megacoat.ops import rmsnorm as R
 from megacoat.ops.numerics import group_dequantize
@@ -103,8 +104,7 @@ def test_gpu_large_shape_matches_reference():
 
 
 # --- delayed scaling of the output (--fp8-activation-scaling delayed) --------------------------------------------
-def _same(a, b):
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype.itemsize == 1 else torch.equal(a, b)
+_same = same_bytes
 
 
 def _fwd_both(backend):
@@ -140,17 +140,14 @@ def test_delayed_scale_is_the_history_max_and_saturates():
     m, h, g = SHAPES[1]
     x, w = _inputs(m, h)
     x8, xs, rstd, own = R.rmsnorm_fp8_fwd_ref(x, w, 1e-5, g)
-    amax = own.item() * torch.finfo(E4M3.dtype).max  # the scale is amax / fmax (amax above the floor)
-    fmax = torch.finfo(E4M3.dtype).max
-    for hist in ([amax * 4, 0.5 * amax], [0.25 * amax, 0.125 * amax]):  # headroom, then overflow
-        history = torch.tensor(hist, device=DEV)
+
+    def run(history):
         *saved, y_scale, y8 = R.rmsnorm_fp8_fwd_delayed_ref(x, w, history, 1e-5, g)
-        want_scale = R.scale_from_amax(torch.tensor([max(hist)], device=DEV), E4M3.dtype)
-        assert _same(y_scale, want_scale) and all(_same(a, b) for a, b in zip(saved, (x8, xs, rstd)))
-        assert _same(y8, R.rmsnorm_fp8_out_ref(x8, xs, rstd, w, want_scale, g, False))
-        saturated = (y8.float().abs() == fmax).float().mean().item()
-        assert (saturated > 0) == (max(hist) < amax)
-        assert history[1] == torch.tensor(hist[0], device=DEV)  # rolled (hist as float32)
+        assert all(_same(a, b) for a, b in zip(saved, (x8, xs, rstd)))  # the saved input is scaling's own
+        return y_scale, y8
+    amax = own.item() * torch.finfo(E4M3.dtype).max  # the scale is amax / fmax (amax above the floor)
+    assert_delayed_scale_and_saturation(run, lambda scale: R.rmsnorm_fp8_out_ref(x8, xs, rstd, w, scale, g, False),
+                                        amax, E4M3.dtype)
 
 
 @pytest.mark.parametrize("hist_len", [1, 5, 16, 17])

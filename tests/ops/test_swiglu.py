@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from tests.ops.fp8_compare import DEV, assert_close_f32, assert_fp8_close, interpreted, rel_err  # noqa: I001
+from tests.ops.fp8_compare import (DEV, assert_close_f32, assert_delayed_scale_and_saturation, assert_fp8_close,  # noqa: I001
+                                   interpreted, rel_err, same_bytes)
 from megacoat.fp8.formats import E4M3, E5M2
 from megacoat.ops import swiglu as S
 from megacoat.ops.numerics import group_dequantize
@@ -108,8 +109,7 @@ def test_gpu_large_shape_matches_reference():
 
 
 # --- delayed scaling (--fp8-grad-scaling delayed) -----------------------------------------------------------------
-def _same(a, b):
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype.itemsize == 1 else torch.equal(a, b)
+_same = same_bytes
 
 
 @pytest.mark.parametrize("backend", ["ref", "triton"])
@@ -233,17 +233,14 @@ def test_delayed_forward_scale_is_the_history_max_and_saturates():
     m, f, g = SHAPES[1]
     a13 = _a13(m, f)
     saved = S.swiglu_fp8_fwd_ref(a13, g)
-    amax = saved[4].item() * torch.finfo(E4M3.dtype).max  # the scale is amax / fmax (amax above the floor)
-    fmax = torch.finfo(E4M3.dtype).max
-    for hist in ([amax * 4, 0.5 * amax], [0.25 * amax, 0.125 * amax]):  # headroom, then overflow
-        history = torch.tensor(hist, device=DEV)
+
+    def run(history):
         *pair, s_scale, s8 = S.swiglu_fp8_fwd_delayed_ref(a13, history, g)
-        want_scale = S.scale_from_amax(torch.tensor([max(hist)], device=DEV), E4M3.dtype)
-        assert _same(s_scale, want_scale) and all(_same(a, b) for a, b in zip(pair, saved[:4]))
-        assert _same(s8, S.swiglu_fp8_out_ref(*saved[:4], want_scale, g, False))
-        saturated = (s8.float().abs() == fmax).float().mean().item()
-        assert (saturated > 0) == (max(hist) < amax)
-        assert history[1] == torch.tensor(hist[0], device=DEV)  # rolled (hist as float32)
+        assert all(_same(a, b) for a, b in zip(pair, saved[:4]))  # the saved pair is scaling's own
+        return s_scale, s8
+    amax = saved[4].item() * torch.finfo(E4M3.dtype).max  # the scale is amax / fmax (amax above the floor)
+    assert_delayed_scale_and_saturation(run, lambda scale: S.swiglu_fp8_out_ref(*saved[:4], scale, g, False), amax,
+                                        E4M3.dtype)
 
 
 @pytest.mark.parametrize("hist_len", [1, 5, 16, 17])
