@@ -8,8 +8,8 @@
 # output); copy them into benchmarks/results/ afterwards. Each command has its own time limit, so one that hangs
 # or fails leaves the others' results intact. Groups, in the order a session should take them:
 #   kernels     (~8 min, 1 GPU) GPU tests (pytest -m gpu) but CoatAdamW's, bench_quant         issues 6, 16
-#   gpu-suite   (~4 min, 1 GPU) every GPU test (pytest -m gpu), then bench_swiglu_grad_scaling (SwiGLU's
-#               backward per call, current vs --fp8-grad-scaling delayed)                          issue 17
+#   gpu-suite   (~4 min, 1 GPU) every GPU test (pytest -m gpu), then bench_delayed_scaling (SwiGLU's
+#               backward and the norm's and SwiGLU's forward per call, current vs delayed scaling)   issue 17
 #   optimizer   (~6 min, 1 GPU) CoatAdamW's GPU tests (the CUDA kernel), bench_optimizer          issues 5, 16
 #   layers      (~8 min, 1 GPU) bench_layer: new vs legacy fp8-linear (--ab), then compiled FP8 modes    issue 6
 #   mlp         (~6 min, 1 GPU) bench_mlp_block, with the last measured kernels (739ce90) beside the new
@@ -93,8 +93,7 @@ gpu-suite)
     # every gpu test (CoatAdamW's extension included), then the delayed-scaling SwiGLU backward per call
     step gpu_tests_all 420 python3 -m pytest -m gpu -q --no-header -p no:cacheprovider tests -rfE
     cp "$LOGS/gpu_tests_all.txt" "$OUT/gpu_tests_all.txt"
-    step bench_swiglu_grad_scaling 120 python3 benchmarks/bench_swiglu_grad_scaling.py \
-        --out "$OUT/bench_swiglu_grad_scaling.json"
+    step bench_delayed_scaling 150 python3 benchmarks/bench_delayed_scaling.py --out "$OUT/bench_delayed_scaling.json"
     ;;
 optimizer)
     # The extension builds once (~1 min); the tests then run the kernel against the reference.

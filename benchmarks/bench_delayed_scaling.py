@@ -1,0 +1,168 @@
+"""Delayed scaling per call, at the shapes the e2e model and the 7B layer run: each cast site that
+--fp8-grad-scaling / --fp8-activation-scaling delayed changes, current scaling against delayed scaling.
+
+  swiglu_bwd   SwiGLU's backward: an amax pass, then the cast pass (current), against the cast pass alone with the
+               amax of earlier calls (delayed). Both write da1|da3 in E5M2, row-major and transposed, and s^T.
+  swiglu_fwd   SwiGLU's forward: the pair and the amax, then s from a second read of the pair (current), against
+               one launch writing the pair and s (delayed).
+  rmsnorm_fwd  RMSNorm's forward: x8 and the amax, then y from a second read of x8 (current), against one launch
+               writing x8 and y (delayed).
+A delayed call also runs one memset and a one-program launch that rolls its amax into the history
+(megacoat.ops.tensor_scale.roll_history). With a history whose maximum is the call's own amax (a bootstrap call
+records it), both write the same bytes: checked here on the device before timing. Median of
+triton.testing.do_bench per call, repeated and interleaved; bytes counted as each read and write.
+
+`--sweep BM:WARPS ...` repeats the backward rows with other tile heights and warp counts of its cast pass (the
+library's are the first row), each checked for the same bytes before it is timed.
+
+    python benchmarks/bench_delayed_scaling.py [--repeats 3] [--sweep 64:4 32:4 128:8 128:16]
+        [--out benchmarks/results/bench_delayed_scaling.json]
+    python benchmarks/bench_delayed_scaling.py --cpu-smoke   # no GPU: tiny shapes under TRITON_INTERPRET=1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+if "--cpu-smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megacoat.ops import rmsnorm, swiglu  # noqa: E402
+
+E5M2 = torch.float8_e5m2
+GROUP = 128
+# (name, tokens, hidden, ffn): the 1.3 B model of bench_e2e.py at micro-batch 4 and 8 (seq 2048), one 7B layer
+# (seq 4096)
+SHAPES = [("1.3B mb4", 4 * 2048, 2048, 5632), ("1.3B mb8", 8 * 2048, 2048, 5632), ("7B mb1", 4096, 4096, 11008)]
+SMOKE = [("smoke", 64, 256, 256)]
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype.itemsize == 1 else torch.equal(a, b)
+
+
+def _swiglu_bwd(m, h, f, device):
+    """→ (current, delayed(history, bootstrap), bytes moved {current, delayed})."""
+    a13 = (torch.randn(m, 2 * f, device=device) * 2).to(torch.bfloat16)
+    pair = swiglu.swiglu_fp8_fwd_triton(a13, GROUP)
+    del a13
+    ds = (torch.randn(m, f, device=device) * 1e-3).to(torch.bfloat16)
+    n = m * f  # ds 2 B and the pair 2 B read (twice by current scaling), da twice 2 B and s^T 1 B written
+    return (lambda: swiglu.swiglu_fp8_bwd_out_t_triton(ds, *pair, GROUP, E5M2),
+            lambda hist, boot=False: swiglu.swiglu_fp8_bwd_delayed_triton(ds, *pair, hist, GROUP, E5M2, bootstrap=boot),
+            {"current": 2 * (4 * n) + 4 * n + n, "delayed": 4 * n + 4 * n + n})
+
+
+def _swiglu_fwd(m, h, f, device):
+    a13 = (torch.randn(m, 2 * f, device=device) * 2).to(torch.bfloat16)
+
+    def current():
+        saved = swiglu.swiglu_fp8_fwd_triton(a13, GROUP)
+        return (*saved, swiglu.swiglu_fp8_out_triton(*saved, GROUP, False))
+    n = m * f  # a13 4 B read, the pair 2 B written (and read again by current scaling), s 1 B written
+    return (current, lambda hist, boot=False: swiglu.swiglu_fp8_fwd_delayed_triton(a13, hist, GROUP, bootstrap=boot),
+            {"current": 4 * n + 2 * n + 2 * n + n, "delayed": 4 * n + 2 * n + n})
+
+
+def _rmsnorm_fwd(m, h, f, device):
+    x = (torch.randn(m, h, device=device) * 3).to(torch.bfloat16)
+    w = (1 + 0.2 * torch.randn(h, device=device)).to(torch.bfloat16)
+
+    def current():
+        x8, xs, rstd, y_scale = rmsnorm.rmsnorm_fp8_fwd_triton(x, w, 1e-5, GROUP)
+        return x8, xs, rstd, y_scale, rmsnorm.rmsnorm_fp8_out_triton(x8, xs, rstd, w, y_scale, GROUP, False)
+    n = m * h  # x 2 B read, x8 1 B written (and read again by current scaling), y 1 B written
+    return (current, lambda hist, boot=False: rmsnorm.rmsnorm_fp8_fwd_delayed_triton(x, w, hist, 1e-5, GROUP,
+                                                                                       bootstrap=boot),
+            {"current": 2 * n + n + n + n, "delayed": 2 * n + n + n})
+
+
+OPS = {"swiglu_bwd": _swiglu_bwd, "swiglu_fwd": _swiglu_fwd, "rmsnorm_fwd": _rmsnorm_fwd}
+
+
+def measure(op: str, name: str, m: int, h: int, f: int, repeats: int, device: str) -> dict:
+    torch.manual_seed(0)
+    current, delayed, moved = OPS[op](m, h, f, device)
+    history = torch.zeros(16, device=device)
+    delayed(history, True)  # bootstrap: records this input's amax
+    same = all(_same(a, b) for a, b in zip(current(), delayed(history)))  # history max = own amax
+
+    def timed(fn):
+        if device == "cuda":
+            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    runs = {"current": current, "delayed": lambda: delayed(history)}
+    times = {k: [] for k in runs}
+    for _ in range(repeats):  # interleaved, so drift touches all alike
+        for k, fn in runs.items():
+            times[k].append(timed(fn))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"op": op, "shape": name, "tokens": m, "hidden": h, "ffn": f, "same_bytes_at_equal_amax": same,
+            "ms": med, "ms_repeats": times, "speedup": med["current"] / med["delayed"],
+            "bytes": moved, "gb_per_s": {k: moved[k] / (med[k] * 1e-3) / 1e9 for k in med}}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/results/bench_delayed_scaling.json")
+    p.add_argument("--cpu-smoke", action="store_true")
+    p.add_argument("--sweep", nargs="*", default=[], metavar="BM:WARPS",
+                   help="also time SwiGLU's backward cast pass at these tile heights and warp counts (e.g. 128:8)")
+    args = p.parse_args()
+    try:
+        configs = [(swiglu._BM_T, swiglu._WARPS_T)] + [tuple(int(x) for x in c.split(":")) for c in args.sweep]
+    except ValueError:
+        configs = [()]
+    if not all(len(c) == 2 and c[0] >= 16 and c[0] & (c[0] - 1) == 0 and c[1] in (1, 2, 4, 8, 16, 32)
+               for c in configs):
+        print("error: --sweep takes BM:WARPS pairs, BM a power of two >= 16, WARPS a power of two up to 32: "
+              f"{args.sweep}",
+              file=sys.stderr)
+        return 2
+    device = "cpu" if args.cpu_smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("error: needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
+        return 2
+    rows = []
+    library = configs[0]
+    shapes = SMOKE if args.cpu_smoke else SHAPES
+    repeats = 1 if args.cpu_smoke else args.repeats
+    for op in OPS:
+        for bm, warps in configs if op == "swiglu_bwd" else configs[:1]:
+            swiglu._BM_T, swiglu._WARPS_T = bm, warps  # read at each launch
+            for name, m, h, f in shapes:
+                r = measure(op, name, m, h, f, repeats, device)
+                if op == "swiglu_bwd":
+                    r["cast_pass"] = {"BM": bm, "num_warps": warps, "library": (bm, warps) == library}
+                rows.append(r)
+                tile = f"BM {bm:3d} warps {warps:2d}" if op == "swiglu_bwd" else " " * 17
+                print(f"{op:11s} {name:9s} {tile}  current {r['ms']['current'] * 1e3:8.1f} us  "
+                      f"delayed {r['ms']['delayed'] * 1e3:8.1f} us  "
+                      f"x{r['speedup']:.2f}  same bytes at equal amax: {r['same_bytes_at_equal_amax']}", flush=True)
+    swiglu._BM_T, swiglu._WARPS_T = library
+    result = {"what": "delayed scaling per call: SwiGLU's backward, SwiGLU's and RMSNorm's forward, current vs delayed",
+              "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device == "cuda"
+              else platform.processor() or "cpu", "torch": torch.__version__, "triton": triton.__version__,
+              "group_size": GROUP, "results": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print("wrote", args.out)
+    return 0 if all(r["same_bytes_at_equal_amax"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
