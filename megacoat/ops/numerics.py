@@ -148,17 +148,23 @@ def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
     return y.clamp(-fmax, fmax).to(fp8_dtype)
 
 
+def div_cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """fp8(clamp(x / scale)): the division the activation flow's kernels do (triton_math.div_saturate), where
+    cast_with_scale multiplies by the reciprocal as cast_transpose does."""
+    fmax = fp8_max(fp8_dtype)
+    return (x / scale).clamp(-fmax, fmax).to(fp8_dtype)
+
+
 def group_quantize(x: torch.Tensor, group_size: int, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """1xG groups along the last dim of x [M, D] (a short last group padded with zeros, which change no amax):
     (q [M, D] in fp8_dtype, scales [M, ceil(D / G)] fp32), q = fp8(clamp(x / scale))."""
     m, d = x.shape
     ng = num_groups(d, group_size)
-    fmax = fp8_max(fp8_dtype)
     xp = F.pad(x.float(), (0, ng * group_size - d)).view(m, ng, group_size)
     # amax / F.max by a Python float: on CUDA torch multiplies by the float32 reciprocal, as the kernels' `/`
     # (div.full, a scaled reciprocal) does for these group scales; per-tensor scales use scale_from_amax (IEEE)
-    scale = xp.abs().amax(-1).clamp(min=AMAX_FLOOR) / fmax
-    q = (xp / scale[..., None]).clamp(-fmax, fmax).to(fp8_dtype)
+    scale = xp.abs().amax(-1).clamp(min=AMAX_FLOOR) / fp8_max(fp8_dtype)
+    q = div_cast(xp, scale[..., None], fp8_dtype)
     return q.view(m, ng * group_size)[:, :d].contiguous(), scale
 
 

@@ -24,8 +24,8 @@ import triton.language as tl
 
 from megacoat.ops.tensor_scale import (fold_amax_to_scale, history_max, record_amax, record_program_amax, roll_history,
                                        scale_workspace)
-from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, group_dequantize, group_quantize,
-                                   fp8_operator, launcher, scale_from_amax, traced_body)
+from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, div_cast, group_dequantize,
+                                   group_quantize, fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate
 
 E4M3 = torch.float8_e4m3fn
@@ -64,8 +64,8 @@ def rmsnorm_fp8_out_ref(x8, x_scales, rstd, weight, y_scale, group_size: int, tr
 
 
 def _cast_y(xd, rstd, weight, y_scale, out_dtype):
-    fmax = torch.finfo(out_dtype).max
-    return (xd * rstd[:, None] * weight.float() / y_scale).clamp(-fmax, fmax).to(out_dtype)
+    """y = xd * rstd * w cast with y_scale (the kernels' product order)."""
+    return div_cast(xd * rstd[:, None] * weight.float(), y_scale, out_dtype)
 
 
 def rmsnorm_fp8_fwd_delayed_ref(x, weight, history, eps: float, group_size: int, out_dtype=E4M3,

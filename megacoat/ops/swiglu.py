@@ -28,8 +28,8 @@ import triton.language as tl
 
 from megacoat.ops.tensor_scale import (fold_amax_to_scale, history_max, record_amax, record_program_amax, roll_history,
                                        scale_workspace)
-from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, group_dequantize, group_quantize,
-                                   fp8_operator, launcher, scale_from_amax, traced_body)
+from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, div_cast, group_dequantize,
+                                   group_quantize, fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate, sigmoid
 
 E4M3 = torch.float8_e4m3fn
@@ -69,14 +69,9 @@ def swiglu_fp8_fwd_delayed_ref(a13, history, group_size: int, out_dtype=E4M3, bo
     *pair, s = _pair_and_s(a13, group_size)
     amax = s.abs().amax()
     s_scale = _scale(amax if bootstrap else history.amax(), out_dtype)
-    s8 = _cast_s(s, s_scale, out_dtype)
+    s8 = div_cast(s, s_scale, out_dtype)
     record_amax(history, amax)
     return (*pair, s_scale, s8)
-
-
-def _cast_s(s, s_scale, out_dtype):
-    fmax = torch.finfo(out_dtype).max
-    return (s / s_scale).clamp(-fmax, fmax).to(out_dtype)
 
 
 def _silu_mul(a1, a3):
@@ -84,8 +79,8 @@ def _silu_mul(a1, a3):
 
 
 def swiglu_fp8_out_ref(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpose: bool, out_dtype=E4M3):
-    q = _cast_s(_silu_mul(group_dequantize(a1_8, s1, group_size), group_dequantize(a3_8, s3, group_size)), s_scale,
-                out_dtype)
+    q = div_cast(_silu_mul(group_dequantize(a1_8, s1, group_size), group_dequantize(a3_8, s3, group_size)), s_scale,
+                 out_dtype)
     return q.t().contiguous() if transpose else q
 
 
@@ -112,8 +107,7 @@ def _da_ref(ds, a1_8, s1, a3_8, s3, group_size: int) -> torch.Tensor:
 
 
 def _cast_ref(da, scale, grad_dtype):
-    fmax = torch.finfo(grad_dtype).max
-    q = (da / scale).clamp(-fmax, fmax).to(grad_dtype)
+    q = div_cast(da, scale, grad_dtype)
     return q, q.t().contiguous(), scale
 
 

@@ -59,3 +59,19 @@ def assert_delayed_scale_and_saturation(run, cast_with, amax: float, dtype: torc
         saturated = (out.float().abs() == fmax).float().mean().item()
         assert (saturated > 0) == (max(hist) < amax)
         assert history[1] == torch.tensor(hist[0], device=DEV)  # rolled (hist as float32)
+
+
+def assert_delayed_meets_current(delayed, current, scale_at: int, dtype: torch.dtype, history_len: int = 3):
+    """delayed(history, bootstrap=False) and current() on one input, the scale at index `scale_at` of their outputs.
+    1st delayed call (bootstrap, nothing recorded): current scaling's bytes, its own amax recorded in front (the
+    one current scaling's scale comes from). 2nd call, the same input: the history holds this call's own amax, so
+    the one launch writes current scaling's bytes exactly, and records the same amax. → (history, current's outputs)."""
+    from megacoat.ops.numerics import scale_from_amax
+
+    want = current()
+    history = torch.zeros(history_len, device=DEV)
+    assert all(same_bytes(a, b) for a, b in zip(delayed(history, True), want))
+    assert same_bytes(want[scale_at], scale_from_amax(history[:1], dtype)) and history[1:].eq(0).all()
+    assert all(same_bytes(a, b) for a, b in zip(delayed(history), want))
+    assert history[0].item() == history[1].item() > 0 and history[2:].eq(0).all()
+    return history, want

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from tests.ops.fp8_compare import (DEV, assert_close_f32, assert_delayed_scale_and_saturation, assert_fp8_close,  # noqa: I001
+from tests.ops.fp8_compare import (DEV, assert_close_f32, assert_delayed_meets_current,
+                                   assert_delayed_scale_and_saturation, assert_fp8_close,  # noqa: I001
                                    interpreted, rel_err, same_bytes)
 from megacoat.fp8.formats import E4M3
 from megacoat.ops import rmsnorm as R
@@ -107,33 +108,26 @@ def test_gpu_large_shape_matches_reference():
 _same = same_bytes
 
 
-def _fwd_both(backend):
-    """(delayed, current) forward of one backend; current = rmsnorm_fp8_fwd then rmsnorm_fp8_out(transpose=False)."""
-    fwd, out = ((R.rmsnorm_fp8_fwd_ref, R.rmsnorm_fp8_out_ref) if backend == "ref" else
-                (R.rmsnorm_fp8_fwd_triton, R.rmsnorm_fp8_out_triton))
-    delayed = R.rmsnorm_fp8_fwd_delayed_ref if backend == "ref" else R.rmsnorm_fp8_fwd_delayed_triton
+def _fwd_both(backend, x, w, g):
+    """(delayed(history, bootstrap), current()) forward of one backend on x; current = rmsnorm_fp8_fwd then
+    rmsnorm_fp8_out(transpose=False)."""
+    fwd, out, delayed = ((R.rmsnorm_fp8_fwd_ref, R.rmsnorm_fp8_out_ref, R.rmsnorm_fp8_fwd_delayed_ref)
+                         if backend == "ref" else
+                         (R.rmsnorm_fp8_fwd_triton, R.rmsnorm_fp8_out_triton, R.rmsnorm_fp8_fwd_delayed_triton))
 
-    def current(x, w, g):
+    def current():
         x8, xs, rstd, y_scale = fwd(x, w, 1e-5, g)
         return x8, xs, rstd, y_scale, out(x8, xs, rstd, w, y_scale, g, False)
-    return delayed, current
+    return lambda history, bootstrap=False: delayed(x, w, history, 1e-5, g, bootstrap=bootstrap), current
 
 
 @pytest.mark.parametrize("backend", ["ref", "triton"])
 def test_delayed_meets_current_scaling_where_the_amax_repeats(backend):
-    """1st call (nothing recorded): current scaling's two launches, its amax recorded. 2nd call, same input: the
-    history holds this call's own amax, so the one launch writes the two launches' bytes exactly."""
+    """The bootstrap call and a call on the same input write current scaling's bytes (fp8_compare's helper)."""
     if backend == "triton" and DEV == "cpu" and not interpreted(R._fwd_kernel):
         pytest.skip("kernels were imported before TRITON_INTERPRET was set")
-    delayed, current = _fwd_both(backend)
     m, h, g = SHAPES[0]
-    x, w = _inputs(m, h)
-    want = current(x, w, g)
-    history = torch.zeros(3, device=DEV)
-    assert all(_same(a, b) for a, b in zip(delayed(x, w, history, 1e-5, g, bootstrap=True), want))
-    assert _same(want[3], R.scale_from_amax(history[:1], E4M3.dtype)) and history[1:].eq(0).all()
-    assert all(_same(a, b) for a, b in zip(delayed(x, w, history, 1e-5, g), want))
-    assert history[0].item() == history[1].item() > 0 and history[2].item() == 0
+    assert_delayed_meets_current(*_fwd_both(backend, *_inputs(m, h), g), 3, E4M3.dtype)
 
 
 def test_delayed_scale_is_the_history_max_and_saturates():
@@ -182,12 +176,7 @@ def test_delayed_triton_matches_reference(hist_len):
 def test_gpu_delayed_at_the_7b_shape():
     """Llama-2-7B's norm at 2048 tokens with delayed scaling: where the history holds the call's own amax (the
     bootstrap call's record), one launch writes current scaling's bytes; a history of half that amax saturates."""
-    delayed, current = _fwd_both("triton")
-    x, w = _inputs(2048, 4096)
-    want = current(x, w, 128)
-    history = torch.zeros(16, device=DEV)
-    assert all(_same(a, b) for a, b in zip(delayed(x, w, history, 1e-5, 128, bootstrap=True), want))
-    assert all(_same(a, b) for a, b in zip(delayed(x, w, history, 1e-5, 128), want))
-    assert history[0] == history[1] and _same(want[3], R.scale_from_amax(history[:1], E4M3.dtype))
+    delayed, current = _fwd_both("triton", *_inputs(2048, 4096), 128)
+    history, _ = assert_delayed_meets_current(delayed, current, 3, E4M3.dtype, history_len=16)
     history[:] = 0.5 * history[0]
-    assert (delayed(x, w, history, 1e-5, 128)[4].float().abs() == torch.finfo(E4M3.dtype).max).any()
+    assert (delayed(history)[4].float().abs() == torch.finfo(E4M3.dtype).max).any()

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from tests.ops.fp8_compare import (DEV, assert_close_f32, assert_delayed_scale_and_saturation, assert_fp8_close,  # noqa: I001
+from tests.ops.fp8_compare import (DEV, assert_close_f32, assert_delayed_meets_current,
+                                   assert_delayed_scale_and_saturation, assert_fp8_close,  # noqa: I001
                                    interpreted, rel_err, same_bytes)
 from megacoat.fp8.formats import E4M3, E5M2
 from megacoat.ops import swiglu as S
@@ -200,33 +201,26 @@ def test_delayed_triton_rolls_the_history_in_the_kernel(hist_len):
 
 
 # --- delayed scaling of the forward's output (--fp8-activation-scaling delayed) ----------------------------------
-def _fwd_both(backend):
-    """(delayed, current) forward of one backend; current = swiglu_fp8_fwd then swiglu_fp8_out(transpose=False)."""
-    fwd, out = ((S.swiglu_fp8_fwd_ref, S.swiglu_fp8_out_ref) if backend == "ref" else
-                (S.swiglu_fp8_fwd_triton, S.swiglu_fp8_out_triton))
-    delayed = S.swiglu_fp8_fwd_delayed_ref if backend == "ref" else S.swiglu_fp8_fwd_delayed_triton
+def _fwd_both(backend, a13, g):
+    """(delayed(history, bootstrap), current()) forward of one backend on a13; current = swiglu_fp8_fwd then
+    swiglu_fp8_out(transpose=False)."""
+    fwd, out, delayed = ((S.swiglu_fp8_fwd_ref, S.swiglu_fp8_out_ref, S.swiglu_fp8_fwd_delayed_ref)
+                         if backend == "ref" else
+                         (S.swiglu_fp8_fwd_triton, S.swiglu_fp8_out_triton, S.swiglu_fp8_fwd_delayed_triton))
 
-    def current(a13, g):
+    def current():
         saved = fwd(a13, g)
         return (*saved, out(*saved, g, False))
-    return delayed, current
+    return lambda history, bootstrap=False: delayed(a13, history, g, bootstrap=bootstrap), current
 
 
 @pytest.mark.parametrize("backend", ["ref", "triton"])
 def test_delayed_forward_meets_current_scaling_where_the_amax_repeats(backend):
-    """1st call (nothing recorded): current scaling's two launches, its amax recorded. 2nd call, same input: the
-    history holds this call's own amax, so the one launch writes the two launches' bytes exactly."""
+    """The bootstrap call and a call on the same input write current scaling's bytes (fp8_compare's helper)."""
     if backend == "triton" and DEV == "cpu" and not interpreted(S._fwd_kernel):
         pytest.skip("kernels were imported before TRITON_INTERPRET was set")
-    delayed, current = _fwd_both(backend)
     m, f, g = SHAPES[0]
-    a13 = _a13(m, f)
-    want = current(a13, g)
-    history = torch.zeros(3, device=DEV)
-    assert all(_same(a, b) for a, b in zip(delayed(a13, history, g, bootstrap=True), want))
-    assert _same(want[4], S.scale_from_amax(history[:1], E4M3.dtype)) and history[1:].eq(0).all()
-    assert all(_same(a, b) for a, b in zip(delayed(a13, history, g), want))
-    assert history[0].item() == history[1].item() > 0 and history[2].item() == 0
+    assert_delayed_meets_current(*_fwd_both(backend, _a13(m, f), g), 4, E4M3.dtype)
 
 
 def test_delayed_forward_scale_is_the_history_max_and_saturates():
@@ -277,15 +271,10 @@ def test_gpu_delayed_at_the_7b_shape():
     call's own amax (the bootstrap call's record), one launch writes current scaling's bytes; a history of half that
     amax saturates, and the roll kernel puts the call's amax in front."""
     m, f, g = 2048, 11008, 128
-    delayed, current = _fwd_both("triton")
-    a13 = _a13(m, f)
-    want = current(a13, g)
-    history = torch.zeros(16, device=DEV)
-    assert all(_same(a, b) for a, b in zip(delayed(a13, history, g, bootstrap=True), want))
-    assert all(_same(a, b) for a, b in zip(delayed(a13, history, g), want))
-    assert history[0] == history[1] and _same(want[4], S.scale_from_amax(history[:1], E4M3.dtype))
+    delayed, current = _fwd_both("triton", _a13(m, f), g)
+    history, want = assert_delayed_meets_current(delayed, current, 4, E4M3.dtype, history_len=16)
     history[:] = 0.5 * history[0]
-    assert (delayed(a13, history, g)[5].float().abs() == torch.finfo(E4M3.dtype).max).any()
+    assert (delayed(history)[5].float().abs() == torch.finfo(E4M3.dtype).max).any()
     ds = torch.randn(m, f, device=DEV).to(torch.bfloat16)
     grad_history = torch.zeros(16, device=DEV)
     bwd = S.swiglu_fp8_bwd_delayed_triton(ds, *want[:5], grad_history, g, bootstrap=True)
