@@ -13,6 +13,7 @@ from megacoat.model import GPT, cross_entropy_loss
 from megacoat.optim import WarmupDecayLR, build_optimizer, param_groups
 from megacoat.parallel import ParallelState, apply_tp
 from megacoat.training.zero_flat_grads import install_flat_grad_partition
+from megacoat.training.zero_single_rank import skip_single_rank_reduction
 
 ModelConverter = Callable[[nn.Module], nn.Module]
 
@@ -86,4 +87,5 @@ def build_engine(cfg: MegacoatConfig, model: nn.Module, ds_config: dict, device:
 
         share_master_partitions(engine.optimizer)  # DeepSpeed's bf16 "master" becomes the model's own slice
     install_flat_grad_partition(engine.optimizer)  # ZeRO-1/2: the step reads its gradient partition in place
+    skip_single_rank_reduction(engine.optimizer)  # ZeRO-1 with one data-parallel rank: nothing to reduce
     return engine, scheduler

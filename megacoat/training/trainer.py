@@ -22,7 +22,7 @@ from megacoat.training.banner import startup_banner
 from megacoat.training.checkpointing import (Layout, TrainState, check_compatible, file_identity, load_checkpoint,
                                              read_meta, resolve_load, save_checkpoint)
 from megacoat.training.cuda_allocator import default_allocator_settings
-from megacoat.training.cuda_graph import GraphedWeightRefresh, own_graph_gradients
+from megacoat.training.cuda_graph import GraphedWeightRefresh, gradient_groups, own_graph_gradients
 from megacoat.training.deepspeed_config import (build_deepspeed_config, quiet_tested_optimizer_warning,
                                                 resolve_main_params)
 from megacoat.training.device_skip import DEVICE_SKIP_LINE, install_device_skip
@@ -194,7 +194,7 @@ class Trainer:
             loss = self.engine(tokens, labels)
             self.engine.backward(loss)
             if graphed and micro == 0 and self.grad_accum > 1:
-                own_graph_gradients(self.engine.module)  # the next replay would overwrite them
+                own_graph_gradients(gradient_groups(self.engine))  # the next replay would overwrite them
             grad_norm = self._grad_norm_if_boundary()
             boundary = self.engine.is_gradient_accumulation_boundary()
             if boundary and self.plain_fp32 and not math.isfinite(grad_norm):

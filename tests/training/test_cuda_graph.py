@@ -94,7 +94,7 @@ def test_gpu_graphed_gradient_accumulation_equals_compiled(mode):
                 torch.compiler.cudagraph_mark_step_begin()
                 fn(xi.detach().requires_grad_(True), cos, sin).float().square().sum().backward()
                 if graphed and micro == 0:
-                    own_graph_gradients(block)
+                    own_graph_gradients([block.parameters()])
             out.append([p.grad.clone() for p in block.parameters()])
         return out
 
@@ -105,15 +105,48 @@ def test_gpu_graphed_gradient_accumulation_equals_compiled(mode):
         assert all(torch.equal(a, b) for a, b in zip(g, c))
 
 
-def test_own_graph_gradients_copies_into_fresh_memory():
+def test_own_graph_gradients_copies_each_group_into_one_buffer_in_order():
+    from megacoat.training.cuda_graph import own_graph_gradients
+    from megacoat.training.zero_flat_grads import flat_view
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model(torch.randn(2, 4)).sum().backward()
+    before = {n: p.grad for n, p in model.named_parameters()}
+    groups = [[model[1].weight, model[0].weight], [model[0].bias, model[1].bias]]  # not the module's order
+    assert own_graph_gradients(groups) == 4
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, before[n]) and p.grad.data_ptr() != before[n].data_ptr()
+    for group in groups:  # each group's gradients are one run of memory, in the group's order
+        grads = [p.grad for p in group]
+        flat = flat_view(grads, sum(g.numel() for g in grads))
+        assert flat is not None and torch.equal(flat, torch.cat([g.reshape(-1) for g in grads]))
+    assert model[1].weight.grad.untyped_storage().data_ptr() != model[0].bias.grad.untyped_storage().data_ptr()
+
+
+def test_own_graph_gradients_skips_absent_and_copies_mixed_dtypes_one_by_one():
     from megacoat.training.cuda_graph import own_graph_gradients
 
-    layer = torch.nn.Linear(4, 3)
-    layer(torch.randn(2, 4)).sum().backward()
-    before = {n: p.grad for n, p in layer.named_parameters()}
-    assert own_graph_gradients(layer) == 2
-    for n, p in layer.named_parameters():
-        assert torch.equal(p.grad, before[n]) and p.grad.data_ptr() != before[n].data_ptr()
+    a, b, unused = (torch.nn.Parameter(torch.randn(3)) for _ in range(3))
+    c = torch.nn.Parameter(torch.randn(2, dtype=torch.float64))
+    (a.sum() + 2 * b.sum() + 3 * c.sum()).backward()
+    before = [a.grad, b.grad, c.grad]
+    assert own_graph_gradients([[a, unused, b, c]]) == 3
+    assert unused.grad is None
+    for p, g in zip((a, b, c), before):
+        assert torch.equal(p.grad, g) and p.grad.dtype == g.dtype and p.grad.data_ptr() != g.data_ptr()
+
+
+def test_gradient_groups_follow_the_optimizer_then_the_rest():
+    from types import SimpleNamespace
+
+    from megacoat.training.cuda_graph import gradient_groups
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    w0, b0, w1, b1 = model.parameters()
+    zero = SimpleNamespace(optimizer=SimpleNamespace(bit16_groups=[[w1, w0], [b1]]), module=model)
+    assert gradient_groups(zero) == [[w1, w0], [b1], [b0]]
+    plain = SimpleNamespace(optimizer=object(), module=model)
+    assert gradient_groups(plain) == [[w0, b0, w1, b1]]
 
 
 @pytest.mark.gpu
