@@ -9,8 +9,8 @@ micro-batch 2, `benchmarks/results/bench_e2e_notes.md`) removing the reads took 
 
 `install_device_skip(engine)` changes three things on the engine's ZeRO optimizer (this instance only):
 - DeepSpeed's own switch `check_grad_overflow` is off, so neither host check runs;
-- the global gradient norm is one multi-tensor launch (`torch._foreach_norm`) instead of one per tensor, over the
-  same parameters as DeepSpeed's `get_grad_norm_direct` (TP shards, pipeline-replicated ones counted once) and with
+- the global gradient norm is one multi-tensor launch (`torch._foreach_norm`), or one reduction where the gradients
+  lie flat in one buffer, instead of one per tensor, over the same parameters as DeepSpeed's `get_grad_norm_direct` (TP shards, pipeline-replicated ones counted once) and with
   its reductions;
 - clipping reads that norm on the device, and a non-finite norm sets `found_inf`, which the client optimizer
   honours by writing nothing for the step (torch's GradScaler protocol: fused AdamW, and CoatAdamW's kernel);
@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megacoat.optim.coat_adamw import CoatAdamW
+from megacoat.training.zero_flat_grads import flat_view
 
 DEVICE_SKIP_LINE = ("non-finite steps: refused on the device, without a host read (the LR schedule moves on over "
                     "them; --host-overflow-check for DeepSpeed's host check)")
@@ -95,7 +96,11 @@ def install_device_skip(engine) -> SkipCounter | None:
 
 
 def _grad_norm_one_launch(self, gradients, params, norm_type=2):
-    """DeepSpeed's `get_grad_norm_direct` for the L2 norm, with one `_foreach_norm` launch for all tensors."""
+    """DeepSpeed's `get_grad_norm_direct` for the L2 norm, with one `_foreach_norm` launch for all tensors, or one
+    plain reduction where the counted gradients are one run of memory (ZeRO-1 with one data-parallel rank and
+    gradients laid flat: zero_single_rank.py, own_graph_gradients). `_foreach_norm` splits its work into launches
+    of a few hundred blocks each (~135 launches and ~2.8 ms a step for 1.3 B bf16 gradients on an H100,
+    bench_e2e_kernels_mb4.json); the plain reduction is one. Both sum squares in fp32, in different orders."""
     from deepspeed.runtime.zero.stage_1_and_2 import PIPE_REPLICATED, is_model_parallel_parameter
 
     if float(norm_type) != 2.0:
@@ -104,7 +109,10 @@ def _grad_norm_one_launch(self, gradients, params, norm_type=2):
     counted = [g.detach() for g, p in zip(grads, params)
                if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
                and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)]
-    if counted:
+    flat = flat_view(counted, sum(g.numel() for g in counted))
+    if flat is not None:  # every gradient counted and lying in one buffer: one reduction at full bandwidth
+        total = torch.linalg.vector_norm(flat, 2, dtype=torch.float32).square()
+    elif counted:
         total = torch.stack(torch._foreach_norm(counted, 2, dtype=torch.float32)).square().sum()
     else:
         total = torch.zeros((), dtype=torch.float32, device=self.device)

@@ -212,6 +212,39 @@ def test_the_norm_and_the_clip_make_the_gpu_wait_nowhere(world_of_one, loss_scal
         assert (client.grad_scale is None) == (loss_scale == 1.0)
 
 
+class Seen(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_gradients_in_one_buffer_take_one_reduction_with_the_same_norm(world_of_one):
+    zero = types.SimpleNamespace(model_parallel_rank=0, device=torch.device("cpu"), dp_process_group=None,
+                                 _model_parallel_all_reduce=lambda tensor, op: None)
+    sizes = [(300, 7), (1000,), (13, 17)]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in sizes]
+    buf = torch.randn(sum(p.numel() for p in params), generator=torch.Generator().manual_seed(0)).bfloat16()
+    flat = list(buf.split([p.numel() for p in params]))
+    apart = [g.clone() for g in flat]  # the same values, each in its own memory
+    norms = {}
+    for name, grads in (("flat", flat), ("apart", apart)):
+        with Seen() as seen:
+            norms[name] = _grad_norm_one_launch(zero, grads, params).item()
+        assert ("_foreach_norm" in seen.ops) == (name == "apart")
+        assert ("linalg_vector_norm" in seen.ops) == (name == "flat")
+    expected = buf.double().square().sum().sqrt().item()
+    # fp32 sums of 1,521 squares in two orders: each within a few ulps of the float64 norm
+    assert norms["flat"] == pytest.approx(expected, rel=1e-6) and norms["apart"] == pytest.approx(expected, rel=1e-6)
+    not_counted = types.SimpleNamespace(**{**vars(zero), "model_parallel_rank": 1})  # TP rank 1 skips replicas
+    with Seen() as seen:
+        _grad_norm_one_launch(not_counted, flat, params)
+    assert "linalg_vector_norm" not in seen.ops  # nothing is counted there: no flat run of the counted ones
+
+
 @pytest.mark.parametrize("layout", [["--zero-stage", "2"], ["--zero-stage", "1", "--tensor-model-parallel-size", "2"]],
                          ids=["zero2-dp2", "zero1-tp2"])
 def test_device_path_gives_the_host_paths_norms_and_losses_on_two_ranks(tmp_path, layout):
