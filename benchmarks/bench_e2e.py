@@ -255,7 +255,9 @@ def memory_model(argv: list[str]) -> dict:
                           fp8_group_size=cfg.optim.fp8_group_size, bf16=bf16,
                           fp8_weight_cache=cfg.fp8.weight_cache,
                           main_grads_dtype=cfg.optim.main_grads_dtype or ("bf16" if bf16 else "fp32"),
-                          main_params_dtype=cfg.optim.main_params_dtype, compiled=cfg.training.compile)
+                          main_params_dtype=cfg.optim.main_params_dtype, compiled=cfg.training.compile,
+                          graphed_accumulation=(cfg.training.enable_cuda_graph
+                                                and cfg.training.gradient_accumulation_steps(1) > 1))
     return {k: v / 2**30 for k, v in est.as_dict().items()}
 
 

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "bf16 main gradients), else fp32")
     p.add_argument("--compile", action="store_true",
                    help="activations of compiled blocks and loss (--compile / --enable-cuda-graph runs)")
+    p.add_argument("--graphed-accumulation", action="store_true",
+                   help="--enable-cuda-graph runs with more than one micro-batch a step (their gradients lie flat: "
+                        "ZeRO-1 on one rank reads them in place)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                                       pipeline_parallel_size=args.pipeline_model_parallel_size,
                                       fp8_optimizer=fp8_opt, fp8_group_size=args.fp8_group_size,
                                       fp8_weight_cache=args.fp8_weight_cache, main_grads_dtype=args.main_grads_dtype,
-                                      main_params_dtype=master, compiled=args.compile)
+                                      main_params_dtype=master, compiled=args.compile,
+                                      graphed_accumulation=args.graphed_accumulation)
                 rows.append({"mode": mode, "optimizer_class": "CoatAdamW" if fp8_opt else "AdamW",
                              "main_params_dtype": master, **est.as_dict()})
     except ValueError as e:

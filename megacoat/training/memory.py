@@ -9,7 +9,9 @@ in a bf16 run (ZeRO-1 divides what is marked /D1 by D, ZeRO-2 also /D2):
         its fp32 conversion 4, alive together (DeepSpeed frees the first only after converting), 6 /D1; with
         bf16-remainder the flattened bf16 partition 2 /D1. Under ZeRO-1 the step reads the reduced gradients in
         place instead of flattening them (megacoat/training/zero_flat_grads.py): 4 /D1 with an fp32 master, none
-        with bf16-remainder
+        with bf16-remainder. With one data-parallel rank there is no reduced buffer (zero_single_rank.py): the
+        step reads param.grad in place where it lies flat (CUDA graphs with gradient accumulation copy it so,
+        own_graph_gradients) and flattens it otherwise (2 more)
     gradients, --main-grads-dtype fp32: ZeRO-1 (DeepSpeed's BF16_Optimizer) bf16 2 + a whole fp32 accumulation
         buffer 4; ZeRO-2 an fp32 partition 4 /D2; the optimizer reads them as they are
     master weights: fp32 4 /D1, or with --main-params-dtype bf16-remainder CoatAdamW's int16 remainders 2 /D1 (the
@@ -100,9 +102,11 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
                     data_parallel_size: int = 1, zero_stage: int = 0, tensor_parallel_size: int = 1,
                     pipeline_parallel_size: int = 1, fp8_optimizer: bool = False, fp8_group_size: int = 128,
                     bf16: bool = True, fp8_weight_cache: str = "step", main_grads_dtype: str = "bf16",
-                    main_params_dtype: str = "fp32", compiled: bool = False) -> MemoryEstimate:
+                    main_params_dtype: str = "fp32", compiled: bool = False,
+                    graphed_accumulation: bool = False) -> MemoryEstimate:
     """Bytes on the busiest GPU (the first pipeline stage for activations, the last for the head). compiled:
-    --compile (also --enable-cuda-graph), whose blocks and loss save less (see the module docstring)."""
+    --compile (also --enable-cuda-graph), whose blocks and loss save less (see the module docstring).
+    graphed_accumulation: --enable-cuda-graph with more than one micro-batch a step (gradients laid flat)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if main_grads_dtype not in MAIN_GRADS_DTYPES or main_params_dtype not in MAIN_PARAMS_DTYPES:
@@ -136,7 +140,8 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
             gradients = 4 * params / zero_div_grad if zero_stage == 2 else 6 * params
         else:
             gradients = 2 * params / zero_div_grad
-            flat = 0 if zero_stage == 1 else 2  # ZeRO-1 reads its flat partition in place; ZeRO-2 copies it
+            # ZeRO-1 reads a flat partition in place (the reduced buffer; on one rank, graphed gradients); else a copy
+            flat = 0 if zero_stage == 1 and (dp > 1 or graphed_accumulation) else 2
             step_gradients = (flat + (0 if remainders else 4)) * params / zero_div_master
         optimizer = ((2 if remainders else 4) + moments) * params / zero_div_master
     else:

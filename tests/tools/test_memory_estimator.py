@@ -131,13 +131,18 @@ def test_model_state_matches_a_hand_count():
     assert adamw.total == 16 * p + max(adamw.activations, 6 * p)
     coat = estimate_memory(cfg, "coat", fp8_optimizer=True)
     assert coat.optimizer == int(p * (4 + 2 * (1 + 6 / 128)))  # fp32 master + 2.094 B/param moments
-    lean = estimate_memory(cfg, "coat", fp8_optimizer=True, zero_stage=1, main_params_dtype="bf16-remainder")
-    assert lean.optimizer == int(p * (2 + 2 * (1 + 6 / 128)))  # remainders + moments: 4.09 B/param
-    # ZeRO-1 reads its flat gradient partition in place (zero_flat_grads); ZeRO-2 flattens a copy
-    assert lean.optimizer / p <= 4.1 and lean.step_gradients == 0 and lean.gradients == 2 * p
+    lean = estimate_memory(cfg, "coat", fp8_optimizer=True, zero_stage=1, main_params_dtype="bf16-remainder",
+                           data_parallel_size=2)
+    assert lean.optimizer == int(p * (2 + 2 * (1 + 6 / 128)) / 2)  # remainders + moments: 4.09 B/param, /D1
+    # ZeRO-1 reads its reduced, flat gradient partition in place (zero_flat_grads); ZeRO-2 flattens a copy
+    assert lean.optimizer / p <= 4.1 / 2 and lean.step_gradients == 0 and lean.gradients == 2 * p
     assert estimate_memory(cfg, "coat", fp8_optimizer=True, zero_stage=2,
                            main_params_dtype="bf16-remainder").step_gradients == 2 * p
-    assert estimate_memory(cfg, "bf16", zero_stage=1).step_gradients == 4 * p  # only the fp32 conversion
+    assert estimate_memory(cfg, "bf16", zero_stage=1, data_parallel_size=2).step_gradients == 2 * p  # fp32 copy /D1
+    # One rank reduces nothing (zero_single_rank): param.grad is read in place only where graphs laid it flat
+    one = dict(fp8_optimizer=True, zero_stage=1, main_params_dtype="bf16-remainder")
+    assert estimate_memory(cfg, "coat", **one).step_gradients == 2 * p
+    assert estimate_memory(cfg, "coat", **one, graphed_accumulation=True).step_gradients == 0
     linears = 2 * (4 * 128 * 128 + 3 * 128 * 256)
     assert coat.weights == 2 * p + 2 * linears  # + the E4M3 weight cache (W and W^T)
     assert estimate_memory(cfg, "coat", fp8_weight_cache="rowwise").weights == 2 * p + linears  # W only
