@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from megacoat.ops.numerics import dispatch, fp8_operator, launcher, traced_body
+from megacoat.ops.tensor_scale import record_program_amax
 
 
 def check_rope_input(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -65,7 +66,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, amax_ptr, S, NH, stride_b, st
         y = x.to(ty)
     tl.store(out_ptr + t.to(tl.int64) * ld_out + h[:, None] * (2 * HALF) + d[None, :], y, mask=mask)
     if AMAX:  # of what was stored; masked lanes are 0, and |y| >= 0
-        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(y.to(tl.float32)), axis=1), axis=0))
+        record_program_amax(tl.max(tl.max(tl.abs(y.to(tl.float32)), axis=1), axis=0), amax_ptr)
 
 
 def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, ld_out: int,
