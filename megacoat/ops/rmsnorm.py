@@ -1,10 +1,10 @@
 """Fused FP8 RMSNorm for the COAT precision flow (Triton, forward and backward, with torch references).
 
-Forward, in two passes:
+Forward, in two launches:
   1. `rmsnorm_fp8_fwd`: read x once; write it as E4M3 with 1xG group scales (the tensor saved for backward),
      the row's rstd computed from those dequantized values, and fold the row's amax of the output
-     y = x * rstd * w into the tensor's, which a single-program launch turns into the per-tensor scale
-     (megacoat.ops.tensor_scale: no reduction launches after the kernel).
+     y = x * rstd * w into the per-tensor scale, which the last program writes (megacoat.ops.tensor_scale:
+     no reduction launches after the kernel).
   2. `rmsnorm_fp8_out`: re-read the 1-byte x and write y quantized with that per-tensor scale, row-major
      for the next GEMM, or transposed for its weight gradient (made again in backward instead of saved).
 `rmsnorm_fp8_fwd_delayed` (delayed scaling, megacoat.fp8.delayed_scaling) does both in the first launch: the scale
@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.tensor_scale import (amax_to_scale, amax_workspace, history_max, record_amax, record_program_amax,
-                                       roll_history)
+from megacoat.ops.tensor_scale import (fold_amax_to_scale, history_max, record_amax, record_program_amax, roll_history,
+                                       scale_workspace)
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, div_cast, group_dequantize,
                                    group_quantize, fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate
@@ -104,7 +104,7 @@ def _row_tile(H, G: tl.constexpr, NGP: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, scale_ptr, y_ptr, hist_ptr, hist_len,
+def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, count_ptr, scale_ptr, y_ptr, hist_ptr, hist_len,
                 H, NG, eps, fmax_in, fmax_out, amax_floor, G: tl.constexpr, NGP: tl.constexpr, FAST: tl.constexpr,
                 HIST: tl.constexpr):
     """HIST > 0 (delayed scaling): y's scale comes from the amax history's maximum, y is written here, and the
@@ -129,7 +129,9 @@ def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, scale_ptr, y_p
             tl.store(scale_ptr, scale)
         yq = div_saturate(xd * rstd * w, scale, fmax_out, FAST)  # _out_kernel's product, in its order
         tl.store(y_ptr + row * H + col, yq.to(y_ptr.dtype.element_ty), mask=mask)
-    record_program_amax(amax, amax_ptr)
+        record_program_amax(amax, amax_ptr)
+    else:
+        fold_amax_to_scale(amax, amax_ptr, count_ptr, scale_ptr, fmax_out, amax_floor)
 
 
 @triton.jit
@@ -220,16 +222,14 @@ def _fwd_launch(x, weight, eps, group_size, out_dtype, history=None):
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
     y_scale = torch.empty((1,), dtype=torch.float32, device=x.device)
     y = None if history is None else torch.empty((m, h), dtype=out_dtype, device=x.device)
-    amax = amax_workspace(x.device)
+    amax, count = scale_workspace(x.device)
     ngp = triton.next_power_of_2(ng)
     hist_len = 0 if history is None else history.numel()
-    launcher(_fwd_kernel)[(m,)](x, weight, x8, xs, rstd, amax, y_scale, x8 if y is None else y,
+    launcher(_fwd_kernel)[(m,)](x, weight, x8, xs, rstd, amax, count, y_scale, x8 if y is None else y,
                                 y_scale if history is None else history, hist_len, h, ng, eps,
                                 torch.finfo(E4M3).max, torch.finfo(out_dtype).max, AMAX_FLOOR, G=group_size,
                                 NGP=ngp, FAST=FAST, HIST=triton.next_power_of_2(hist_len) if hist_len else 0,
                                 num_warps=_warps(ngp * group_size, 1024))
-    if history is None:
-        amax_to_scale(amax, y_scale, torch.finfo(out_dtype).max)
     return x8, xs, rstd, y_scale, amax, y
 
 

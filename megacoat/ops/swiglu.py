@@ -1,11 +1,10 @@
 """Fused FP8 SwiGLU, silu(a1) * a3, for the COAT precision flow (Triton, forward and backward, torch references).
 
 a13 [M, 2F] is the output of the fused w1|w3 GEMM (gate in the first F columns, up in the last F).
-Forward, two passes:
+Forward, two launches:
   1. `swiglu_fp8_fwd`: read a13 once; write a1 and a3 as E4M3 with 1xG group scales (what backward keeps:
      2 bytes per pair instead of BF16's 4 plus silu's output) and fold the amax of s = silu(a1) * a3, computed
-     from the dequantized values, into the tensor's, which a single-program launch turns into the output's
-     per-tensor scale (megacoat.ops.tensor_scale).
+     from the dequantized values, into the output's per-tensor scale inside the kernel (megacoat.ops.tensor_scale).
   2. `swiglu_fp8_out`: re-read the FP8 pair and write s with that per-tensor scale, row-major for the down
      projection's GEMM, or transposed for its weight gradient (made again in backward, not saved).
 `swiglu_fp8_fwd_delayed` (delayed scaling, megacoat.fp8.delayed_scaling) does both in the first launch: the scale
@@ -27,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.tensor_scale import (amax_to_scale, amax_workspace, history_max, record_amax, record_program_amax,
-                                       roll_history)
+from megacoat.ops.tensor_scale import (fold_amax_to_scale, history_max, record_amax, record_program_amax, roll_history,
+                                       scale_workspace)
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, div_cast, group_dequantize,
                                    group_quantize, fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate, sigmoid
@@ -143,7 +142,7 @@ def _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG):
 
 
 @triton.jit
-def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, y_ptr, hist_ptr, hist_len,
+def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, count_ptr, scale_ptr, y_ptr, hist_ptr, hist_len,
                 M, F, NG, fmax_in, fmax_out, amax_floor, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr,
                 HIST: tl.constexpr):
     """HIST > 0 (delayed scaling): s's scale comes from the amax history's maximum, s is written here (row-major,
@@ -173,7 +172,9 @@ def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, y_pt
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(scale_ptr, scale)
         tl.store(y_ptr + offs, div_saturate(s, scale, fmax_out, FAST).to(y_ptr.dtype.element_ty), mask=mask)
-    record_program_amax(amax, amax_ptr)
+        record_program_amax(amax, amax_ptr)
+    else:
+        fold_amax_to_scale(amax, amax_ptr, count_ptr, scale_ptr, fmax_out, amax_floor)
 
 
 @triton.jit
@@ -208,7 +209,8 @@ def _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG,
 def _bwd_amax_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, s_scale_ptr, st_ptr, M, F, NG, fmax_s,
                      G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr, WRITE_ST: tl.constexpr):
     """Pass 1: max |da1|, |da3| into one float (they share one scale, as one [M, 2F] GEMM operand). The
-    atomic max needs no partial-amax array and no torch reductions over it (three launches).
+    atomic max (relaxed: nothing waits on it; pass 2 reads the total) needs no partial-amax array and no torch
+    reductions over it (three launches).
     WRITE_ST: also write s^T [F, M] (the down projection's wgrad operand) from the pair this pass reads
     anyway, instead of a swiglu_fp8_out(transpose=True) launch that reads it once more."""
     gi = tl.program_id(1)
@@ -298,14 +300,12 @@ def _fwd_launch(a13, group_size, out_dtype, history=None):
     s1, s3 = (torch.empty((m, ng), dtype=torch.float32, device=dev) for _ in range(2))
     s_scale = torch.empty((1,), dtype=torch.float32, device=dev)
     y = None if history is None else torch.empty((m, f), dtype=out_dtype, device=dev)
-    amax = amax_workspace(dev)
+    amax, count = scale_workspace(dev)
     hist_len = 0 if history is None else history.numel()
-    launcher(_fwd_kernel)[grid](a13, a1_8, s1, a3_8, s3, amax, s_scale, a1_8 if y is None else y,
+    launcher(_fwd_kernel)[grid](a13, a1_8, s1, a3_8, s3, amax, count, s_scale, a1_8 if y is None else y,
                                 s_scale if history is None else history, hist_len, m, f, ng, torch.finfo(E4M3).max,
                                 torch.finfo(out_dtype).max, AMAX_FLOOR, G=group_size, BM=_BM, FAST=FAST,
                                 HIST=triton.next_power_of_2(hist_len) if hist_len else 0, num_warps=4)
-    if history is None:
-        amax_to_scale(amax, s_scale, torch.finfo(out_dtype).max)
     return a1_8, s1, a3_8, s3, s_scale, amax, y
 
 
@@ -343,7 +343,7 @@ def _bwd_triton(ds, a1_8, s1, a3_8, s3, group_size, grad_dtype, s_scale, out_dty
     ng = s1.shape[1]
     dev = ds.device
     delayed = history is not None and not bootstrap
-    amax = amax_workspace(dev)
+    amax = torch.zeros((1,), dtype=torch.float32, device=dev)  # |da| >= 0: zero is the neutral start
     scale = torch.empty((1,), dtype=torch.float32, device=dev)
     da = torch.empty((m, 2 * f), dtype=grad_dtype, device=dev)
     dat = torch.empty((2 * f, m), dtype=grad_dtype, device=dev)
