@@ -10,8 +10,8 @@ micro-batch 2, `benchmarks/results/bench_e2e_notes.md`) removing the reads took 
 `install_device_skip(engine)` changes three things on the engine's ZeRO optimizer (this instance only):
 - DeepSpeed's own switch `check_grad_overflow` is off, so neither host check runs;
 - the global gradient norm is one multi-tensor launch (`torch._foreach_norm`), or one reduction where the gradients
-  lie flat in one buffer, instead of one per tensor, over the same parameters as DeepSpeed's `get_grad_norm_direct` (TP shards, pipeline-replicated ones counted once) and with
-  its reductions;
+  lie flat in one buffer, instead of one per tensor, over the same parameters as DeepSpeed's `get_grad_norm_direct`
+  (TP shards, pipeline-replicated ones counted once) and with its reductions;
 - clipping reads that norm on the device, and a non-finite norm sets `found_inf`, which the client optimizer
   honours by writing nothing for the step (torch's GradScaler protocol: fused AdamW, and CoatAdamW's kernel);
 - the clipping factor itself goes to the client optimizer as its `grad_scale` (the same protocol), which divides
