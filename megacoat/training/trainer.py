@@ -143,6 +143,8 @@ class Trainer:
         model = build_model(cfg, self.device, self.parallel, model_converter)
         self.engine, self.scheduler = build_engine(cfg, model, self.ds_config, self.device, self.parallel)
         refresh_fp8_weights(self.engine.module)  # FP8 weight copies of the weights as the engine holds them
+        # The optimizer's groups are fixed once the engine exists: found once, not at every step's copy
+        self.grad_groups = gradient_groups(self.engine) if t.enable_cuda_graph else None
         # After each optimizer step; as one CUDA graph under --enable-cuda-graph (the weights' addresses are fixed)
         self.refresh_after_step = (GraphedWeightRefresh(self.engine.module) if t.enable_cuda_graph
                                    else lambda: refresh_fp8_weights(self.engine.module))
@@ -194,7 +196,7 @@ class Trainer:
             loss = self.engine(tokens, labels)
             self.engine.backward(loss)
             if graphed and micro == 0 and self.grad_accum > 1:
-                own_graph_gradients(gradient_groups(self.engine))  # the next replay would overwrite them
+                own_graph_gradients(self.grad_groups)  # the next replay would overwrite them
             grad_norm = self._grad_norm_if_boundary()
             boundary = self.engine.is_gradient_accumulation_boundary()
             if boundary and self.plain_fp32 and not math.isfinite(grad_norm):
