@@ -31,6 +31,8 @@
 #               deterministic)                                                                   issue 18
 #   e2e-profile (~5 min, 1 GPU) where a bf16 step's time goes: bf16+compile vs plain-llama at micro-batch 2
 #               (and bf16+compile under ZeRO-0), one profiled run each, Chrome traces kept (*.json.gz)    issue 17
+#   e2e-gaps MB (~6 min, 1 GPU) bf16+compile, coat+cudagraph, coat-delayed-all+cudagraph profiled at micro-batch
+#               MB with traces (MODES=... to choose): idle gaps by host stack (trace_gaps.py), kernels by launcher    issue 17
 #   e2e-equal   (~8 min, 1 GPU) 1.3 B model, the three modes at micro-batch 4, all compiled        issue 10 (a)
 #   e2e-eager   (~8 min, 1 GPU) the same, FP8 modes eager (compiled bf16 as the baseline)       issue 10 (a)
 #   e2e-search  (~9 min, 1 GPU) the largest micro-batch of the modes named after it (default: bf16 coat;
@@ -139,6 +141,21 @@ e2e-profile)
         --repeats 1 --profile --traces $OUT --timeout 200"
     step e2e_profile 330 $PROFILE --modes bf16+compile plain-llama --out "$OUT/bench_e2e_profile_mb2.json"
     step e2e_profile_zero0 200 $PROFILE --modes bf16+compile --zero-stage 0 --out "$OUT/bench_e2e_profile_mb2_zero0.json"
+    ;;
+e2e-gaps)
+    # where the GPU idles in the speed modes' step, and the host stack that kept it waiting (trace_gaps.py);
+    # traces stay on the machine, their gap and kernel tables come back
+    MB=${2:-4}
+    mkdir -p /tmp/traces
+    step e2e_gaps 420 python3 benchmarks/bench_e2e.py speed --micro-batch-size $MB --warmup 5 --iters 10 \
+        --log-interval 5 --repeats 1 --profile --traces /tmp/traces --timeout 200 \
+        --modes ${MODES:-bf16+compile coat+cudagraph coat-delayed-all+cudagraph} --out "$OUT/bench_e2e_gaps_mb$MB.json"
+    for t in /tmp/traces/*.json.gz; do
+        n=$(basename "$t" .json.gz)
+        python3 benchmarks/trace_gaps.py "$t" 3 "$OUT/gaps_$n.json" 10 > "$LOGS/gaps_$n.txt" 2>&1
+        python3 benchmarks/trace_kernels.py "$t" 3 "$OUT/kernels_$n.json" > "$LOGS/kernels_$n.txt" 2>&1
+        head -25 "$LOGS/gaps_$n.txt"; sed -n '/by launching/,$p' "$LOGS/kernels_$n.txt" | head -${KERNEL_ROWS:-45}
+    done
     ;;
 e2e-equal)
     step e2e_equal 560 $E2E_QUICK --micro-batch-size 4 --profile \

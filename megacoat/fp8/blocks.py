@@ -72,11 +72,15 @@ class CoatTransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         a, ff, region = self.attention, self.feed_forward, self.region
-        q, k, v = coat_norm_qkv(region.enter(x), region.replicated(self.attention_norm.weight),
-                                (a.wq.weight, a.wk.weight, a.wv.weight), self.qkv_cache, self.attention_norm.eps,
-                                self.group_size, self.grad_dtype, cos, sin, a.head_dim, self.fast_accum,
-                                self.qkv_norm_out_scale)
-        h = x + a.wo(causal_attention(q, k, v))
+        # One rank: the residual branch reads x through the fused function, so that its gradient is added in the
+        # norm's backward kernel. Under TP the branch must bypass the region (its backward all-reduces x's gradient).
+        fused = region is NO_REGION
+        out = coat_norm_qkv(region.enter(x), region.replicated(self.attention_norm.weight),
+                            (a.wq.weight, a.wk.weight, a.wv.weight), self.qkv_cache, self.attention_norm.eps,
+                            self.group_size, self.grad_dtype, cos, sin, a.head_dim, self.fast_accum,
+                            self.qkv_norm_out_scale, residual=fused)
+        q, k, v = out[:3]
+        h = (out[3] if fused else x) + a.wo(causal_attention(q, k, v))
         out = coat_mlp(region.enter(h), region.replicated(self.ffn_norm.weight), ff.w1.weight, ff.w3.weight,
                        ff.w2.weight, self.w13_cache, self.w2_cache, self.ffn_norm.eps, self.group_size,
                        self.grad_dtype, self.fast_accum, self.swiglu_grad_scale, self.mlp_norm_out_scale,

@@ -58,11 +58,15 @@ def _swiglu_fwd(a13, group_size, history, bootstrap):
 class CoatNormQKVFunction(torch.autograd.Function):
     """[q|k|v] = RMSNorm(x) @ cat(wq, wk, wv)^T with the normed x in FP8, then q and k rotated (RoPE); x [M, H]
     with M = batch x seq → q, k, v [batch, seq, heads, head_dim], each contiguous (v a copy: a view would keep the
-    whole BF16 GEMM output alive as attention's saved v)."""
+    whole BF16 GEMM output alive as attention's saved v).
+
+    residual: x is also returned (a view), for the block's residual branch to read; the gradient that branch
+    sends back is then added to x's in the norm's backward kernel, instead of by autograd in a pass of its own
+    (one read and one write of [M, H] less per block, and dx is rounded to BF16 once instead of twice)."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, w8, w8t, w_scale, eps, group_size, grad_dtype, fast_accum, cos, sin, batch,
-                head_dim, norm_history, norm_bootstrap, *weights):
+                head_dim, norm_history, norm_bootstrap, residual, *weights):
         x8, xs, rstd, y_scale, y8 = _norm_fwd(x, norm_weight, eps, group_size, norm_history, norm_bootstrap)
         qkv = scaled_mm(y8, w8.t(), y_scale, w_scale, x.dtype, fast_accum)
         sizes = [w.shape[0] for w in weights]
@@ -73,10 +77,10 @@ class CoatNormQKVFunction(torch.autograd.Function):
         ctx.tables = (cos, sin)  # constants of the model, not activations
         ctx.sizes, ctx.w_dtype = sizes, weights[0].dtype
         ctx.weights = weights if w8t is None else None  # to remake W8^T in backward (no persistent cache)
-        return q, k, v
+        return (q, k, v, x.view_as(x)) if residual else (q, k, v)
 
     @staticmethod
-    def backward(ctx, dq, dk, dv):
+    def backward(ctx, dq, dk, dv, dres=None):
         x8, xs, rstd, y_scale, norm_weight = ctx.saved_tensors
         dq, dk, dv = (t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv))
         g8, g8t, g_scale = rope_qkv_grad_fp8(dq, dk, dv, *ctx.tables, ctx.grad_dtype)
@@ -84,8 +88,8 @@ class CoatNormQKVFunction(torch.autograd.Function):
         dy = scaled_mm(g8, w8t.t(), g_scale, ctx.w_scale, dq.dtype)
         y8t = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, ctx.group_size, transpose=True)
         dw = scaled_mm(g8t, y8t.t(), g_scale, y_scale, ctx.w_dtype)
-        dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, ctx.group_size)
-        return (dx, dnorm.to(norm_weight.dtype), *(None,) * 13, *_split_rows(dw, ctx.sizes))
+        dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, ctx.group_size, residual_grad=dres)
+        return (dx, dnorm.to(norm_weight.dtype), *(None,) * 14, *_split_rows(dw, ctx.sizes))
 
 
 class CoatMLPFunction(torch.autograd.Function):
@@ -145,15 +149,17 @@ def _history(scale: DelayedScale | None) -> tuple[torch.Tensor | None, bool]:
 
 def coat_norm_qkv(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, group_size: int,
                   grad_dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
-                  fast_accum: bool = False, norm_scale: DelayedScale | None = None):
+                  fast_accum: bool = False, norm_scale: DelayedScale | None = None, residual: bool = False):
     """x [batch, seq, H] → q, k, v [batch, seq, heads, head_dim] (q and k rotated); weights (wq, wk, wv).
-    norm_scale: the norm's FP8 output with delayed scaling from that history (None: current scaling)."""
+    norm_scale: the norm's FP8 output with delayed scaling from that history (None: current scaling).
+    residual: also return x, for the residual branch (its gradient joins x's in the norm's backward kernel)."""
     if torch.is_grad_enabled():
         check_gemm_dims(tokens_per_micro_batch=x.shape[0] * x.shape[1])  # wgrad contracts over the tokens
     w8, w8t, w_scale = cache.get(weights)
-    return CoatNormQKVFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w8, w8t, w_scale, eps, group_size,
-                                     grad_dtype, fast_accum, cos, sin, x.shape[0], head_dim, *_history(norm_scale),
-                                     *weights)
+    out = CoatNormQKVFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w8, w8t, w_scale, eps, group_size,
+                                    grad_dtype, fast_accum, cos, sin, x.shape[0], head_dim, *_history(norm_scale),
+                                    residual, *weights)
+    return (*out[:3], out[3].view(x.shape)) if residual else out
 
 
 def coat_mlp(x, norm_weight, w1, w3, w2, cache13: Fp8WeightCache, cache2: Fp8WeightCache, eps: float,

@@ -29,3 +29,23 @@ def test_kernels_grouped_per_step_with_their_categories(tmp_path):
     top = table["kernels"][0]
     assert top == {"name": "nvjet_sm90_qqtst_128x128", "calls_per_step": 1.0, "ms_per_step": 0.2, "cat": "gemm"}
     assert table["kernels"][2]["name"] == "gpu_memcpy:Memcpy DtoD (Device -> Device)"
+
+
+def test_kernels_by_the_host_operators_that_launched_them():
+    from trace_kernels import kernels_by_source
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "## Call CompiledFxGraph bwd ##", "ts": 0, "dur": 50, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 10, "dur": 2, "tid": 1,
+         "args": {"correlation": 5}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add_", "ts": 60, "dur": 5, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 61, "dur": 2, "tid": 1,
+         "args": {"correlation": 6}},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "ts": 20, "dur": 30, "args": {"correlation": 5}},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "ts": 70, "dur": 10, "args": {"correlation": 6}},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "ts": 90, "dur": 10, "args": {"correlation": 6}},
+    ]
+    rows = kernels_by_source(events, steps=1)
+    assert rows == [
+        {"name": "triton_poi_fused_add_0", "source": "## Call CompiledFxGraph bwd ##", "calls_per_step": 1.0,
+         "ms_per_step": 0.03},
+        {"name": "triton_poi_fused_add_0", "source": "aten::add_", "calls_per_step": 2.0, "ms_per_step": 0.02}]

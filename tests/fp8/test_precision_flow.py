@@ -71,6 +71,37 @@ def test_norm_qkv_against_fp32():
         assert rel_err(got, want) <= 3 * U4 + U5
 
 
+def test_norm_qkv_residual_branch_gradient_joins_in_the_norm_kernel():
+    """residual=True returns x for the block's residual branch; x's gradient is then the norm path's (a) plus that
+    branch's (r), summed in fp32 and rounded once, where autograd's add rounds a first and then the sum. The two
+    differ by at most those two roundings: u|a| + u|a + r| with u = 2^-8, BF16's unit roundoff (doubled here, as
+    a bound on both results' distance from the exact sum); q, k, v and the weight gradients are the very same."""
+    b, s, h, d = 2, 16, 128, 32
+    nw, wq, wk, wv = (p.detach() for p in _params(h, 4 * d, torch.bfloat16))
+    cos, sin = (t.to(DEV) for t in rope_tables(d, s, 10000.0))
+    x0 = torch.randn(b, s, h, device=DEV, dtype=torch.bfloat16)
+    dys = [torch.randn(b, s, 4, d, device=DEV, dtype=torch.bfloat16) for _ in range(3)]
+    dh = torch.randn(b, s, h, device=DEV, dtype=torch.bfloat16)
+
+    def run(residual, branch_grad):
+        x, ws = x0.clone().requires_grad_(), [w.clone().requires_grad_() for w in (nw, wq, wk, wv)]
+        out = coat_norm_qkv(x, ws[0], tuple(ws[1:]), Fp8WeightCache(), 1e-5, 64, torch.float8_e5m2, cos, sin, d,
+                            residual=residual)
+        branch = out[3] if residual else x
+        assert branch.shape == x.shape and torch.equal(branch, x)
+        torch.autograd.backward((*out[:3], branch), (*dys, branch_grad))
+        return out[:3], x.grad.float(), [w.grad for w in ws]
+
+    qkv0, dx0, dw0 = run(False, dh)
+    qkv1, dx1, dw1 = run(True, dh)
+    norm_path = run(False, torch.zeros_like(dh))[1]  # a, as autograd rounds it
+    assert all(torch.equal(p, q) for p, q in zip(qkv0, qkv1))
+    assert all(torch.equal(p, q) for p, q in zip(dw0, dw1))
+    assert not torch.equal(dx0, dx1)  # rounded once: some elements move
+    u = 2.0 ** -8
+    assert ((dx0 - dx1).abs() <= 2 * u * (norm_path.abs() + dx1.abs())).all()
+
+
 def test_mlp_saves_only_fp8_and_small_scales():
     h, f, m = 128, 352, 64
     nw, w1, w3, w2 = _params(h, f, torch.bfloat16)

@@ -126,6 +126,23 @@ def test_quantize_transpose_into_propagates_a_nan_of_any_part():
     assert torch.isnan(scale).all()
 
 
+@pytest.mark.parametrize("fn", ["ref", "triton"])
+def test_joined_amax_is_the_exact_max_over_blocks_and_parts(fn):
+    """The refresh's amax kernel: blocks of 8192 elements (the last one partial) and several parts fold into one
+    exact max, whichever part and block hold it; a NaN anywhere, even beside larger numbers, wins."""
+    if fn == "triton":
+        _kernels_usable()
+    amax = getattr(C, f"joined_amax_{fn}")
+    parts = [torch.randn(n, 64, device=DEV).to(torch.bfloat16) for n in (300, 17, 129)]  # 19200, 1088, 8256
+    for i, (r, c) in enumerate([(250, 3), (5, 60), (128, 63)]):  # the max in the last (partial) block of each
+        parts[i][r, c] = 40.0 + i
+        want = torch.cat(parts).float().abs().max()
+        assert torch.equal(amax(parts).float().cpu(), want.reshape(1).cpu()), i
+    parts[0][1, 1] = float("nan")  # in the first block, below the maximum's
+    assert torch.isnan(amax(parts)).all()
+    assert torch.isnan(amax([torch.full((4, 64), -float("inf"), device=DEV), parts[0]])).all()
+
+
 def test_quantize_transpose_into_refuses_outputs_of_another_shape():
     parts = [torch.randn(16, 32), torch.randn(16, 32)]
     with pytest.raises(ValueError, match="do not hold parts joined to"):

@@ -41,6 +41,37 @@ def test_triton_matches_reference(m, h, g):
     assert_close_f32(tdw, rdw, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("m,h,g", SHAPES[:2])
+def test_backward_adds_the_residual_gradient_before_its_one_rounding(m, h, g):
+    """residual_grad (the block's other branch into the norm's input) is added to dx in fp32 and rounded once:
+    the reference is that sum exactly, and the kernel matches it as it matches dx without one."""
+    if DEV == "cpu" and not interpreted(R._bwd_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+    x, w = _inputs(m, h)
+    x8, xs, rstd, _ = R.rmsnorm_fp8_fwd_ref(x, w, 1e-5, g)
+    dy = torch.randn(m, h, device=DEV).to(torch.bfloat16)
+    res = (torch.randn(m, h, device=DEV) * 4).to(torch.bfloat16)
+    rdx, rdw = R.rmsnorm_fp8_bwd_ref(dy, x8, xs, rstd, w, g, residual_grad=res)
+    plain = R.rmsnorm_fp8_bwd_ref(dy.float(), x8, xs, rstd, w, g)[0]  # fp32 dx: no rounding before the add
+    assert torch.equal(rdx, (plain + res.float()).to(torch.bfloat16))
+    assert torch.equal(rdw, R.rmsnorm_fp8_bwd_ref(dy, x8, xs, rstd, w, g)[1])  # dw does not see the residual
+    tdx, tdw = R.rmsnorm_fp8_bwd_triton(dy, x8, xs, rstd, w, g, residual_grad=res)
+    assert_close_f32(tdx, rdx, rtol=1e-2, atol=1e-2)
+    assert_close_f32(tdw, rdw, rtol=1e-4, atol=1e-3)
+    assert not torch.equal(tdx, R.rmsnorm_fp8_bwd_triton(dy, x8, xs, rstd, w, g)[0])  # it was added
+
+
+def test_column_sum_of_the_partials_is_the_sum_in_row_order():
+    """dw's partials [programs, H] summed by column in one launch, chunks of 32 rows (here 70: three chunks, the
+    last partial) and 64 columns (100: the last block partial)."""
+    if DEV == "cpu" and not interpreted(R._colsum_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+    parts = torch.randn(70, 100, device=DEV)
+    out = torch.full((100,), float("nan"), device=DEV)
+    R._colsum_kernel[(2,)](parts, out, 70, 100, BP=32, BH=64)
+    assert_close_f32(out, parts.double().sum(0).float(), rtol=1e-6, atol=1e-5)
+
+
 def test_zero_row_and_group():
     """A zero row (padding) and a zero group: scales floored at tiny / fmax, FP8 zeros, rstd = 1/sqrt(eps)."""
     if DEV == "cpu" and not interpreted(R._fwd_kernel):
@@ -102,6 +133,10 @@ def test_gpu_large_shape_matches_reference():
     (tdx, tdw), (rdx, rdw) = (R.rmsnorm_fp8_bwd_triton(dy, *ra[:3], w, 128), R.rmsnorm_fp8_bwd_ref(dy, *ra[:3], w, 128))
     assert_close_f32(tdx, rdx, rtol=1e-2, atol=1e-2)
     assert_close_f32(tdw, rdw, rtol=1e-4, atol=1e-3)  # fp32 sums over 2048 rows in another order
+    res = torch.randn(2048, 4096, device=DEV).to(torch.bfloat16)
+    tdx, tdw2 = R.rmsnorm_fp8_bwd_triton(dy, *ra[:3], w, 128, residual_grad=res)
+    assert_close_f32(tdx, R.rmsnorm_fp8_bwd_ref(dy, *ra[:3], w, 128, residual_grad=res)[0], rtol=1e-2, atol=1e-2)
+    assert torch.equal(tdw2, tdw)  # the column sum runs rows in a fixed order: the same bits
 
 
 # --- delayed scaling of the output (--fp8-activation-scaling delayed) --------------------------------------------

@@ -67,6 +67,7 @@ x8, xs, rstd, ys = R.rmsnorm_fp8_fwd_triton(x, w, 1e-5, g)
 for transpose in (False, True):
     R.rmsnorm_fp8_out_triton(x8, xs, rstd, w, ys, g, transpose)
 R.rmsnorm_fp8_bwd_triton(torch.randn(m, h, dtype=bf), x8, xs, rstd, w, g)
+R.rmsnorm_fp8_bwd_triton(torch.randn(m, h, dtype=bf), x8, xs, rstd, w, g, torch.randn(m, h, dtype=bf))  # + residual
 R.rmsnorm_fp8_fwd_delayed_triton(x, w, torch.ones(4), 1e-5, g)  # the one-launch variant
 a1, s1, a3, s3, ss = S.swiglu_fp8_fwd_triton(torch.randn(m, 2 * f, dtype=bf), g)
 S.swiglu_fp8_fwd_delayed_triton(torch.randn(m, 2 * f, dtype=bf), torch.ones(4), g)  # one launch
@@ -85,8 +86,8 @@ for fmt in (e4, e5):
 print("compiled:", " ".join(sorted(compiled)))
 """
 
-KERNELS = {"cast_transpose._cast_transpose_kernel", "rmsnorm._fwd_kernel", "rmsnorm._out_kernel",
-           "rmsnorm._bwd_kernel", "swiglu._fwd_kernel", "swiglu._out_kernel", "swiglu._bwd_amax_kernel",
+KERNELS = {"cast_transpose._cast_transpose_kernel", "cast_transpose._amax_kernel", "rmsnorm._fwd_kernel",
+           "rmsnorm._out_kernel", "rmsnorm._bwd_kernel", "rmsnorm._colsum_kernel", "swiglu._fwd_kernel", "swiglu._out_kernel", "swiglu._bwd_amax_kernel",
            "swiglu._bwd_cast_kernel", "rope._rope_kernel", "tensor_scale._roll_kernel"}
 
 
