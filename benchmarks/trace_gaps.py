@@ -4,7 +4,9 @@ work (kernels, copies, memsets on any stream). For each gap it finds the launch 
 kernel's correlation id) and the host operators open around that launch, and the operators open on that thread
 when the gap began; gaps are summed per (phase, host stack) so that the few host paths that starve the GPU stand
 out. A gap whose ending work was launched after the gap began is the host's (the GPU waited for a launch); the
-rest wait on something else (an event, a copy engine) and are counted apart. Host waits (stream, device or event
+rest wait on something else (an event, a copy engine) and are counted apart. Gaps of any length are also summed by
+size and by the work that ended them: inside a CUDA graph each kernel boundary costs the GPU a microsecond or two,
+which only fewer kernels win back. Host waits (stream, device or event
 synchronizes) are listed with their stacks: each drains the GPU's queue, exposing whatever host work follows.
 
     python benchmarks/trace_gaps.py TRACE.json.gz STEPS OUT.json [MIN_GAP_US]   # STEPS: profiled steps (3)
@@ -21,6 +23,7 @@ DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function")
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 PHASE_PREFIX = "megacoat."
+GAP_BUCKETS = ((2.0, "<2us"), (5.0, "2-5us"), (10.0, "5-10us"), (50.0, "10-50us"), (float("inf"), ">=50us"))
 
 
 class HostStacks:
@@ -76,8 +79,15 @@ def gap_table(events: list[dict], steps: int, min_gap_us: float = 10.0, depth: i
     main_tid = main_tid[0][0] if main_tid else None
     by_key = collections.defaultdict(lambda: [0, 0.0])
     not_host = [0, 0.0]
+    sizes = collections.Counter()  # every gap, however short, by size: the cost of a kernel boundary
+    before = collections.defaultdict(lambda: [0, 0.0])  # ... and by the work that ended it
     end = None
     for start, stop, e in device:
+        if end is not None and start > end:
+            gap = start - end
+            sizes[next(label for bound, label in GAP_BUCKETS if gap < bound)] += gap
+            before[e["name"][:80]][0] += 1
+            before[e["name"][:80]][1] += gap
         if end is not None and start - end >= min_gap_us:
             gap = start - end
             launch = launches.get(e.get("args", {}).get("correlation"))
@@ -98,7 +108,12 @@ def gap_table(events: list[dict], steps: int, min_gap_us: float = 10.0, depth: i
     for e in events:
         if e.get("cat") == "cuda_runtime" and e.get("name") in HOST_WAITS:
             waits[(e["name"], short(host.at(e.get("tid"), e["ts"]), depth))] += 1
+    small = [{"next_work": n, "gaps_per_step": c / steps, "ms_per_step": us / 1e3 / steps}
+             for n, (c, us) in sorted(before.items(), key=lambda kv: -kv[1][1])[:40]]
     return {"steps": steps, "min_gap_us": min_gap_us, "main_thread": main_tid,
+            "all_gaps_ms_per_step": sum(sizes.values()) / 1e3 / steps,
+            "gap_ms_per_step_by_size": {label: sizes[label] / 1e3 / steps for _, label in GAP_BUCKETS},
+            "gaps_by_next_work": small,
             "host_gap_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "other_gap_ms_per_step": not_host[1] / 1e3 / steps, "other_gaps_per_step": not_host[0] / steps,
             "gaps": rows,
@@ -119,6 +134,10 @@ def main() -> None:
     for r in table["gaps"][:30]:
         print(f"{r['ms_per_step']:8.2f} ms {r['gaps_per_step']:6.1f}x {r['phase']:18s} "
               f"[{r['host_at_gap_start']}] -> [{r['launch_that_ended_it']}]")
+    print(f"all gaps: {table['all_gaps_ms_per_step']:.2f} ms per step;",
+          {k: round(v, 2) for k, v in table["gap_ms_per_step_by_size"].items()})
+    for r in table["gaps_by_next_work"][:25]:
+        print(f"  {r['ms_per_step']:6.2f} ms {r['gaps_per_step']:7.1f}x before {r['next_work']}")
     for w in table["host_waits"]:
         print(f"host wait x{w['count']}: {w['name']} in [{w['stack']}]")
 

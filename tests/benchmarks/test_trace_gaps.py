@@ -38,3 +38,13 @@ def test_gap_ended_by_a_late_launch_is_the_hosts():
     assert abs(row["ms_per_step"] - 0.340) < 1e-9
     assert abs(t["other_gap_ms_per_step"] - 0.010) < 1e-9 and t["other_gaps_per_step"] == 1
     assert t["host_waits"] == [{"name": "cudaStreamSynchronize", "stack": "step", "count": 1}]
+
+
+def test_every_gap_is_summed_by_size_and_by_the_work_after_it():
+    events = [kernel(0, 10, 1), kernel(11, 10, 2), kernel(24, 10, 3), kernel(100, 10, 4)]  # gaps 1, 3, 66 us
+    events += [launch(0, 1), launch(1, 2), launch(2, 3), launch(3, 4)]
+    t = gap_table(events, steps=1, min_gap_us=10)
+    assert abs(t["all_gaps_ms_per_step"] - 0.070) < 1e-9
+    assert {k: round(v * 1e3, 6) for k, v in t["gap_ms_per_step_by_size"].items()} == {
+        "<2us": 1.0, "2-5us": 3.0, "5-10us": 0.0, "10-50us": 0.0, ">=50us": 66.0}
+    assert [r["next_work"] for r in t["gaps_by_next_work"]] == ["k4", "k3", "k2"]
