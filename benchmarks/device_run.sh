@@ -33,6 +33,8 @@
 #               (and bf16+compile under ZeRO-0), one profiled run each, Chrome traces kept (*.json.gz)    issue 17
 #   e2e-gaps MB (~6 min, 1 GPU) bf16+compile, coat+cudagraph, coat-delayed-all+cudagraph profiled at micro-batch
 #               MB with traces (MODES=... to choose): idle gaps by host stack (trace_gaps.py), kernels by launcher    issue 17
+#   e2e-capture-trace MB (~3 min, 1 GPU) the first step of coat+cudagraph profiled: which operators launch the
+#               graphs' memsets and fills (kernels by launcher)                                    issue 17
 #   e2e-equal   (~8 min, 1 GPU) 1.3 B model, the three modes at micro-batch 4, all compiled        issue 10 (a)
 #   e2e-eager   (~8 min, 1 GPU) the same, FP8 modes eager (compiled bf16 as the baseline)       issue 10 (a)
 #   e2e-search  (~9 min, 1 GPU) the largest micro-batch of the modes named after it (default: bf16 coat;
@@ -156,6 +158,20 @@ e2e-gaps)
         python3 benchmarks/trace_kernels.py "$t" 3 "$OUT/kernels_$n.json" > "$LOGS/kernels_$n.txt" 2>&1
         head -25 "$LOGS/gaps_$n.txt"; sed -n '/by launching/,$p' "$LOGS/kernels_$n.txt" | head -${KERNEL_ROWS:-45}
     done
+    ;;
+e2e-capture-trace)
+    # the first step of coat+cudagraph at micro-batch MB, profiled: the compiled blocks' warm-up runs their kernels
+    # one by one from their operators (a replay hides them inside the graph), so each memset and fill of the
+    # graphs is traced to the operator that made it (trace_kernels.py's table by launcher)
+    MB=${2:-4}
+    step capture_trace 400 python3 pretrain_gpt.py --num-layers 24 --hidden-size 2048 --ffn-hidden-size 5632 \
+        --num-attention-heads 16 --seq-length 2048 --vocab-size 32000 --mock-data --zero-stage 1 --eval-iters 0 \
+        --log-interval 1 --bf16 --coat-fp8 --compile --enable-cuda-graph --micro-batch-size $MB \
+        --global-batch-size $((2 * MB)) --train-iters 2 --profile-dir /tmp/capture --profile-step-start 0 \
+        --profile-step-end 1
+    python3 benchmarks/trace_kernels.py /tmp/capture/trace_rank0.json 1 "$OUT/kernels_capture_mb$MB.json" \
+        > "$LOGS/kernels_capture.txt" 2>&1
+    grep -E "Memset|Fill|memset|fill" "$LOGS/kernels_capture.txt" | head -${KERNEL_ROWS:-40}
     ;;
 e2e-equal)
     step e2e_equal 560 $E2E_QUICK --micro-batch-size 4 --profile \

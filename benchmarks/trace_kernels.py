@@ -48,7 +48,7 @@ def kernel_table(path: str, steps: int, top: int = 150) -> dict:
     return table
 
 
-def kernels_by_source(events: list[dict], steps: int, top: int = 150, depth: int = 2) -> list[dict]:
+def kernels_by_source(events: list[dict], steps: int, top: int = 400, depth: int = 4) -> list[dict]:
     """GPU time per step by (kernel name, the innermost host operators open at its launch)."""
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
@@ -98,7 +98,7 @@ def main() -> None:
     for r in table["kernels"][:40]:
         print(f"{r['ms_per_step']:8.2f} {r['calls_per_step']:7.1f} {r['cat']:15s} {r['name'][:110]}")
     print("by launching host operators:")
-    for r in table["by_source"][:60]:
+    for r in table["by_source"][:int(os.environ.get("KERNEL_SOURCE_ROWS", 60))]:
         print(f"{r['ms_per_step']:8.2f} {r['calls_per_step']:7.1f} {r['name'][:60]:60s} [{r['source'][:100]}]")
 
 
