@@ -32,7 +32,8 @@
 #   e2e-profile (~5 min, 1 GPU) where a bf16 step's time goes: bf16+compile vs plain-llama at micro-batch 2
 #               (and bf16+compile under ZeRO-0), one profiled run each, Chrome traces kept (*.json.gz)    issue 17
 #   e2e-gaps MB (~6 min, 1 GPU) bf16+compile, coat+cudagraph, coat-delayed-all+cudagraph profiled at micro-batch
-#               MB with traces (MODES=... to choose): idle gaps by host stack (trace_gaps.py), kernels by launcher    issue 17
+#               MB with traces (MODES=... to choose): idle gaps by host stack (trace_gaps.py), kernels by launcher
+#               (KERNEL_ROWS=N of them printed; KERNEL_SOURCE_ROWS=N for trace_kernels.py's own print)    issue 17
 #   e2e-capture-trace MB (~3 min, 1 GPU) the first step of coat+cudagraph profiled: which operators launch the
 #               graphs' memsets and fills (kernels by launcher)                                    issue 17
 #   e2e-equal   (~8 min, 1 GPU) 1.3 B model, the three modes at micro-batch 4, all compiled        issue 10 (a)
