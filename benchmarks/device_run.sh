@@ -36,6 +36,8 @@
 #               (KERNEL_ROWS=N of them printed; KERNEL_SOURCE_ROWS=N for trace_kernels.py's own print)    issue 17
 #   e2e-capture-trace MB (~3 min, 1 GPU) the first step of coat+cudagraph profiled: which operators launch the
 #               graphs' memsets and fills (kernels by launcher)                                    issue 17
+#   gemm-workspace (~2 min, 1 GPU) bench_gemm_workspace.py: a layer's FP8 GEMMs in a CUDA graph, their memsets
+#               and time under cuBLAS(Lt) workspace settings                                     issue 17
 #   e2e-equal   (~8 min, 1 GPU) 1.3 B model, the three modes at micro-batch 4, all compiled        issue 10 (a)
 #   e2e-eager   (~8 min, 1 GPU) the same, FP8 modes eager (compiled bf16 as the baseline)       issue 10 (a)
 #   e2e-search  (~9 min, 1 GPU) the largest micro-batch of the modes named after it (default: bf16 coat;
@@ -173,6 +175,10 @@ e2e-capture-trace)
     python3 benchmarks/trace_kernels.py /tmp/capture/trace_rank0.json 1 "$OUT/kernels_capture_mb$MB.json" \
         > "$LOGS/kernels_capture.txt" 2>&1
     grep -E "Memset|Fill|memset|fill" "$LOGS/kernels_capture.txt" | head -${KERNEL_ROWS:-40}
+    ;;
+gemm-workspace)
+    # one layer's 12 FP8 GEMMs as a CUDA graph under three cuBLAS(Lt) workspace settings: their memsets and time
+    step gemm_workspace 240 python3 benchmarks/bench_gemm_workspace.py --out "$OUT/bench_gemm_workspace.json"
     ;;
 e2e-equal)
     step e2e_equal 560 $E2E_QUICK --micro-batch-size 4 --profile \
