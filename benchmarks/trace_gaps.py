@@ -58,6 +58,13 @@ class HostStacks:
         return stack[::-1]
 
 
+def launches_by_correlation(events: list[dict]) -> dict:
+    """The host's runtime/driver call (a kernel launch, a graph launch, a memset) behind each correlation id: the
+    id a kernel, copy or memset carries back to the call that issued it."""
+    return {e["args"]["correlation"]: e for e in events
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+
+
 def phase_of(stack: list[str]) -> str:
     return next((n for n in stack if n.startswith(PHASE_PREFIX)), "other")
 
@@ -70,10 +77,7 @@ def short(stack: list[str], depth: int) -> str:
 def gap_table(events: list[dict], steps: int, min_gap_us: float = 10.0, depth: int = 3) -> dict:
     device = sorted((e["ts"], e["ts"] + e.get("dur", 0), e) for e in events
                     if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES and "ts" in e)
-    launches = {}
-    for e in events:
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
-            launches[e["args"]["correlation"]] = e
+    launches = launches_by_correlation(events)
     host = HostStacks(events)
     main_tid = collections.Counter(e.get("tid") for e in launches.values()).most_common(1)
     main_tid = main_tid[0][0] if main_tid else None

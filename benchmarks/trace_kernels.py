@@ -16,7 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from trace_gaps import HostStacks, short  # noqa: E402
+from trace_gaps import HostStacks, launches_by_correlation, short  # noqa: E402
 
 
 def category(name: str) -> str:
@@ -50,8 +50,7 @@ def kernel_table(path: str, steps: int, top: int = 150) -> dict:
 
 def kernels_by_source(events: list[dict], steps: int, top: int = 400, depth: int = 4) -> list[dict]:
     """GPU time per step by (kernel name, the innermost host operators open at its launch)."""
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    launches = launches_by_correlation(events)
     host = HostStacks(events)
     rows = collections.defaultdict(lambda: [0, 0.0])
     for e in events:

@@ -201,7 +201,8 @@ def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
     """Fold max|x| over one block of a flat tensor into amax (float32 [1], from zero); NaN if the block holds one.
     The hardware max drops NaN, so it is looked for. The fold is an integer atomic max on the float's bits:
     for numbers >= 0 the orders agree, and a positive NaN's bits lie above +inf's, so NaN wins in any order
-    (Triton's float atomic max splits on the sign, which is how a NaN can be dropped)."""
+    (what Triton's float atomic max does for a value whose sign bit is clear, without its second, sign-split
+    atomic)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32))
     nan = tl.sum((x != x).to(tl.int32), axis=0) > 0
@@ -213,19 +214,15 @@ AMAX_BLOCK = 8192  # elements per program: 32 a thread at 8 warps, 16 KiB of bf1
 
 
 def joined_amax_triton(parts) -> torch.Tensor:
-    """joined_amax as float32 [1]: one launch per part, each program one block. On an H100 it reads the 1.3 B
-    model's bf16 weights at ~1.7 TB/s, where torch's multi-tensor inf-norm and inf-norm reduction read them at ~1.1."""
+    """joined_amax_ref's max as float32 [1]: one launch per part, each program one block. On an H100 it reads the
+    1.3 B model's bf16 weights at ~1.7 TB/s, where torch's multi-tensor inf-norm and inf-norm reduction read them
+    at ~1.1."""
     amax = torch.zeros(1, dtype=torch.float32, device=parts[0].device)
     for p in parts:
         p = p.detach().contiguous()
         n = p.numel()
         launcher(_amax_kernel)[(triton.cdiv(n, AMAX_BLOCK),)](p, amax, n, BLOCK=AMAX_BLOCK, num_warps=8)
     return amax
-
-
-def joined_amax(parts) -> torch.Tensor:
-    """max|x| over the parts, [1]: the Triton kernel on CUDA (float32), the torch reference elsewhere."""
-    return pick(parts[0], joined_amax_triton, joined_amax_ref)(parts)
 
 
 def quantize_transpose_into_ref(parts, q: torch.Tensor, qt: torch.Tensor | None, scale: torch.Tensor) -> None:
