@@ -30,8 +30,7 @@ from megacoat.fp8.linear import Fp8WeightCache, check_gemm_dims, fp8_weight_t, q
 from megacoat.ops.rmsnorm import rmsnorm_fp8_bwd, rmsnorm_fp8_fwd, rmsnorm_fp8_fwd_delayed, rmsnorm_fp8_out
 from megacoat.ops.rope import rope_rotate
 from megacoat.ops.rope_grad_cast import rope_qkv_grad_fp8
-from megacoat.ops.swiglu import (swiglu_fp8_bwd_delayed, swiglu_fp8_bwd_out_t, swiglu_fp8_fwd, swiglu_fp8_fwd_delayed,
-                                 swiglu_fp8_out)
+from megacoat.ops.swiglu import swiglu_fp8_bwd_delayed, swiglu_fp8_bwd_out_t, swiglu_fp8_fwd, swiglu_fp8_fwd_delayed
 
 
 def _split_rows(t: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
@@ -42,16 +41,14 @@ def _norm_fwd(x, weight, eps, group_size, history, bootstrap):
     """→ (x8, xs, rstd, y_scale, y8): RMSNorm's saved FP8 input and its FP8 output for the next GEMM. history None:
     current scaling (two launches); otherwise delayed scaling from that amax history (one launch)."""
     if history is None:
-        x8, xs, rstd, y_scale = rmsnorm_fp8_fwd(x, weight, eps, group_size)
-        return x8, xs, rstd, y_scale, rmsnorm_fp8_out(x8, xs, rstd, weight, y_scale, group_size, transpose=False)
+        return rmsnorm_fp8_fwd(x, weight, eps, group_size)
     return rmsnorm_fp8_fwd_delayed(x, weight, history, eps, group_size, bootstrap=bootstrap)
 
 
 def _swiglu_fwd(a13, group_size, history, bootstrap):
     """→ (a1_8, s1, a3_8, s3, s_scale, s8): SwiGLU's saved FP8 pair and its FP8 output, as _norm_fwd."""
     if history is None:
-        saved = swiglu_fp8_fwd(a13, group_size)
-        return (*saved, swiglu_fp8_out(*saved, group_size, transpose=False))
+        return swiglu_fp8_fwd(a13, group_size)
     return swiglu_fp8_fwd_delayed(a13, history, group_size, bootstrap=bootstrap)
 
 

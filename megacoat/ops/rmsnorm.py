@@ -1,12 +1,13 @@
 """Fused FP8 RMSNorm for the COAT precision flow (Triton, forward and backward, with torch references).
 
-Forward, in two launches:
-  1. `rmsnorm_fp8_fwd`: read x once; write it as E4M3 with 1xG group scales (the tensor saved for backward),
-     the row's rstd computed from those dequantized values, and fold the row's amax of the output
-     y = x * rstd * w into the per-tensor scale, which the last program writes (megacoat.ops.tensor_scale:
-     no reduction launches after the kernel).
-  2. `rmsnorm_fp8_out`: re-read the 1-byte x and write y quantized with that per-tensor scale, row-major
-     for the next GEMM, or transposed for its weight gradient (made again in backward instead of saved).
+Forward `rmsnorm_fp8_fwd`, two launches:
+  1. read x once; write it as E4M3 with 1xG group scales (the tensor saved for backward), the row's rstd computed
+     from those dequantized values, and fold the row's amax of the output y = x * rstd * w into one float by a
+     relaxed atomic max that no program waits on (megacoat.ops.tensor_scale);
+  2. re-read the 1-byte x and write y quantized with the per-tensor scale that each program derives from that
+     amax (the first program also stores it for the GEMM).
+`rmsnorm_fp8_out` writes y again from the saved values and a known scale: transposed, the weight gradient's
+operand in backward (made again instead of saved).
 `rmsnorm_fp8_fwd_delayed` (delayed scaling, megacoat.fp8.delayed_scaling) does both in the first launch: the scale
 comes from an amax history, the kernel writes y row-major beside x8, and a one-program launch after it rolls this
 call's amax into the history (x8 is not read again: 1 byte per element fewer).
@@ -22,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.tensor_scale import (fold_amax_to_scale, history_max, record_amax, record_program_amax, roll_history,
-                                       scale_workspace)
+from megacoat.ops.tensor_scale import (amax_workspace, history_max, record_amax, record_program_amax, roll_history,
+                                       scale_from_total)
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, div_cast, group_dequantize,
                                    group_quantize, fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate
@@ -39,9 +40,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, group_size: int) -> None:
 
 # ----------------------------------------------------------------------------------------------- references
 def rmsnorm_fp8_fwd_ref(x, weight, eps: float, group_size: int, out_dtype=E4M3):
-    """→ (x8 [M,H] E4M3, x_scales [M, ceil(H/G)], rstd [M] fp32, y_scale [1] fp32)."""
+    """→ (x8 [M,H] E4M3, x_scales [M, ceil(H/G)], rstd [M] fp32, y_scale [1] fp32, y8 [M,H]): the saved FP8 input
+    and y = x * rstd * w cast with its own per-tensor scale, row-major for the next GEMM."""
     x8, xs, xd, rstd = _saved_and_rstd(x, weight, eps, group_size)
-    return x8, xs, rstd, scale_from_amax(_y_amax(xd, rstd, weight), out_dtype).reshape(1)
+    y_scale = scale_from_amax(_y_amax(xd, rstd, weight), out_dtype).reshape(1)
+    return x8, xs, rstd, y_scale, _cast_y(xd, rstd, weight, y_scale, out_dtype)
 
 
 def _saved_and_rstd(x, weight, eps, group_size):
@@ -70,7 +73,7 @@ def _cast_y(xd, rstd, weight, y_scale, out_dtype):
 
 def rmsnorm_fp8_fwd_delayed_ref(x, weight, history, eps: float, group_size: int, out_dtype=E4M3,
                                 bootstrap: bool = False):
-    """rmsnorm_fp8_fwd and rmsnorm_fp8_out (row-major) with delayed scaling: → (x8, x_scales, rstd, y_scale, y8),
+    """rmsnorm_fp8_fwd with delayed scaling: → (x8, x_scales, rstd, y_scale, y8),
     y_scale from max(history), the amaxes of earlier calls (bootstrap: from this call's own amax, as
     rmsnorm_fp8_fwd); values beyond it saturate. history [L] (float32, most recent first) is rolled in place, this
     call's amax in front (zero for a non-finite one). x is dequantized once (the CPU path's peak)."""
@@ -107,11 +110,12 @@ def _row_tile(H, G: tl.constexpr, NGP: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, count_ptr, scale_ptr, y_ptr, hist_ptr, hist_len,
+def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, scale_ptr, y_ptr, hist_ptr, hist_len,
                 H, NG, eps, fmax_in, fmax_out, amax_floor, G: tl.constexpr, NGP: tl.constexpr, FAST: tl.constexpr,
                 HIST: tl.constexpr):
-    """HIST > 0 (delayed scaling): y's scale comes from the amax history's maximum, y is written here, and the
-    row amaxes go into amax (for roll_history, megacoat.ops.tensor_scale) instead of into a scale."""
+    """The row amaxes of y go into amax (megacoat.ops.tensor_scale), for _out_kernel's scale (current scaling) or
+    for roll_history. HIST > 0 (delayed scaling): y's scale comes from the amax history's maximum and y is written
+    here."""
     row = tl.program_id(0).to(tl.int64)
     gi, col, mask = _row_tile(H, G, NGP)
     x = tl.load(x_ptr + row * H + col, mask=mask, other=0.0).to(tl.float32)
@@ -132,9 +136,7 @@ def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, count_ptr, sca
             tl.store(scale_ptr, scale)
         yq = div_saturate(xd * rstd * w, scale, fmax_out, FAST)  # _out_kernel's product, in its order
         tl.store(y_ptr + row * H + col, yq.to(y_ptr.dtype.element_ty), mask=mask)
-        record_program_amax(amax, amax_ptr)
-    else:
-        fold_amax_to_scale(amax, amax_ptr, count_ptr, scale_ptr, fmax_out, amax_floor)
+    record_program_amax(amax, amax_ptr)
 
 
 @triton.jit
@@ -145,8 +147,17 @@ def _load_xd(x8_ptr, xs_ptr, rm, rn, gi, row_ok, mask, H, NG):
 
 
 @triton.jit
-def _out_kernel(x8_ptr, xs_ptr, rstd_ptr, w_ptr, scale_ptr, y_ptr, M, H, NG, fmax_out,
-                TRANSPOSE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr):
+def _out_kernel(x8_ptr, xs_ptr, rstd_ptr, w_ptr, scale_ptr, amax_ptr, y_ptr, M, H, NG, fmax_out, amax_floor,
+                TRANSPOSE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr,
+                FROM_AMAX: tl.constexpr):
+    """FROM_AMAX: the scale is derived from _fwd_kernel's total amax by every program, and stored by the first;
+    otherwise it is read from scale_ptr."""
+    if FROM_AMAX:
+        scale = scale_from_total(tl.load(amax_ptr), fmax_out, amax_floor)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(scale_ptr, scale)
+    else:
+        scale = tl.load(scale_ptr)
     gi = tl.program_id(1)
     rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
@@ -155,7 +166,7 @@ def _out_kernel(x8_ptr, xs_ptr, rstd_ptr, w_ptr, scale_ptr, y_ptr, M, H, NG, fma
     xd = _load_xd(x8_ptr, xs_ptr, rm, rn, gi, row_ok, mask, H, NG)
     rstd = tl.load(rstd_ptr + rm, mask=row_ok, other=0.0)
     w = tl.load(w_ptr + rn, mask=rn < H, other=0.0).to(tl.float32)
-    yq = div_saturate(xd * rstd[:, None] * w[None, :], tl.load(scale_ptr), fmax_out, FAST)
+    yq = div_saturate(xd * rstd[:, None] * w[None, :], scale, fmax_out, FAST)
     if TRANSPOSE:
         tl.store(y_ptr + rn[:, None] * M + rm[None, :], tl.trans(yq).to(y_ptr.dtype.element_ty), mask=tl.trans(mask))
     else:
@@ -206,23 +217,22 @@ def _bwd_kernel(dy_ptr, x8_ptr, xs_ptr, rstd_ptr, w_ptr, res_ptr, dx_ptr, dwp_pt
 
 
 def rmsnorm_fp8_fwd_triton(x, weight, eps: float, group_size: int, out_dtype=E4M3):
-    return _fwd_launch(x, weight, eps, group_size, out_dtype)[:4]
+    """Current scaling: after one memset, the first launch writes x8 and folds y's amax, the second writes y."""
+    return _fwd_launch(x, weight, eps, group_size, out_dtype)[:5]
 
 
 def rmsnorm_fp8_fwd_delayed_triton(x, weight, history, eps: float, group_size: int, out_dtype=E4M3,
                                    bootstrap: bool = False):
     """Delayed scaling: one launch writes x8 and y, one more (single program) rolls the history, after one memset;
     bootstrap: the two launches of current scaling, then the roll (once per run)."""
-    x8, xs, rstd, y_scale, amax, y = _fwd_launch(x, weight, eps, group_size, out_dtype, None if bootstrap else history)
-    if bootstrap:
-        y = rmsnorm_fp8_out_triton(x8, xs, rstd, weight, y_scale, group_size, False, out_dtype)
+    *out, amax = _fwd_launch(x, weight, eps, group_size, out_dtype, None if bootstrap else history)
     roll_history(history, amax)
-    return x8, xs, rstd, y_scale, y
+    return tuple(out)
 
 
 def _fwd_launch(x, weight, eps, group_size, out_dtype, history=None):
-    """→ (x8, xs, rstd, y_scale, amax, y): amax is y's total either way; without a history y_scale comes from it and
-    y is None (rmsnorm_fp8_out writes y), with one y_scale comes from the history and y is written."""
+    """→ (x8, xs, rstd, y_scale, y, amax): amax is y's total either way; without a history y_scale comes from it
+    (in the second launch, which writes y), with one from the history (and the one launch writes y)."""
     _check(x, weight, group_size)
     x = x.contiguous()
     m, h = x.shape
@@ -231,16 +241,18 @@ def _fwd_launch(x, weight, eps, group_size, out_dtype, history=None):
     xs = torch.empty((m, ng), dtype=torch.float32, device=x.device)
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
     y_scale = torch.empty((1,), dtype=torch.float32, device=x.device)
-    y = None if history is None else torch.empty((m, h), dtype=out_dtype, device=x.device)
-    amax, count = scale_workspace(x.device)
+    y = torch.empty((m, h), dtype=out_dtype, device=x.device)
+    amax = amax_workspace(x.device)
     ngp = triton.next_power_of_2(ng)
     hist_len = 0 if history is None else history.numel()
-    launcher(_fwd_kernel)[(m,)](x, weight, x8, xs, rstd, amax, count, y_scale, x8 if y is None else y,
-                                y_scale if history is None else history, hist_len, h, ng, eps,
-                                torch.finfo(E4M3).max, torch.finfo(out_dtype).max, AMAX_FLOOR, G=group_size,
-                                NGP=ngp, FAST=FAST, HIST=triton.next_power_of_2(hist_len) if hist_len else 0,
+    launcher(_fwd_kernel)[(m,)](x, weight, x8, xs, rstd, amax, y_scale, y, y_scale if history is None else history,
+                                hist_len, h, ng, eps, torch.finfo(E4M3).max, torch.finfo(out_dtype).max, AMAX_FLOOR,
+                                G=group_size, NGP=ngp, FAST=FAST,
+                                HIST=triton.next_power_of_2(hist_len) if hist_len else 0,
                                 num_warps=_warps(ngp * group_size, 1024))
-    return x8, xs, rstd, y_scale, amax, y
+    if history is None:
+        _out_launch(x8, xs, rstd, weight, y_scale, y, group_size, False, amax)
+    return x8, xs, rstd, y_scale, y, amax
 
 
 def _warps(row_elements: int, per_warp: int) -> int:
@@ -253,11 +265,18 @@ def _warps(row_elements: int, per_warp: int) -> int:
 def rmsnorm_fp8_out_triton(x8, x_scales, rstd, weight, y_scale, group_size: int, transpose: bool, out_dtype=E4M3):
     m, h = x8.shape
     y = torch.empty((h, m) if transpose else (m, h), dtype=out_dtype, device=x8.device)
+    _out_launch(x8, x_scales, rstd, weight, y_scale, y, group_size, transpose)
+    return y
+
+
+def _out_launch(x8, x_scales, rstd, weight, y_scale, y, group_size, transpose, amax=None):
+    """y from the saved values with y_scale; amax given: y_scale is derived from it (and written) in the launch."""
+    m, h = x8.shape
     bm = 64
     launcher(_out_kernel)[(triton.cdiv(m, bm), x_scales.shape[1])](
-        x8, x_scales, rstd, weight, y_scale, y, m, h, x_scales.shape[1], torch.finfo(out_dtype).max,
-        TRANSPOSE=transpose, G=group_size, BM=bm, FAST=FAST, num_warps=4)
-    return y
+        x8, x_scales, rstd, weight, y_scale, y_scale if amax is None else amax, y, m, h, x_scales.shape[1],
+        torch.finfo(y.dtype).max, AMAX_FLOOR, TRANSPOSE=transpose, G=group_size, BM=bm, FAST=FAST,
+        FROM_AMAX=amax is not None, num_warps=4)
 
 
 def _persistent_programs(m: int, warps: int, device) -> int:
@@ -289,6 +308,8 @@ Tensor = torch.Tensor
 
 
 def rmsnorm_fp8_fwd(x, weight, eps: float, group_size: int, out_dtype=E4M3):
+    """→ (x8, x_scales, rstd, y_scale, y8): the saved FP8 input and the FP8 output for the next GEMM
+    (rmsnorm_fp8_fwd_ref)."""
     return dispatch(_fwd_op, x, rmsnorm_fp8_fwd_triton, rmsnorm_fp8_fwd_ref, x, weight, eps, group_size, out_dtype)
 
 
@@ -299,8 +320,8 @@ def rmsnorm_fp8_out(x8, x_scales, rstd, weight, y_scale, group_size: int, transp
 
 def rmsnorm_fp8_fwd_delayed(x, weight, history, eps: float, group_size: int, out_dtype=E4M3,
                             bootstrap: bool = False):
-    """rmsnorm_fp8_fwd and rmsnorm_fp8_out(transpose=False) with delayed scaling (rmsnorm_fp8_fwd_delayed_ref):
-    one launch writes x8 and y (x8 is not read again), `history` rolled in place."""
+    """rmsnorm_fp8_fwd with delayed scaling (rmsnorm_fp8_fwd_delayed_ref): one launch writes x8 and y (x8 is not
+    read again), `history` rolled in place."""
     return dispatch(_fwd_delayed_op, x, rmsnorm_fp8_fwd_delayed_triton, rmsnorm_fp8_fwd_delayed_ref,
                     x, weight, history, eps, group_size, out_dtype, bootstrap)
 
@@ -313,7 +334,7 @@ def rmsnorm_fp8_bwd(dy, x8, x_scales, rstd, weight, group_size: int, residual_gr
 
 @fp8_operator("megacoat::rmsnorm_fp8_fwd")
 def _fwd_op(x: Tensor, weight: Tensor, eps: float, group_size: int,
-            out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return traced_body(x, rmsnorm_fp8_fwd_triton, rmsnorm_fp8_fwd_ref, x, weight, eps, group_size, out_dtype)
 
 

@@ -1,12 +1,14 @@
 """Fused FP8 SwiGLU, silu(a1) * a3, for the COAT precision flow (Triton, forward and backward, torch references).
 
 a13 [M, 2F] is the output of the fused w1|w3 GEMM (gate in the first F columns, up in the last F).
-Forward, two launches:
-  1. `swiglu_fp8_fwd`: read a13 once; write a1 and a3 as E4M3 with 1xG group scales (what backward keeps:
-     2 bytes per pair instead of BF16's 4 plus silu's output) and fold the amax of s = silu(a1) * a3, computed
-     from the dequantized values, into the output's per-tensor scale inside the kernel (megacoat.ops.tensor_scale).
-  2. `swiglu_fp8_out`: re-read the FP8 pair and write s with that per-tensor scale, row-major for the down
-     projection's GEMM, or transposed for its weight gradient (made again in backward, not saved).
+Forward `swiglu_fp8_fwd`, two launches:
+  1. read a13 once; write a1 and a3 as E4M3 with 1xG group scales (what backward keeps: 2 bytes per pair instead
+     of BF16's 4 plus silu's output) and fold the amax of s = silu(a1) * a3, computed from the dequantized values,
+     into one float by a relaxed atomic max that no program waits on (megacoat.ops.tensor_scale);
+  2. re-read the FP8 pair and write s row-major for the down projection's GEMM, with the per-tensor scale that
+     each program derives from that amax (the first program also stores it for the GEMM).
+`swiglu_fp8_out` writes s again from the saved pair and a known scale (transposed: the down projection's weight
+gradient operand, made again in backward instead of saved).
 `swiglu_fp8_fwd_delayed` (delayed scaling, megacoat.fp8.delayed_scaling) does both in the first launch: the scale
 comes from an amax history, the kernel writes s row-major beside the pair, and a one-program launch after it rolls
 this call's amax into the history (the pair is not read again: 2 bytes per pair fewer).
@@ -26,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.tensor_scale import (fold_amax_to_scale, history_max, record_amax, record_program_amax, roll_history,
-                                       scale_workspace)
+from megacoat.ops.tensor_scale import (amax_workspace, history_max, record_amax, record_program_amax, roll_history,
+                                       scale_from_total)
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, div_cast, group_dequantize,
                                    group_quantize, fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate, sigmoid
@@ -48,9 +50,11 @@ def _scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------- references
 def swiglu_fp8_fwd_ref(a13, group_size: int, out_dtype=E4M3):
-    """→ (a1_8, a1_scales, a3_8, a3_scales, s_scale): the saved FP8 pair and the output's per-tensor scale."""
+    """→ (a1_8, a1_scales, a3_8, a3_scales, s_scale, s8): the saved FP8 pair, and s cast with its own per-tensor
+    scale, row-major for the down projection's GEMM."""
     *pair, s = _pair_and_s(a13, group_size)
-    return (*pair, _scale(s.abs().amax(), out_dtype))
+    s_scale = _scale(s.abs().amax(), out_dtype)
+    return (*pair, s_scale, div_cast(s, s_scale, out_dtype))
 
 
 def _pair_and_s(a13, group_size: int):
@@ -62,7 +66,7 @@ def _pair_and_s(a13, group_size: int):
 
 
 def swiglu_fp8_fwd_delayed_ref(a13, history, group_size: int, out_dtype=E4M3, bootstrap: bool = False):
-    """swiglu_fp8_fwd and swiglu_fp8_out (row-major) with delayed scaling: → (a1_8, s1, a3_8, s3, s_scale, s8),
+    """swiglu_fp8_fwd with delayed scaling: → (a1_8, s1, a3_8, s3, s_scale, s8),
     s_scale from max(history), the amaxes of earlier calls (bootstrap: from this call's own amax, as
     swiglu_fp8_fwd); values beyond it saturate. history [L] (float32, most recent first) is rolled in place, this
     call's amax in front (zero for a non-finite one). s is made once (the CPU path's peak: one fp32 [M, F])."""
@@ -142,11 +146,12 @@ def _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG):
 
 
 @triton.jit
-def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, count_ptr, scale_ptr, y_ptr, hist_ptr, hist_len,
+def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, y_ptr, hist_ptr, hist_len,
                 M, F, NG, fmax_in, fmax_out, amax_floor, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr,
                 HIST: tl.constexpr):
-    """HIST > 0 (delayed scaling): s's scale comes from the amax history's maximum, s is written here (row-major,
-    _out_kernel's bytes), and the tile amaxes go into amax (for roll_history) instead of into a scale."""
+    """The tile amaxes of s go into amax (megacoat.ops.tensor_scale), for _out_kernel's scale (current scaling) or
+    for roll_history. HIST > 0 (delayed scaling): s's scale comes from the amax history's maximum and s is
+    written here (row-major, _out_kernel's bytes)."""
     gi = tl.program_id(1)
     rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
@@ -172,22 +177,29 @@ def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, count_ptr, scal
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(scale_ptr, scale)
         tl.store(y_ptr + offs, div_saturate(s, scale, fmax_out, FAST).to(y_ptr.dtype.element_ty), mask=mask)
-        record_program_amax(amax, amax_ptr)
-    else:
-        fold_amax_to_scale(amax, amax_ptr, count_ptr, scale_ptr, fmax_out, amax_floor)
+    record_program_amax(amax, amax_ptr)
 
 
 @triton.jit
-def _out_kernel(a1_ptr, s1_ptr, a3_ptr, s3_ptr, scale_ptr, y_ptr, M, F, NG, fmax_out,
-                TRANSPOSE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr):
-    # Reverse order of _fwd_kernel's tiles: the forward calls this right after it, and the pair it wrote last
+def _out_kernel(a1_ptr, s1_ptr, a3_ptr, s3_ptr, scale_ptr, amax_ptr, y_ptr, M, F, NG, fmax_out, amax_floor,
+                TRANSPOSE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr,
+                FROM_AMAX: tl.constexpr):
+    """FROM_AMAX: the scale is derived from _fwd_kernel's total amax by every program, and stored by the first;
+    otherwise it is read from scale_ptr."""
+    if FROM_AMAX:
+        scale = scale_from_total(tl.load(amax_ptr), fmax_out, amax_floor)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(scale_ptr, scale)
+    else:
+        scale = tl.load(scale_ptr)
+    # Reverse order of _fwd_kernel's tiles: the forward runs this right after it, and the pair it wrote last
     # (the last group columns, up to L2's size of the 2 bytes per pair) is still in L2.
     gi = tl.num_programs(1) - 1 - tl.program_id(1)
     rm = ((tl.num_programs(0) - 1 - tl.program_id(0)) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < F)
     a1, a3 = _load_pair(a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG)
-    q = div_saturate(a1 * sigmoid(a1, FAST) * a3, tl.load(scale_ptr), fmax_out, FAST)
+    q = div_saturate(a1 * sigmoid(a1, FAST) * a3, scale, fmax_out, FAST)
     if TRANSPOSE:
         tl.store(y_ptr + rn[:, None] * M + rm[None, :], tl.trans(q).to(y_ptr.dtype.element_ty), mask=tl.trans(mask))
     else:
@@ -274,22 +286,21 @@ _BM_T, _WARPS_T = 64, 8  # the transposed store writes BM contiguous bytes per r
 
 
 def swiglu_fp8_fwd_triton(a13, group_size: int, out_dtype=E4M3):
-    return _fwd_launch(a13, group_size, out_dtype)[:5]
+    """Current scaling: after one memset, the first launch writes the pair and folds s's amax, the second writes s."""
+    return _fwd_launch(a13, group_size, out_dtype)[:6]
 
 
 def swiglu_fp8_fwd_delayed_triton(a13, history, group_size: int, out_dtype=E4M3, bootstrap: bool = False):
     """Delayed scaling: one launch writes the pair and s, one more (single program) rolls the history, after one
     memset; bootstrap: the two launches of current scaling, then the roll (once per run)."""
-    a1_8, s1, a3_8, s3, s_scale, amax, s8 = _fwd_launch(a13, group_size, out_dtype, None if bootstrap else history)
-    if bootstrap:
-        s8 = swiglu_fp8_out_triton(a1_8, s1, a3_8, s3, s_scale, group_size, False, out_dtype)
+    *out, amax = _fwd_launch(a13, group_size, out_dtype, None if bootstrap else history)
     roll_history(history, amax)
-    return a1_8, s1, a3_8, s3, s_scale, s8
+    return tuple(out)
 
 
 def _fwd_launch(a13, group_size, out_dtype, history=None):
-    """→ (a1_8, s1, a3_8, s3, s_scale, amax, s8): amax is s's total either way; without a history s_scale comes
-    from it and s8 is None (swiglu_fp8_out writes s), with one s_scale comes from the history and s8 is written."""
+    """→ (a1_8, s1, a3_8, s3, s_scale, s8, amax): amax is s's total either way; without a history s_scale comes
+    from it (in the second launch, which writes s), with one from the history (and the one launch writes s)."""
     f = _check(a13, group_size)
     a13 = a13.contiguous()
     m = a13.shape[0]
@@ -299,23 +310,31 @@ def _fwd_launch(a13, group_size, out_dtype, history=None):
     a1_8, a3_8 = (torch.empty((m, f), dtype=E4M3, device=dev) for _ in range(2))
     s1, s3 = (torch.empty((m, ng), dtype=torch.float32, device=dev) for _ in range(2))
     s_scale = torch.empty((1,), dtype=torch.float32, device=dev)
-    y = None if history is None else torch.empty((m, f), dtype=out_dtype, device=dev)
-    amax, count = scale_workspace(dev)
+    y = torch.empty((m, f), dtype=out_dtype, device=dev)
+    amax = amax_workspace(dev)
     hist_len = 0 if history is None else history.numel()
-    launcher(_fwd_kernel)[grid](a13, a1_8, s1, a3_8, s3, amax, count, s_scale, a1_8 if y is None else y,
-                                s_scale if history is None else history, hist_len, m, f, ng, torch.finfo(E4M3).max,
-                                torch.finfo(out_dtype).max, AMAX_FLOOR, G=group_size, BM=_BM, FAST=FAST,
+    launcher(_fwd_kernel)[grid](a13, a1_8, s1, a3_8, s3, amax, s_scale, y, s_scale if history is None else history,
+                                hist_len, m, f, ng, torch.finfo(E4M3).max, torch.finfo(out_dtype).max, AMAX_FLOOR,
+                                G=group_size, BM=_BM, FAST=FAST,
                                 HIST=triton.next_power_of_2(hist_len) if hist_len else 0, num_warps=4)
-    return a1_8, s1, a3_8, s3, s_scale, amax, y
+    if history is None:
+        _out_launch(a1_8, s1, a3_8, s3, s_scale, y, group_size, False, amax)
+    return a1_8, s1, a3_8, s3, s_scale, y, amax
 
 
 def swiglu_fp8_out_triton(a1_8, s1, a3_8, s3, s_scale, group_size: int, transpose: bool, out_dtype=E4M3):
     m, f = a1_8.shape
     y = torch.empty((f, m) if transpose else (m, f), dtype=out_dtype, device=a1_8.device)
-    launcher(_out_kernel)[(triton.cdiv(m, _BM), s1.shape[1])](
-        a1_8, s1, a3_8, s3, s_scale, y, m, f, s1.shape[1], torch.finfo(out_dtype).max,
-        TRANSPOSE=transpose, G=group_size, BM=_BM, FAST=FAST, num_warps=4)
+    _out_launch(a1_8, s1, a3_8, s3, s_scale, y, group_size, transpose)
     return y
+
+
+def _out_launch(a1_8, s1, a3_8, s3, s_scale, y, group_size, transpose, amax=None):
+    """s from the saved pair with s_scale; amax given: s_scale is derived from it (and written) in the launch."""
+    m, f = a1_8.shape
+    launcher(_out_kernel)[(triton.cdiv(m, _BM), s1.shape[1])](
+        a1_8, s1, a3_8, s3, s_scale, s_scale if amax is None else amax, y, m, f, s1.shape[1], torch.finfo(y.dtype).max,
+        AMAX_FLOOR, TRANSPOSE=transpose, G=group_size, BM=_BM, FAST=FAST, FROM_AMAX=amax is not None, num_warps=4)
 
 
 def swiglu_fp8_bwd_triton(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=torch.float8_e5m2):
@@ -383,12 +402,13 @@ Tensor = torch.Tensor
 
 
 def swiglu_fp8_fwd(a13, group_size: int, out_dtype=E4M3):
+    """→ (a1_8, s1, a3_8, s3, s_scale, s8): the saved FP8 pair and s for the down projection (swiglu_fp8_fwd_ref)."""
     return dispatch(_fwd_op, a13, swiglu_fp8_fwd_triton, swiglu_fp8_fwd_ref, a13, group_size, out_dtype)
 
 
 def swiglu_fp8_fwd_delayed(a13, history, group_size: int, out_dtype=E4M3, bootstrap: bool = False):
-    """swiglu_fp8_fwd and swiglu_fp8_out(transpose=False) with delayed scaling (swiglu_fp8_fwd_delayed_ref): one
-    launch writes the pair and s (the pair is not read again), `history` rolled in place."""
+    """swiglu_fp8_fwd with delayed scaling (swiglu_fp8_fwd_delayed_ref): one launch writes the pair and s (the pair
+    is not read again), `history` rolled in place."""
     return dispatch(_fwd_delayed_op, a13, swiglu_fp8_fwd_delayed_triton, swiglu_fp8_fwd_delayed_ref,
                     a13, history, group_size, out_dtype, bootstrap)
 
@@ -421,7 +441,8 @@ def swiglu_fp8_bwd_delayed(ds, a1_8, s1, a3_8, s3, s_scale, history, group_size:
 
 
 @fp8_operator("megacoat::swiglu_fp8_fwd")
-def _fwd_op(a13: Tensor, group_size: int, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _fwd_op(a13: Tensor, group_size: int,
+            out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return traced_body(a13, swiglu_fp8_fwd_triton, swiglu_fp8_fwd_ref, a13, group_size, out_dtype)
 
 

@@ -1,12 +1,14 @@
-"""Triton: a per-tensor scale reduced inside the kernel that computes the amax, with no launch after it; and the
-amax history of delayed scaling (below).
+"""Triton: a per-tensor scale from an amax reduced inside the kernel that computes it, with no reduction launch;
+and the amax history of delayed scaling (below).
 
-Each program folds its amax into one float by atomic max; the last program to finish (an atomic counter says
-which) turns the total into the dequantization scale max(amax, AMAX_FLOOR) / fmt_max (megacoat.ops.numerics),
-the same IEEE division as the torch references. No partial-amax array and no torch reductions over it (amax,
-clamp, divide: three launches of a few microseconds each, beside kernels of a few tens) are needed. Both
-counters start at zero: one memset (`scale_workspace`). Atomics are acq_rel at GPU scope (Triton's default), so
-the last program's counter increment sees every other program's atomic max.
+Each program folds its amax into one zeroed float by a relaxed atomic max (`record_program_amax`: a `red`
+instruction that no program waits on), and the kernel that consumes the total turns it into the dequantization
+scale max(amax, AMAX_FLOOR) / fmt_max (`scale_from_total`, the same IEEE division as the torch references). No
+partial-amax array and no torch reductions over it (amax, clamp, divide: three launches of a few microseconds
+each, beside kernels of a few tens) are needed. (Writing the scale in the amax kernel's last program, found by an
+atomic counter, needs every program to wait for its counter's answer behind a GPU-scope fence: on the H100 that
+made SwiGLU's one-pass backward 30% slower, 272 against 208 us a call at the 1.3 B shape, and the forward kernels
+that did it ran at ~2.1 TB/s against their second pass's ~2.6; benchmarks/results/bench_e2e_notes.md.)
 """
 from __future__ import annotations
 
@@ -17,32 +19,9 @@ import triton.language as tl
 from megacoat.ops.numerics import launcher
 
 
-def scale_workspace(device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(amax [1] fp32, finished-programs counter [1] int32), both zero, from one allocation and one memset."""
-    ws = torch.zeros((2,), dtype=torch.int32, device=device)
-    return ws[:1].view(torch.float32), ws[1:]
-
-
-@triton.jit
-def fold_amax_to_scale(amax, amax_ptr, count_ptr, scale_ptr, fmax, amax_floor):
-    """Fold this program's amax (>= 0) into the tensor's; the last program writes the scale."""
-    tl.atomic_max(amax_ptr, amax)
-    if tl.atomic_add(count_ptr, 1) == tl.num_programs(0) * tl.num_programs(1) - 1:
-        total = tl.atomic_max(amax_ptr, 0.0)  # an atomic read: the final value
-        tl.store(scale_ptr, tl.math.div_rn(tl.maximum(total, amax_floor), fmax))
-
-
-# Delayed scaling (megacoat.fp8.delayed_scaling): the scale comes from an amax history [L] (float32, entries >= 0,
-# most recent first), whose maximum each program reads itself; the call's own amax goes into a zeroed float by a
-# relaxed atomic max that no program waits on, and one single-program launch rolls it into the history after the
-# kernel. (Rolling it in the kernel's last program, as fold_amax_to_scale writes a scale, needs every program to
-# wait for its counter increment's answer: on the H100 that made SwiGLU's one-pass backward 30% slower, 272 against
-# 208 us a call at the 1.3 B shape, benchmarks/results/bench_e2e_notes.md.)
-@triton.jit
-def history_max(hist_ptr, hist_len, HIST: tl.constexpr):
-    """The largest amax in the history (HIST: a power of two >= hist_len)."""
-    i = tl.arange(0, HIST)
-    return tl.max(tl.load(hist_ptr + i, mask=i < hist_len, other=0.0), axis=0)
+def amax_workspace(device) -> torch.Tensor:
+    """[1] float32 zero: where a kernel's programs fold their amaxes (|x| >= 0, so zero is the neutral start)."""
+    return torch.zeros((1,), dtype=torch.float32, device=device)
 
 
 @triton.jit
@@ -50,6 +29,23 @@ def record_program_amax(amax, amax_ptr):
     """Fold this program's amax (>= 0) into the call's (for roll_history, or for the next kernel, which reads the
     total): a relaxed atomic max, which compiles to a reduction (`red`) that no program waits on."""
     tl.atomic_max(amax_ptr, amax, sem="relaxed")
+
+
+@triton.jit
+def scale_from_total(amax, fmax, amax_floor):
+    """The dequantization scale of a per-tensor amax: IEEE max(amax, floor) / fmax (numerics.scale_from_amax)."""
+    return tl.math.div_rn(tl.maximum(amax, amax_floor), fmax)
+
+
+# Delayed scaling (megacoat.fp8.delayed_scaling): the scale comes from an amax history [L] (float32, entries >= 0,
+# most recent first), whose maximum each program reads itself; the call's own amax goes into a zeroed float by a
+# relaxed atomic max (record_program_amax), and one single-program launch rolls it into the history after the kernel
+# (not the kernel's last program: see the module docstring).
+@triton.jit
+def history_max(hist_ptr, hist_len, HIST: tl.constexpr):
+    """The largest amax in the history (HIST: a power of two >= hist_len)."""
+    i = tl.arange(0, HIST)
+    return tl.max(tl.load(hist_ptr + i, mask=i < hist_len, other=0.0), axis=0)
 
 
 @triton.jit

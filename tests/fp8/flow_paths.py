@@ -17,7 +17,7 @@ from megacoat.ops import cast_transpose, rmsnorm, rope, rope_grad_cast, swiglu
 _SWAPS = [(linear, "quantize_transpose", cast_transpose.quantize_transpose_triton)]
 _SWAPS += [(flow, n, getattr(rmsnorm, n + "_triton")) for n in ("rmsnorm_fp8_fwd", "rmsnorm_fp8_out", "rmsnorm_fp8_bwd")]
 _SWAPS += [(flow, n, getattr(swiglu, n + "_triton"))
-           for n in ("swiglu_fp8_fwd", "swiglu_fp8_out", "swiglu_fp8_bwd_out_t")]
+           for n in ("swiglu_fp8_fwd", "swiglu_fp8_bwd_out_t")]
 _SWAPS += [(flow, "rope_rotate", rope.rope_triton),
            (flow, "rope_qkv_grad_fp8", rope_grad_cast.rope_qkv_grad_fp8_triton)]
 

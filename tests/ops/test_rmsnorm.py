@@ -31,6 +31,10 @@ def test_triton_matches_reference(m, h, g):
     tol = 1e-5 if DEV == "cuda" else 2e-2
     assert_close_f32(ta[2], ra[2], rtol=tol, atol=0)
     assert_close_f32(ta[3], ra[3], rtol=tol, atol=0)
+    # y: the second launch derives the scale from the folded amax; the bytes of a launch given that scale
+    assert same_bytes(ta[4], R.rmsnorm_fp8_out_triton(*ta[:3], w, ta[3], g, False))
+    if DEV == "cuda":
+        assert_fp8_close(ta[4], ra[4])
     for transpose in (False, True):
         assert_fp8_close(R.rmsnorm_fp8_out_triton(*ra[:3], w, ra[3], g, transpose),
                          R.rmsnorm_fp8_out_ref(*ra[:3], w, ra[3], g, transpose))
@@ -48,7 +52,7 @@ def test_backward_adds_the_residual_gradient_before_its_one_rounding(m, h, g):
     if DEV == "cpu" and not interpreted(R._bwd_kernel):
         pytest.skip("kernels were imported before TRITON_INTERPRET was set")
     x, w = _inputs(m, h)
-    x8, xs, rstd, _ = R.rmsnorm_fp8_fwd_ref(x, w, 1e-5, g)
+    x8, xs, rstd = R.rmsnorm_fp8_fwd_ref(x, w, 1e-5, g)[:3]
     dy = torch.randn(m, h, device=DEV).to(torch.bfloat16)
     res = (torch.randn(m, h, device=DEV) * 4).to(torch.bfloat16)
     rdx, rdw = R.rmsnorm_fp8_bwd_ref(dy, x8, xs, rstd, w, g, residual_grad=res)
@@ -76,8 +80,8 @@ def test_zero_row_and_group():
 
 def test_reference_against_fp32_rmsnorm():
     x, w = _inputs(64, 256)
-    x8, xs, rstd, ys = R.rmsnorm_fp8_fwd_ref(x, w, 1e-5, 64)
-    y8 = R.rmsnorm_fp8_out_ref(x8, xs, rstd, w, ys, 64, transpose=False)
+    x8, xs, rstd, ys, y8 = R.rmsnorm_fp8_fwd_ref(x, w, 1e-5, 64)
+    assert same_bytes(y8, R.rmsnorm_fp8_out_ref(x8, xs, rstd, w, ys, 64, transpose=False))
     xf = x.float()
     want = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()
     # two casts (the input per group, the output per tensor), each at most U relative on normal values
@@ -88,7 +92,7 @@ def test_reference_against_fp32_rmsnorm():
 def test_backward_reference_is_the_gradient():
     """On the dequantized input (exactly what backward sees) the formula equals autograd in fp32."""
     x, w = _inputs(32, 192)
-    x8, xs, rstd, _ = R.rmsnorm_fp8_fwd_ref(x, w, 1e-5, 128)
+    x8, xs, rstd = R.rmsnorm_fp8_fwd_ref(x, w, 1e-5, 128)[:3]
     xd = group_dequantize(x8, xs, 128).requires_grad_()
     wf = w.float().requires_grad_()
     y = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * wf
@@ -108,14 +112,16 @@ def test_bad_input_is_named():
 
 @pytest.mark.gpu
 def test_gpu_large_shape_matches_reference():
-    """Llama-2-7B's norm at 2048 tokens: one row per forward program (the per-tensor scale from the last one),
-    a persistent backward grid with many rows per program."""
+    """Llama-2-7B's norm at 2048 tokens: one row per forward program (2048 programs fold the output's amax, the
+    second launch derives the scale), a persistent backward grid with many rows per program."""
     x, w = _inputs(2048, 4096)
     ta, ra = R.rmsnorm_fp8_fwd_triton(x, w, 1e-5, 128), R.rmsnorm_fp8_fwd_ref(x, w, 1e-5, 128)
     assert_fp8_close(ta[0], ra[0])
     assert_close_f32(ta[1], ra[1])
     assert_close_f32(ta[2], ra[2], rtol=1e-5, atol=0)
     assert_close_f32(ta[3], ra[3], rtol=1e-5, atol=0)
+    assert_fp8_close(ta[4], ra[4])
+    assert same_bytes(ta[4], R.rmsnorm_fp8_out_triton(*ta[:4], w, 128, False))
     assert_fp8_close(R.rmsnorm_fp8_out_triton(*ra[:3], w, ra[3], 128, True),
                      R.rmsnorm_fp8_out_ref(*ra[:3], w, ra[3], 128, True))
     dy = torch.randn(2048, 4096, device=DEV).to(torch.bfloat16)
@@ -133,16 +139,11 @@ _same = same_bytes
 
 
 def _fwd_both(backend, x, w, g):
-    """(delayed(history, bootstrap), current()) forward of one backend on x; current = rmsnorm_fp8_fwd then
-    rmsnorm_fp8_out(transpose=False)."""
-    fwd, out, delayed = ((R.rmsnorm_fp8_fwd_ref, R.rmsnorm_fp8_out_ref, R.rmsnorm_fp8_fwd_delayed_ref)
-                         if backend == "ref" else
-                         (R.rmsnorm_fp8_fwd_triton, R.rmsnorm_fp8_out_triton, R.rmsnorm_fp8_fwd_delayed_triton))
-
-    def current():
-        x8, xs, rstd, y_scale = fwd(x, w, 1e-5, g)
-        return x8, xs, rstd, y_scale, out(x8, xs, rstd, w, y_scale, g, False)
-    return lambda history, bootstrap=False: delayed(x, w, history, 1e-5, g, bootstrap=bootstrap), current
+    """(delayed(history, bootstrap), current()) forward of one backend on x; current = rmsnorm_fp8_fwd."""
+    fwd, delayed = ((R.rmsnorm_fp8_fwd_ref, R.rmsnorm_fp8_fwd_delayed_ref) if backend == "ref" else
+                    (R.rmsnorm_fp8_fwd_triton, R.rmsnorm_fp8_fwd_delayed_triton))
+    return (lambda history, bootstrap=False: delayed(x, w, history, 1e-5, g, bootstrap=bootstrap),
+            lambda: fwd(x, w, 1e-5, g))
 
 
 @pytest.mark.parametrize("backend", ["ref", "triton"])
@@ -157,7 +158,7 @@ def test_delayed_meets_current_scaling_where_the_amax_repeats(backend):
 def test_delayed_scale_is_the_history_max_and_saturates():
     m, h, g = SHAPES[1]
     x, w = _inputs(m, h)
-    x8, xs, rstd, own = R.rmsnorm_fp8_fwd_ref(x, w, 1e-5, g)
+    x8, xs, rstd, own = R.rmsnorm_fp8_fwd_ref(x, w, 1e-5, g)[:4]
 
     def run(history):
         *saved, y_scale, y8 = R.rmsnorm_fp8_fwd_delayed_ref(x, w, history, 1e-5, g)

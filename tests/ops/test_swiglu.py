@@ -18,8 +18,8 @@ def _a13(m, f):
 
 
 def _saved_pair_and_grad(m, f, g):
-    """The forward's saved outputs (reference) and a bf16 output gradient ds [M, F]."""
-    return S.swiglu_fp8_fwd_ref(_a13(m, f), g), torch.randn(m, f, device=DEV).to(torch.bfloat16)
+    """The forward's saved outputs (reference: the pair and s's scale) and a bf16 output gradient ds [M, F]."""
+    return S.swiglu_fp8_fwd_ref(_a13(m, f), g)[:5], torch.randn(m, f, device=DEV).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("m,f,g", SHAPES)
@@ -33,8 +33,12 @@ def test_triton_matches_reference(m, f, g):
     assert_close_f32(ta[1], ra[1])
     assert_close_f32(ta[3], ra[3])
     assert_close_f32(ta[4], ra[4], rtol=1e-5 if DEV == "cuda" else 0.1, atol=0)
+    # s: the second launch derives the scale from the folded amax; the bytes of a launch given that scale
+    assert same_bytes(ta[5], S.swiglu_fp8_out_triton(*ta[:5], g, False))
+    if DEV == "cuda":
+        assert_fp8_close(ta[5], ra[5])
     for transpose in (False, True):
-        assert_fp8_close(S.swiglu_fp8_out_triton(*ra, g, transpose), S.swiglu_fp8_out_ref(*ra, g, transpose))
+        assert_fp8_close(S.swiglu_fp8_out_triton(*ra[:5], g, transpose), S.swiglu_fp8_out_ref(*ra[:5], g, transpose))
     ds = torch.randn(m, f, device=DEV).to(torch.bfloat16)
     tb, rb = S.swiglu_fp8_bwd_triton(ds, *ra[:4], g), S.swiglu_fp8_bwd_ref(ds, *ra[:4], g)
     assert_close_f32(tb[2], rb[2], rtol=1e-5, atol=0)
@@ -69,16 +73,17 @@ def test_zero_gradient_is_zero_not_nan():
 
 def test_reference_against_fp32():
     a13 = _a13(64, 256)
-    a1_8, s1, a3_8, s3, ss = S.swiglu_fp8_fwd_ref(a13, 64)
+    a1_8, s1, a3_8, s3, ss, s8 = S.swiglu_fp8_fwd_ref(a13, 64)
+    assert same_bytes(s8, S.swiglu_fp8_out_ref(a1_8, s1, a3_8, s3, ss, 64, transpose=False))
     a1, a3 = a13.float().chunk(2, dim=1)
     want = torch.nn.functional.silu(a1) * a3
-    got = S.swiglu_fp8_out_ref(a1_8, s1, a3_8, s3, ss, 64, transpose=False).float() * ss
+    got = s8.float() * ss
     assert rel_err(got, want) <= 3 * U4  # a1, a3 and the output: three E4M3 casts
 
 
 def test_backward_reference_is_the_gradient():
     a13 = _a13(32, 128)
-    a1_8, s1, a3_8, s3, _ = S.swiglu_fp8_fwd_ref(a13, 32)
+    a1_8, s1, a3_8, s3 = S.swiglu_fp8_fwd_ref(a13, 32)[:4]
     a1 = group_dequantize(a1_8, s1, 32).requires_grad_()
     a3 = group_dequantize(a3_8, s3, 32).requires_grad_()
     ds = torch.randn(32, 128, device=DEV)
@@ -101,7 +106,9 @@ def test_gpu_large_shape_matches_reference():
     ta, ra = S.swiglu_fp8_fwd_triton(a13, 128), S.swiglu_fp8_fwd_ref(a13, 128)
     assert_fp8_close(ta[0], ra[0])
     assert_close_f32(ta[4], ra[4], rtol=1e-5, atol=0)
-    assert_fp8_close(S.swiglu_fp8_out_triton(*ra, 128, True), S.swiglu_fp8_out_ref(*ra, 128, True))
+    assert_fp8_close(ta[5], ra[5])
+    assert same_bytes(ta[5], S.swiglu_fp8_out_triton(*ta[:5], 128, False))
+    assert_fp8_close(S.swiglu_fp8_out_triton(*ra[:5], 128, True), S.swiglu_fp8_out_ref(*ra[:5], 128, True))
     ds = torch.randn(2048, 11008, device=DEV).to(torch.bfloat16)
     tb, rb = S.swiglu_fp8_bwd_triton(ds, *ra[:4], 128), S.swiglu_fp8_bwd_ref(ds, *ra[:4], 128)
     assert_close_f32(tb[2], rb[2], rtol=1e-5, atol=0)
@@ -202,16 +209,10 @@ def test_delayed_triton_rolls_the_history_in_the_kernel(hist_len):
 
 # --- delayed scaling of the forward's output (--fp8-activation-scaling delayed) ----------------------------------
 def _fwd_both(backend, a13, g):
-    """(delayed(history, bootstrap), current()) forward of one backend on a13; current = swiglu_fp8_fwd then
-    swiglu_fp8_out(transpose=False)."""
-    fwd, out, delayed = ((S.swiglu_fp8_fwd_ref, S.swiglu_fp8_out_ref, S.swiglu_fp8_fwd_delayed_ref)
-                         if backend == "ref" else
-                         (S.swiglu_fp8_fwd_triton, S.swiglu_fp8_out_triton, S.swiglu_fp8_fwd_delayed_triton))
-
-    def current():
-        saved = fwd(a13, g)
-        return (*saved, out(*saved, g, False))
-    return lambda history, bootstrap=False: delayed(a13, history, g, bootstrap=bootstrap), current
+    """(delayed(history, bootstrap), current()) forward of one backend on a13; current = swiglu_fp8_fwd."""
+    fwd, delayed = ((S.swiglu_fp8_fwd_ref, S.swiglu_fp8_fwd_delayed_ref) if backend == "ref" else
+                    (S.swiglu_fp8_fwd_triton, S.swiglu_fp8_fwd_delayed_triton))
+    return lambda history, bootstrap=False: delayed(a13, history, g, bootstrap=bootstrap), lambda: fwd(a13, g)
 
 
 @pytest.mark.parametrize("backend", ["ref", "triton"])

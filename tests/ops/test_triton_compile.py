@@ -63,13 +63,13 @@ for fmt in (e4, e5):
         C.quantize_transpose_triton(x, fmt, rowwise, transpose)
 C.quantize_transpose_into_triton([x[:128], x[128:]], torch.empty(m, h, dtype=e4), torch.empty(h, m, dtype=e4),
                                  torch.empty(1))
-x8, xs, rstd, ys = R.rmsnorm_fp8_fwd_triton(x, w, 1e-5, g)
+x8, xs, rstd, ys, _ = R.rmsnorm_fp8_fwd_triton(x, w, 1e-5, g)  # both launches (the second from the amax)
 for transpose in (False, True):
     R.rmsnorm_fp8_out_triton(x8, xs, rstd, w, ys, g, transpose)
 R.rmsnorm_fp8_bwd_triton(torch.randn(m, h, dtype=bf), x8, xs, rstd, w, g)
 R.rmsnorm_fp8_bwd_triton(torch.randn(m, h, dtype=bf), x8, xs, rstd, w, g, torch.randn(m, h, dtype=bf))  # + residual
 R.rmsnorm_fp8_fwd_delayed_triton(x, w, torch.ones(4), 1e-5, g)  # the one-launch variant
-a1, s1, a3, s3, ss = S.swiglu_fp8_fwd_triton(torch.randn(m, 2 * f, dtype=bf), g)
+a1, s1, a3, s3, ss, _ = S.swiglu_fp8_fwd_triton(torch.randn(m, 2 * f, dtype=bf), g)  # both launches
 S.swiglu_fp8_fwd_delayed_triton(torch.randn(m, 2 * f, dtype=bf), torch.ones(4), g)  # one launch
 for transpose in (False, True):
     S.swiglu_fp8_out_triton(a1, s1, a3, s3, ss, g, transpose)
