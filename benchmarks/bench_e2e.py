@@ -65,6 +65,9 @@ MODES = {
     # and the norms' and SwiGLU's FP8 outputs with delayed scaling (each written in the launch that reads its input)
     "coat-delayed-all": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling",
                                              "delayed"]),
+    # cuBLAS(Lt) without a workspace: Hopper's FP8 GEMMs statically scheduled, no memset before each
+    "bf16-no-workspace": ("pretrain_gpt.py", ["--cublas-workspace", "none"]),
+    "coat-no-workspace": ("pretrain_gpt.py", ["--coat-fp8", "--cublas-workspace", "none"]),
     "torchao-float8": ("benchmarks/torchao_pretrain.py", []),
     "plain-llama": ("benchmarks/plain_llama.py", []),
 }

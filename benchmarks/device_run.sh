@@ -24,7 +24,8 @@
 #               (--fp8-fast-accum's speed); PART delayed: bf16+compile coat+cudagraph coat-delayed+cudagraph
 #               (--fp8-grad-scaling delayed's speed); PART delayedall: bf16+compile coat-delayed+cudagraph
 #               coat-delayed-all+cudagraph (--fp8-activation-scaling delayed on top); PART speed: bf16+compile
-#               coat+cudagraph coat-delayed-all+cudagraph (the default and the fastest). Each holds bf16+compile:
+#               coat+cudagraph coat-delayed-all+cudagraph (the default and the fastest); PART workspace: bf16+compile
+#               and coat+cudagraph each with and without a cuBLAS workspace (--cublas-workspace). Each holds bf16+compile:
 #               ratios stay within one call                                                         issue 17
 #   e2e-memory  (~7 min, 1 GPU) peak memory and speed at micro-batch 4 and 8: bf16+compile, coat,
 #               coat-fp32-master and coat-rowwise with CUDA graphs, one repeat (memory is
@@ -129,7 +130,8 @@ e2e)
     delayed) MODES="bf16+compile coat+cudagraph coat-delayed+cudagraph" ;;
     delayedall) MODES="bf16+compile coat-delayed+cudagraph coat-delayed-all+cudagraph" ;;
     speed) MODES="bf16+compile coat+cudagraph coat-delayed-all+cudagraph" ;;
-    *) echo "e2e: part must be baseline, fp8, cudagraph, fastaccum, delayed, delayedall or speed (see the header of $0)"; exit 2 ;;
+    workspace) MODES="bf16+compile bf16-no-workspace+compile coat+cudagraph coat-no-workspace+cudagraph" ;;
+    *) echo "e2e: part must be baseline, fp8, cudagraph, fastaccum, delayed, delayedall, speed or workspace (see the header of $0)"; exit 2 ;;
     esac
     # MB may be a comma list (e.g. 1,2: both in one call); PROFILE=0 skips the profiled iteration per mode
     PROF=(--profile); [ "${PROFILE:-1}" = 0 ] && PROF=()

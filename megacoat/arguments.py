@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-cuda-graph", action="store_true",
                    help="--compile with CUDA graphs: each block compiled in mode reduce-overhead (cudagraph trees: "
                         "replayed forward and backward, static shapes, a private memory pool); CUDA, no pipeline")
+    g.add_argument("--cublas-workspace", choices=("default", "none"), default=t.cublas_workspace,
+                   help="none: cuBLAS and cuBLASLt without a workspace (CUBLASLT_WORKSPACE_SIZE=0, "
+                        "CUBLAS_WORKSPACE_CONFIG=:0:0): Hopper's FP8 GEMMs then run statically scheduled, without "
+                        "a workspace memset before each")
     g.add_argument("--host-overflow-check", action="store_true",
                    help="bf16 ZeRO-1/2: refuse a step with a non-finite gradient norm by DeepSpeed's host check, "
                         "which also holds the LR schedule, instead of on the device (default: the optimizer skips "
@@ -237,6 +241,7 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         max_skipped_steps=args.max_skipped_steps, tensorboard_dir=args.tensorboard_dir,
         wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
         compile=args.compile or args.enable_cuda_graph, enable_cuda_graph=args.enable_cuda_graph,
+        cublas_workspace=args.cublas_workspace,
         host_overflow_check=args.host_overflow_check,
         profile_dir=args.profile_dir, profile_step_start=args.profile_step_start,
         profile_step_end=args.profile_step_end, debug=args.debug, finetune=args.finetune,

@@ -42,7 +42,7 @@ def _optimizer(cfg: MegacoatConfig) -> str:
 
 
 def startup_banner(cfg: MegacoatConfig, state: ParallelState, world_size: int, grad_accum: int, bf16: bool,
-                   on_cuda: bool, allocator: str | None = None) -> str:
+                   on_cuda: bool, allocator: str | None = None, cublas_workspace: str = "default") -> str:
     m, t = cfg.model, cfg.training
     groups = m.num_query_groups or m.num_attention_heads
     rows = [
@@ -60,4 +60,6 @@ def startup_banner(cfg: MegacoatConfig, state: ParallelState, world_size: int, g
     ]
     if on_cuda and allocator is not None:
         rows.append(("CUDA allocator", f"{allocator} (PYTORCH_CUDA_ALLOC_CONF)"))
+    if on_cuda and cublas_workspace != "default":
+        rows.append(("cuBLAS workspace", cublas_workspace))
     return "\n".join(["megacoat run:"] + [f"  {k}: {v}" for k, v in rows])

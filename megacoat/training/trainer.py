@@ -21,6 +21,7 @@ from megacoat.parallel.grad_norm import global_grad_norm
 from megacoat.training.banner import startup_banner
 from megacoat.training.checkpointing import (Layout, TrainState, check_compatible, file_identity, load_checkpoint,
                                              read_meta, resolve_load, save_checkpoint)
+from megacoat.training.cublas_workspace import apply_cublas_workspace
 from megacoat.training.cuda_allocator import default_allocator_settings
 from megacoat.training.cuda_graph import GraphedWeightRefresh, gradient_groups, own_graph_gradients
 from megacoat.training.deepspeed_config import (build_deepspeed_config, quiet_tested_optimizer_warning,
@@ -104,6 +105,7 @@ class Trainer:
         ds_logger.addFilter(quiet_tested_optimizer_warning)
         check_data_paths(cfg)
         self.allocator_settings = default_allocator_settings()  # before the first CUDA allocation
+        self.cublas_workspace = apply_cublas_workspace(cfg.training.cublas_workspace)  # before the first GEMM
         self.device = init_distributed()
         self.world_size = dist.get_world_size()
         # Groups before anything else: the DP rank/size (data sharding, batch arithmetic) come from them.
@@ -138,7 +140,7 @@ class Trainer:
         self.train_ds, self.valid_ds, _ = build_data(cfg)
         self.logger.info(startup_banner(cfg, self.parallel, self.world_size, self.grad_accum,
                                         self.ds_config["bf16"]["enabled"], self.device.type == "cuda",
-                                        self.allocator_settings))
+                                        self.allocator_settings, self.cublas_workspace))
 
         model = build_model(cfg, self.device, self.parallel, model_converter)
         self.engine, self.scheduler = build_engine(cfg, model, self.ds_config, self.device, self.parallel)
