@@ -130,7 +130,7 @@ e2e)
     delayed) MODES="bf16+compile coat+cudagraph coat-delayed+cudagraph" ;;
     delayedall) MODES="bf16+compile coat-delayed+cudagraph coat-delayed-all+cudagraph" ;;
     speed) MODES="bf16+compile coat+cudagraph coat-delayed-all+cudagraph" ;;
-    workspace) MODES="bf16+compile bf16-no-workspace+compile coat+cudagraph coat-no-workspace+cudagraph" ;;
+    workspace) MODES="bf16+compile bf16-no-workspace+compile coat+cudagraph coat-workspace+cudagraph" ;;
     *) echo "e2e: part must be baseline, fp8, cudagraph, fastaccum, delayed, delayedall, speed or workspace (see the header of $0)"; exit 2 ;;
     esac
     # MB may be a comma list (e.g. 1,2: both in one call); PROFILE=0 skips the profiled iteration per mode

@@ -138,10 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-cuda-graph", action="store_true",
                    help="--compile with CUDA graphs: each block compiled in mode reduce-overhead (cudagraph trees: "
                         "replayed forward and backward, static shapes, a private memory pool); CUDA, no pipeline")
-    g.add_argument("--cublas-workspace", choices=("default", "none"), default=t.cublas_workspace,
+    g.add_argument("--cublas-workspace", choices=("auto", "default", "none"), default=t.cublas_workspace,
                    help="none: cuBLAS and cuBLASLt without a workspace (CUBLASLT_WORKSPACE_SIZE=0, "
                         "CUBLAS_WORKSPACE_CONFIG=:0:0): Hopper's FP8 GEMMs then run statically scheduled, without "
-                        "a workspace memset before each")
+                        "a workspace memset before each; default: torch's workspace; auto (default): none where "
+                        "FP8 GEMMs run (--coat-fp8, --fp8-activations fp8-linear) unless either variable is set")
     g.add_argument("--host-overflow-check", action="store_true",
                    help="bf16 ZeRO-1/2: refuse a step with a non-finite gradient norm by DeepSpeed's host check, "
                         "which also holds the LR schedule, instead of on the device (default: the optimizer skips "

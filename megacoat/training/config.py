@@ -35,7 +35,7 @@ class TrainingConfig:
     wandb_run_name: str | None = None
     compile: bool = False  # torch.compile each transformer block (fuses norms, RoPE, SwiGLU element-wise work)
     enable_cuda_graph: bool = False  # compile the blocks in mode reduce-overhead (CUDA graphs); needs compile
-    cublas_workspace: str = "default"  # "none": cuBLAS(Lt) without a workspace (cublas_workspace.py)
+    cublas_workspace: str = "auto"  # "none": cuBLAS(Lt) without a workspace; auto: none with FP8 GEMMs
     profile_dir: str | None = None  # torch.profiler trace + top operators of iterations (start, end]
     profile_step_start: int = 10
     profile_step_end: int = 12
@@ -74,8 +74,8 @@ class TrainingConfig:
             raise ValueError("--finetune needs --load DIR")
         if self.override_optimizer_state not in (None, "convert"):
             raise ValueError(f"--override-optimizer-state must be 'convert', got {self.override_optimizer_state!r}")
-        if self.cublas_workspace not in ("default", "none"):
-            raise ValueError(f"--cublas-workspace must be default or none, got {self.cublas_workspace!r}")
+        if self.cublas_workspace not in ("auto", "default", "none"):
+            raise ValueError(f"--cublas-workspace must be auto, default or none, got {self.cublas_workspace!r}")
         if self.enable_cuda_graph and not self.compile:
             raise ValueError("--enable-cuda-graph captures the compiled blocks: it needs --compile")
 

@@ -1,10 +1,12 @@
-"""cuBLAS and cuBLASLt without a workspace (`--cublas-workspace none`).
+"""cuBLAS and cuBLASLt without a workspace (`--cublas-workspace none`; `auto`, the default, where FP8 GEMMs run).
 
 With a workspace (torch's default), cuBLASLt runs Hopper's FP8 GEMMs (`torch._scaled_mm`, kernels `nvjet_sm90_*`)
 with a dynamic tile scheduler whose counters live in the workspace, so each GEMM is preceded by a memset of it: 11
 of a layer's 12 FP8 GEMMs, ~600 memsets a step of the 1.3 B model. Without one, cuBLASLt picks the same tiles with
 a static schedule (`..._ssched_...`) and sets nothing: on the H100 a 1.3 B layer's 12 FP8 GEMMs at micro-batch 4,
-replayed as one CUDA graph, took 2.01 ms against 2.08 with no memset (benchmarks/bench_gemm_workspace.py).
+replayed as one CUDA graph, took 2.01 ms against 2.08 with no memset (benchmarks/bench_gemm_workspace.py), and the
+coat step at micro-batch 4 ran 1.0% faster. BF16's GEMMs do not gain (its step ran 0.4% slower without one), so
+`auto` leaves torch's workspace to runs without FP8 GEMMs (benchmarks/results/bench_e2e_notes.md).
 
 torch reads both variables once, at its first GEMM, so they are set before the trainer touches the GPU. A value the
 user already set is never overwritten: asking for `none` over a different one is an error naming it.
@@ -15,14 +17,19 @@ import os
 from typing import MutableMapping
 
 NO_WORKSPACE = {"CUBLASLT_WORKSPACE_SIZE": "0", "CUBLAS_WORKSPACE_CONFIG": ":0:0"}  # KiB; cuBLAS's size:count
-CHOICES = ("default", "none")
+CHOICES = ("auto", "default", "none")
 
 
-def apply_cublas_workspace(choice: str, environ: MutableMapping[str, str] = os.environ) -> str:
-    """`default`: torch's workspace, the environment left alone; `none`: both variables set to no workspace. Returns
-    the setting in effect for the startup banner."""
+def apply_cublas_workspace(choice: str, fp8_gemms: bool, environ: MutableMapping[str, str] = os.environ) -> str:
+    """`default`: torch's workspace, the environment left alone; `none`: both variables set to no workspace; `auto`:
+    `none` where the run has FP8 GEMMs (fp8_gemms), `default` otherwise. Returns the setting in effect for the
+    startup banner."""
     if choice not in CHOICES:
         raise ValueError(f"--cublas-workspace must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if choice == "auto":
+        if not fp8_gemms or any(k in environ for k in NO_WORKSPACE):  # the user's own settings win over auto
+            return "default"
+        choice = "none"
     if choice == "default":
         return "default"
     clash = [f"{k}={environ[k]}" for k, v in NO_WORKSPACE.items() if environ.get(k, v) != v]

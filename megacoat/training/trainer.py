@@ -105,7 +105,9 @@ class Trainer:
         ds_logger.addFilter(quiet_tested_optimizer_warning)
         check_data_paths(cfg)
         self.allocator_settings = default_allocator_settings()  # before the first CUDA allocation
-        self.cublas_workspace = apply_cublas_workspace(cfg.training.cublas_workspace)  # before the first GEMM
+        # before the first GEMM; a model converter (torchao's float8 linears, the benchmarks' peer) has FP8 GEMMs too
+        fp8_gemms = torch.cuda.is_available() and (cfg.fp8.enabled or model_converter is not None)
+        self.cublas_workspace = apply_cublas_workspace(cfg.training.cublas_workspace, fp8_gemms)
         self.device = init_distributed()
         self.world_size = dist.get_world_size()
         # Groups before anything else: the DP rank/size (data sharding, batch arithmetic) come from them.
