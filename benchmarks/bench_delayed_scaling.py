@@ -9,13 +9,17 @@
                writing x8 and y (delayed).
 A delayed call also runs one memset and a one-program launch that rolls its amax into the history
 (megacoat.ops.tensor_scale.roll_history). With a history whose maximum is the call's own amax (a bootstrap call
-records it), both write the same bytes: checked here on the device before timing. Median of
-triton.testing.do_bench per call, repeated and interleaved; bytes counted as each read and write.
+records it), both write the same bytes: checked here on the device before timing. Each call is timed as the
+trainer runs it, inside a CUDA graph (triton.testing.do_bench_cudagraph: many calls captured in one graph, the
+median of its replays per call), so the small kernels' Python launch cost is not measured (`--eager`: timed
+launched from Python, triton.testing.do_bench); repeated and interleaved. Back-to-back calls in a graph may find part of
+the previous call's input in L2 (50 MB on the H100), as the trainer's next kernel often does; bytes counted as each
+read and write.
 
 `--sweep BM:WARPS ...` repeats the backward rows with other tile heights and warp counts of its cast pass (the
 library's are the first row), each checked for the same bytes before it is timed.
 
-    python benchmarks/bench_delayed_scaling.py [--repeats 3] [--sweep 64:4 32:4 128:8 128:16]
+    python benchmarks/bench_delayed_scaling.py [--repeats 3] [--sweep 64:4 32:4 128:8 128:16] [--eager]
         [--out benchmarks/results/bench_delayed_scaling.json]
     python benchmarks/bench_delayed_scaling.py --cpu-smoke   # no GPU: tiny shapes under TRITON_INTERPRET=1
 """
@@ -82,7 +86,7 @@ def _rmsnorm_fwd(m, h, f, device):
 OPS = {"swiglu_bwd": _swiglu_bwd, "swiglu_fwd": _swiglu_fwd, "rmsnorm_fwd": _rmsnorm_fwd}
 
 
-def measure(op: str, name: str, m: int, h: int, f: int, repeats: int, device: str) -> dict:
+def measure(op: str, name: str, m: int, h: int, f: int, repeats: int, device: str, eager: bool = False) -> dict:
     torch.manual_seed(0)
     current, delayed, moved = OPS[op](m, h, f, device)
     history = torch.zeros(16, device=device)
@@ -90,8 +94,10 @@ def measure(op: str, name: str, m: int, h: int, f: int, repeats: int, device: st
     same = all(_same(a, b) for a, b in zip(current(), delayed(history)))  # history max = own amax
 
     def timed(fn):
-        if device == "cuda":
+        if device == "cuda" and eager:
             return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        if device == "cuda":
+            return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
@@ -112,6 +118,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="benchmarks/results/bench_delayed_scaling.json")
     p.add_argument("--cpu-smoke", action="store_true")
+    p.add_argument("--eager", action="store_true", help="time each call launched from Python, not in a CUDA graph")
     p.add_argument("--sweep", nargs="*", default=[], metavar="BM:WARPS",
                    help="also time SwiGLU's backward cast pass at these tile heights and warp counts (e.g. 128:8)")
     args = p.parse_args()
@@ -137,7 +144,7 @@ def main() -> int:
         for bm, warps in configs if op == "swiglu_bwd" else configs[:1]:
             swiglu._BM_T, swiglu._WARPS_T = bm, warps  # read at each launch
             for name, m, h, f in shapes:
-                r = measure(op, name, m, h, f, repeats, device)
+                r = measure(op, name, m, h, f, repeats, device, args.eager)
                 if op == "swiglu_bwd":
                     r["cast_pass"] = {"BM": bm, "num_warps": warps, "library": (bm, warps) == library}
                 rows.append(r)
@@ -149,7 +156,7 @@ def main() -> int:
     result = {"what": "delayed scaling per call: SwiGLU's backward, SwiGLU's and RMSNorm's forward, current vs delayed",
               "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device == "cuda"
               else platform.processor() or "cpu", "torch": torch.__version__, "triton": triton.__version__,
-              "group_size": GROUP, "results": rows}
+              "group_size": GROUP, "timing": "eager" if args.eager else "cuda graph", "results": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)

@@ -72,8 +72,9 @@ class CoatTransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         a, ff, region = self.attention, self.feed_forward, self.region
-        # One rank: the residual branch reads x through the fused function, so that its gradient is added in the
-        # norm's backward kernel. Under TP the branch must bypass the region (its backward all-reduces x's gradient).
+        # One rank: each residual branch reads its input through the fused function that norms it, so that the
+        # branch's gradient is added in the norm's backward kernel. Under TP the branches must bypass the regions
+        # (their backward all-reduces the input's gradient).
         fused = region is NO_REGION
         out = coat_norm_qkv(region.enter(x), region.replicated(self.attention_norm.weight),
                             (a.wq.weight, a.wk.weight, a.wv.weight), self.qkv_cache, self.attention_norm.eps,
@@ -84,8 +85,8 @@ class CoatTransformerBlock(nn.Module):
         out = coat_mlp(region.enter(h), region.replicated(self.ffn_norm.weight), ff.w1.weight, ff.w3.weight,
                        ff.w2.weight, self.w13_cache, self.w2_cache, self.ffn_norm.eps, self.group_size,
                        self.grad_dtype, self.fast_accum, self.swiglu_grad_scale, self.mlp_norm_out_scale,
-                       self.swiglu_out_scale)
-        return h + region.exit(out)
+                       self.swiglu_out_scale, residual=fused)
+        return out[1] + out[0] if fused else h + region.exit(out)
 
     def fp8_weight_caches(self):
         """(cache, weights) pairs for refresh_fp8_weights (wo's cache belongs to its Fp8Linear)."""

@@ -90,12 +90,15 @@ class CoatNormQKVFunction(torch.autograd.Function):
 
 
 class CoatMLPFunction(torch.autograd.Function):
-    """w2(silu(w1 n) * w3 n) with n = RMSNorm(x), all in the FP8 flow; x [M, H] → [M, H]."""
+    """w2(silu(w1 n) * w3 n) with n = RMSNorm(x), all in the FP8 flow; x [M, H] → [M, H].
+
+    residual: x is also returned (a view) for the block's residual branch, whose gradient is then added to x's in
+    the norm's backward kernel (as CoatNormQKVFunction's)."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, w1, w3, w2, w13_8, w13_8t, w13_scale, w2_8, w2_8t, w2_scale, eps, group_size,
                 grad_dtype, fast_accum, grad_history, bootstrap, norm_history, norm_bootstrap, swiglu_history,
-                swiglu_bootstrap):
+                swiglu_bootstrap, residual):
         x8, xs, rstd, y_scale, y8 = _norm_fwd(x, norm_weight, eps, group_size, norm_history, norm_bootstrap)
         a13 = scaled_mm(y8, w13_8.t(), y_scale, w13_scale, x.dtype, fast_accum)  # [M, 2F]: gate | up
         a1_8, s1, a3_8, s3, s_scale, s8 = _swiglu_fwd(a13, group_size, swiglu_history, swiglu_bootstrap)
@@ -107,10 +110,10 @@ class CoatMLPFunction(torch.autograd.Function):
         ctx.w2 = (w2,) if w2_8t is None else None
         ctx.group_size, ctx.grad_dtype, ctx.w_dtype, ctx.ffn = group_size, grad_dtype, w1.dtype, w1.shape[0]
         ctx.grad_history, ctx.bootstrap = grad_history, bootstrap  # state (written by backward), not an activation
-        return out
+        return (out, x.view_as(x)) if residual else out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, dres=None):
         x8, xs, rstd, y_scale, a1_8, s1, a3_8, s3, s_scale, norm_weight = ctx.saved_tensors
         g = ctx.group_size
         g8, g8t, g_scale = quantize_grad(grad_out, ctx.grad_dtype)
@@ -131,9 +134,9 @@ class CoatMLPFunction(torch.autograd.Function):
         del w13_8t
         y8t = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, g, transpose=True)
         dw13 = scaled_mm(da8t, y8t.t(), da_scale, y_scale, ctx.w_dtype)
-        dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, g)
+        dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, g, residual_grad=dres)
         dw1, dw3 = _split_rows(dw13, [ctx.ffn, ctx.ffn])
-        return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, *(None,) * 16
+        return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, *(None,) * 17
 
 
 def _history(scale: DelayedScale | None) -> tuple[torch.Tensor | None, bool]:
@@ -162,12 +165,13 @@ def coat_norm_qkv(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, gr
 def coat_mlp(x, norm_weight, w1, w3, w2, cache13: Fp8WeightCache, cache2: Fp8WeightCache, eps: float,
              group_size: int, grad_dtype: torch.dtype, fast_accum: bool = False,
              grad_scale: DelayedScale | None = None, norm_scale: DelayedScale | None = None,
-             swiglu_scale: DelayedScale | None = None):
+             swiglu_scale: DelayedScale | None = None, residual: bool = False):
     """grad_scale: SwiGLU's gradient with delayed scaling from that history; norm_scale, swiglu_scale: the norm's and
-    SwiGLU's FP8 outputs (None: current scaling)."""
+    SwiGLU's FP8 outputs (None: current scaling). residual: → (out, x), x for the residual branch (its gradient
+    joins x's in the norm's backward kernel)."""
     if torch.is_grad_enabled():
         check_gemm_dims(tokens_per_micro_batch=x[..., 0].numel())
     out = CoatMLPFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w1, w3, w2, *cache13.get((w1, w3)),
                                 *cache2.get((w2,)), eps, group_size, grad_dtype, fast_accum, *_history(grad_scale),
-                                *_history(norm_scale), *_history(swiglu_scale))
-    return out.view(x.shape)
+                                *_history(norm_scale), *_history(swiglu_scale), residual)
+    return (out[0].view(x.shape), out[1].view(x.shape)) if residual else out.view(x.shape)

@@ -102,6 +102,32 @@ def test_norm_qkv_residual_branch_gradient_joins_in_the_norm_kernel():
     assert ((dx0 - dx1).abs() <= 2 * u * (norm_path.abs() + dx1.abs())).all()
 
 
+def test_mlp_residual_branch_gradient_joins_in_the_norm_kernel():
+    """coat_mlp(residual=True) returns (out, x): the block's residual branch reads x there, and its gradient joins
+    x's in the norm's backward kernel, rounded once (as the QKV site's test above; the same bound); out and the
+    weight gradients are the very same as without it."""
+    h, f, g = 128, 352, 64
+    ps = [p.detach() for p in _params(h, f, torch.bfloat16)]
+    x0 = torch.randn(64, h, device=DEV, dtype=torch.bfloat16)
+    dy, dh = (torch.randn(64, h, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+
+    def run(residual, branch_grad):
+        x, ws = x0.clone().requires_grad_(), [p.clone().requires_grad_() for p in ps]
+        out = coat_mlp(x, *ws, Fp8WeightCache(), Fp8WeightCache(), 1e-5, g, torch.float8_e5m2, residual=residual)
+        out, branch = out if residual else (out, x)
+        assert torch.equal(branch, x)
+        torch.autograd.backward((out, branch), (dy, branch_grad))
+        return out, x.grad.float(), [w.grad for w in ws]
+
+    out0, dx0, dw0 = run(False, dh)
+    out1, dx1, dw1 = run(True, dh)
+    mlp_path = run(False, torch.zeros_like(dh))[1]
+    assert torch.equal(out0, out1) and all(torch.equal(p, q) for p, q in zip(dw0, dw1))
+    assert not torch.equal(dx0, dx1)
+    u = 2.0 ** -8
+    assert ((dx0 - dx1).abs() <= 2 * u * (mlp_path.abs() + dx1.abs())).all()
+
+
 def test_mlp_saves_only_fp8_and_small_scales():
     h, f, m = 128, 352, 64
     nw, w1, w3, w2 = _params(h, f, torch.bfloat16)
