@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from megacoat.ops.tensor_scale import (amax_workspace, history_max, record_amax, record_program_amax, roll_history,
-                                       scale_from_total)
+                                       cast_scale)
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, div_cast, group_dequantize,
                                    group_quantize, fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate
@@ -150,14 +150,8 @@ def _load_xd(x8_ptr, xs_ptr, rm, rn, gi, row_ok, mask, H, NG):
 def _out_kernel(x8_ptr, xs_ptr, rstd_ptr, w_ptr, scale_ptr, amax_ptr, y_ptr, M, H, NG, fmax_out, amax_floor,
                 TRANSPOSE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr,
                 FROM_AMAX: tl.constexpr):
-    """FROM_AMAX: the scale is derived from _fwd_kernel's total amax by every program, and stored by the first;
-    otherwise it is read from scale_ptr."""
-    if FROM_AMAX:
-        scale = scale_from_total(tl.load(amax_ptr), fmax_out, amax_floor)
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            tl.store(scale_ptr, scale)
-    else:
-        scale = tl.load(scale_ptr)
+    """FROM_AMAX: the scale comes from _fwd_kernel's total amax (tensor_scale.cast_scale)."""
+    scale = cast_scale(scale_ptr, amax_ptr, fmax_out, amax_floor, FROM_AMAX)
     gi = tl.program_id(1)
     rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from megacoat.ops.tensor_scale import (amax_workspace, history_max, record_amax, record_program_amax, roll_history,
-                                       scale_from_total)
+                                       cast_scale)
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, div_cast, group_dequantize,
                                    group_quantize, fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate, sigmoid
@@ -184,14 +184,8 @@ def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, y_pt
 def _out_kernel(a1_ptr, s1_ptr, a3_ptr, s3_ptr, scale_ptr, amax_ptr, y_ptr, M, F, NG, fmax_out, amax_floor,
                 TRANSPOSE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr,
                 FROM_AMAX: tl.constexpr):
-    """FROM_AMAX: the scale is derived from _fwd_kernel's total amax by every program, and stored by the first;
-    otherwise it is read from scale_ptr."""
-    if FROM_AMAX:
-        scale = scale_from_total(tl.load(amax_ptr), fmax_out, amax_floor)
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            tl.store(scale_ptr, scale)
-    else:
-        scale = tl.load(scale_ptr)
+    """FROM_AMAX: the scale comes from _fwd_kernel's total amax (tensor_scale.cast_scale)."""
+    scale = cast_scale(scale_ptr, amax_ptr, fmax_out, amax_floor, FROM_AMAX)
     # Reverse order of _fwd_kernel's tiles: the forward runs this right after it, and the pair it wrote last
     # (the last group columns, up to L2's size of the 2 bytes per pair) is still in L2.
     gi = tl.num_programs(1) - 1 - tl.program_id(1)

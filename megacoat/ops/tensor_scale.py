@@ -37,6 +37,19 @@ def scale_from_total(amax, fmax, amax_floor):
     return tl.math.div_rn(tl.maximum(amax, amax_floor), fmax)
 
 
+@triton.jit
+def cast_scale(scale_ptr, amax_ptr, fmax, amax_floor, FROM_AMAX: tl.constexpr):
+    """The per-tensor scale a cast launch uses: read from scale_ptr, or (FROM_AMAX) derived by every program from
+    the total amax an earlier launch folded, and stored at scale_ptr by the first program."""
+    if FROM_AMAX:
+        scale = scale_from_total(tl.load(amax_ptr), fmax, amax_floor)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(scale_ptr, scale)
+    else:
+        scale = tl.load(scale_ptr)
+    return scale
+
+
 # Delayed scaling (megacoat.fp8.delayed_scaling): the scale comes from an amax history [L] (float32, entries >= 0,
 # most recent first), whose maximum each program reads itself; the call's own amax goes into a zeroed float by a
 # relaxed atomic max (record_program_amax), and one single-program launch rolls it into the history after the kernel
