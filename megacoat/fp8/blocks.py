@@ -86,7 +86,10 @@ class CoatTransformerBlock(nn.Module):
                        ff.w2.weight, self.w13_cache, self.w2_cache, self.ffn_norm.eps, self.group_size,
                        self.grad_dtype, self.fast_accum, self.swiglu_grad_scale, self.mlp_norm_out_scale,
                        self.swiglu_out_scale, residual=fused)
-        return out[1] + out[0] if fused else h + region.exit(out)
+        if fused:
+            out, h = out  # h as coat_mlp returns it: its gradient joins in the norm's backward kernel
+            return h + out
+        return h + region.exit(out)
 
     def fp8_weight_caches(self):
         """(cache, weights) pairs for refresh_fp8_weights (wo's cache belongs to its Fp8Linear)."""

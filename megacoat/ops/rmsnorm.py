@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.tensor_scale import (amax_workspace, history_max, record_amax, record_program_amax, roll_history,
-                                       cast_scale)
+from megacoat.ops.tensor_scale import (amax_workspace, cast_scale, history_max, record_amax, record_program_amax,
+                                       roll_history)
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, div_cast, group_dequantize,
                                    group_quantize, fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.tensor_scale import (amax_workspace, history_max, record_amax, record_program_amax, roll_history,
-                                       cast_scale)
+from megacoat.ops.tensor_scale import (amax_workspace, cast_scale, history_max, record_amax, record_program_amax,
+                                       roll_history)
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, div_cast, group_dequantize,
                                    group_quantize, fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate, sigmoid
@@ -327,8 +327,9 @@ def _out_launch(a1_8, s1, a3_8, s3, s_scale, y, group_size, transpose, amax=None
     """s from the saved pair with s_scale; amax given: s_scale is derived from it (and written) in the launch."""
     m, f = a1_8.shape
     launcher(_out_kernel)[(triton.cdiv(m, _BM), s1.shape[1])](
-        a1_8, s1, a3_8, s3, s_scale, s_scale if amax is None else amax, y, m, f, s1.shape[1], torch.finfo(y.dtype).max,
-        AMAX_FLOOR, TRANSPOSE=transpose, G=group_size, BM=_BM, FAST=FAST, FROM_AMAX=amax is not None, num_warps=4)
+        a1_8, s1, a3_8, s3, s_scale, s_scale if amax is None else amax, y, m, f, s1.shape[1],
+        torch.finfo(y.dtype).max, AMAX_FLOOR, TRANSPOSE=transpose, G=group_size, BM=_BM, FAST=FAST,
+        FROM_AMAX=amax is not None, num_warps=4)
 
 
 def swiglu_fp8_bwd_triton(ds, a1_8, s1, a3_8, s3, group_size: int, grad_dtype=torch.float8_e5m2):
