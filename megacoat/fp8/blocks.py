@@ -5,7 +5,9 @@ It adopts the original block's submodules (`attention_norm`, `attention.wq/wk/wv
     h   = x + wo(SDPA(q, k, v))   with q, k, v = coat_norm_qkv(x): RMSNorm, the [q|k|v] GEMM, RoPE of q and k
                                   (wo: Fp8Linear)
     out = h + coat_mlp(h)
-The residual stream itself stays in the activation dtype (adds save nothing for backward); attention's core
+On one rank the MLP norm's forward kernel makes h itself (coat_mlp's add), and both norms' backward kernels add
+the residual branches' gradients. The residual stream itself stays in the activation dtype (adds save nothing
+for backward); attention's core
 stays BF16 (flash SDPA on GPU) and what it saves is counted in the measurements.
 
 Tensor parallelism: the block runs inside a TP region, `self.region`, which is the identity (`NO_REGION`) on
@@ -80,16 +82,15 @@ class CoatTransformerBlock(nn.Module):
                             (a.wq.weight, a.wk.weight, a.wv.weight), self.qkv_cache, self.attention_norm.eps,
                             self.group_size, self.grad_dtype, cos, sin, a.head_dim, self.fast_accum,
                             self.qkv_norm_out_scale, residual=fused)
-        q, k, v = out[:3]
-        h = (out[3] if fused else x) + a.wo(causal_attention(q, k, v))
-        out = coat_mlp(region.enter(h), region.replicated(self.ffn_norm.weight), ff.w1.weight, ff.w3.weight,
-                       ff.w2.weight, self.w13_cache, self.w2_cache, self.ffn_norm.eps, self.group_size,
-                       self.grad_dtype, self.fast_accum, self.swiglu_grad_scale, self.mlp_norm_out_scale,
-                       self.swiglu_out_scale, residual=fused)
-        if fused:
-            out, h = out  # h as coat_mlp returns it: its gradient joins in the norm's backward kernel
+        attn = a.wo(causal_attention(*out[:3]))
+        mlp = (region.replicated(self.ffn_norm.weight), ff.w1.weight, ff.w3.weight, ff.w2.weight, self.w13_cache,
+               self.w2_cache, self.ffn_norm.eps, self.group_size, self.grad_dtype, self.fast_accum,
+               self.swiglu_grad_scale, self.mlp_norm_out_scale, self.swiglu_out_scale)
+        if fused:  # h = x + attn made by the MLP norm's kernel, and returned for the residual branch
+            out, h = coat_mlp(out[3], *mlp, residual=True, add=attn)
             return h + out
-        return h + region.exit(out)
+        h = x + attn
+        return h + region.exit(coat_mlp(region.enter(h), *mlp))
 
     def fp8_weight_caches(self):
         """(cache, weights) pairs for refresh_fp8_weights (wo's cache belongs to its Fp8Linear)."""

@@ -37,12 +37,13 @@ def _split_rows(t: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
     return tuple(t.split(sizes, dim=0))
 
 
-def _norm_fwd(x, weight, eps, group_size, history, bootstrap):
+def _norm_fwd(x, weight, eps, group_size, history, bootstrap, add=None):
     """→ (x8, xs, rstd, y_scale, y8): RMSNorm's saved FP8 input and its FP8 output for the next GEMM. history None:
-    current scaling (two launches); otherwise delayed scaling from that amax history (one launch)."""
+    current scaling (two launches); otherwise delayed scaling from that amax history (one launch). add: the norm
+    of h = x + add, made in the norm's first launch, and h last."""
     if history is None:
-        return rmsnorm_fp8_fwd(x, weight, eps, group_size)
-    return rmsnorm_fp8_fwd_delayed(x, weight, history, eps, group_size, bootstrap=bootstrap)
+        return rmsnorm_fp8_fwd(x, weight, eps, group_size, add=add)
+    return rmsnorm_fp8_fwd_delayed(x, weight, history, eps, group_size, bootstrap=bootstrap, add=add)
 
 
 def _swiglu_fwd(a13, group_size, history, bootstrap):
@@ -93,13 +94,17 @@ class CoatMLPFunction(torch.autograd.Function):
     """w2(silu(w1 n) * w3 n) with n = RMSNorm(x), all in the FP8 flow; x [M, H] → [M, H].
 
     residual: x is also returned (a view) for the block's residual branch, whose gradient is then added to x's in
-    the norm's backward kernel (as CoatNormQKVFunction's)."""
+    the norm's backward kernel (as CoatNormQKVFunction's). add (with residual): the input is h = x + add, the
+    block's residual addition, made by the norm's forward kernel; h is returned instead of x, and x and add both
+    receive h's gradient."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, w1, w3, w2, w13_8, w13_8t, w13_scale, w2_8, w2_8t, w2_scale, eps, group_size,
                 grad_dtype, fast_accum, grad_history, bootstrap, norm_history, norm_bootstrap, swiglu_history,
-                swiglu_bootstrap, residual):
-        x8, xs, rstd, y_scale, y8 = _norm_fwd(x, norm_weight, eps, group_size, norm_history, norm_bootstrap)
+                swiglu_bootstrap, residual, add):
+        x8, xs, rstd, y_scale, y8, *h = _norm_fwd(x, norm_weight, eps, group_size, norm_history, norm_bootstrap, add)
+        ctx.add = add is not None
+        x = h[0] if h else x  # the input that was normed
         a13 = scaled_mm(y8, w13_8.t(), y_scale, w13_scale, x.dtype, fast_accum)  # [M, 2F]: gate | up
         a1_8, s1, a3_8, s3, s_scale, s8 = _swiglu_fwd(a13, group_size, swiglu_history, swiglu_bootstrap)
         del a13  # the BF16 GEMM output dies here; backward keeps its FP8 copy
@@ -136,7 +141,7 @@ class CoatMLPFunction(torch.autograd.Function):
         dw13 = scaled_mm(da8t, y8t.t(), da_scale, y_scale, ctx.w_dtype)
         dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, g, residual_grad=dres)
         dw1, dw3 = _split_rows(dw13, [ctx.ffn, ctx.ffn])
-        return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, *(None,) * 17
+        return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, *(None,) * 17, dx if ctx.add else None
 
 
 def _history(scale: DelayedScale | None) -> tuple[torch.Tensor | None, bool]:
@@ -165,13 +170,17 @@ def coat_norm_qkv(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, gr
 def coat_mlp(x, norm_weight, w1, w3, w2, cache13: Fp8WeightCache, cache2: Fp8WeightCache, eps: float,
              group_size: int, grad_dtype: torch.dtype, fast_accum: bool = False,
              grad_scale: DelayedScale | None = None, norm_scale: DelayedScale | None = None,
-             swiglu_scale: DelayedScale | None = None, residual: bool = False):
+             swiglu_scale: DelayedScale | None = None, residual: bool = False, add: torch.Tensor | None = None):
     """grad_scale: SwiGLU's gradient with delayed scaling from that history; norm_scale, swiglu_scale: the norm's and
     SwiGLU's FP8 outputs (None: current scaling). residual: → (out, x), x for the residual branch (its gradient
-    joins x's in the norm's backward kernel)."""
+    joins x's in the norm's backward kernel). add (with residual): the MLP of h = x + add, the addition made in the
+    norm's forward kernel, → (out, h)."""
+    if add is not None and not residual:
+        raise ValueError("coat_mlp: add needs residual=True (h = x + add is returned for the residual branch)")
     if torch.is_grad_enabled():
         check_gemm_dims(tokens_per_micro_batch=x[..., 0].numel())
     out = CoatMLPFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w1, w3, w2, *cache13.get((w1, w3)),
                                 *cache2.get((w2,)), eps, group_size, grad_dtype, fast_accum, *_history(grad_scale),
-                                *_history(norm_scale), *_history(swiglu_scale), residual)
+                                *_history(norm_scale), *_history(swiglu_scale), residual,
+                                None if add is None else add.reshape(-1, add.shape[-1]))
     return (out[0].view(x.shape), out[1].view(x.shape)) if residual else out.view(x.shape)

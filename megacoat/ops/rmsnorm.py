@@ -11,6 +11,9 @@ operand in backward (made again instead of saved).
 `rmsnorm_fp8_fwd_delayed` (delayed scaling, megacoat.fp8.delayed_scaling) does both in the first launch: the scale
 comes from an amax history, the kernel writes y row-major beside x8, and a one-program launch after it rolls this
 call's amax into the history (x8 is not read again: 1 byte per element fewer).
+With `add` (the block's residual addition h = x + add, fused), the first launch also reads add and writes h,
+rounded to x's dtype as torch's addition rounds it, and norms h: the separate addition's launch and the norm's
+read of h are gone.
 Backward `rmsnorm_fp8_bwd` reads dy and the saved FP8 x once and writes dx, with a persistent grid (two
 programs per SM) whose programs each keep one partial sum of dw, summed by torch.
 
@@ -32,19 +35,33 @@ from megacoat.ops.triton_math import div_saturate, saturate
 E4M3 = torch.float8_e4m3fn
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, group_size: int) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, group_size: int, add: torch.Tensor | None = None) -> None:
     if x.dim() != 2 or weight.dim() != 1 or x.shape[1] != weight.shape[0]:
         raise ValueError(f"rmsnorm expects x [M, H] and weight [H], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if add is not None and (add.shape != x.shape or add.dtype != x.dtype):
+        raise ValueError(f"rmsnorm's add must be x's shape and dtype, got {tuple(add.shape)} {add.dtype} for "
+                         f"{tuple(x.shape)} {x.dtype}")
     check_group_size(group_size)
 
 
 # ----------------------------------------------------------------------------------------------- references
-def rmsnorm_fp8_fwd_ref(x, weight, eps: float, group_size: int, out_dtype=E4M3):
+def rmsnorm_fp8_fwd_ref(x, weight, eps: float, group_size: int, out_dtype=E4M3, add=None):
     """→ (x8 [M,H] E4M3, x_scales [M, ceil(H/G)], rstd [M] fp32, y_scale [1] fp32, y8 [M,H]): the saved FP8 input
-    and y = x * rstd * w cast with its own per-tensor scale, row-major for the next GEMM."""
-    x8, xs, xd, rstd = _saved_and_rstd(x, weight, eps, group_size)
+    and y = x * rstd * w cast with its own per-tensor scale, row-major for the next GEMM. add: the norm of
+    h = x + add (torch's addition), and h returned last."""
+    h = _added(x, weight, group_size, add)
+    x8, xs, xd, rstd = _saved_and_rstd(h, weight, eps, group_size)
     y_scale = scale_from_amax(_y_amax(xd, rstd, weight), out_dtype).reshape(1)
-    return x8, xs, rstd, y_scale, _cast_y(xd, rstd, weight, y_scale, out_dtype)
+    return (x8, xs, rstd, y_scale, _cast_y(xd, rstd, weight, y_scale, out_dtype)) + _h_out(h, add)
+
+
+def _added(x, weight, group_size, add):
+    _check(x, weight, group_size, add)
+    return x if add is None else x + add
+
+
+def _h_out(h, add) -> tuple:
+    return () if add is None else (h,)
 
 
 def _saved_and_rstd(x, weight, eps, group_size):
@@ -72,17 +89,19 @@ def _cast_y(xd, rstd, weight, y_scale, out_dtype):
 
 
 def rmsnorm_fp8_fwd_delayed_ref(x, weight, history, eps: float, group_size: int, out_dtype=E4M3,
-                                bootstrap: bool = False):
+                                bootstrap: bool = False, add=None):
     """rmsnorm_fp8_fwd with delayed scaling: → (x8, x_scales, rstd, y_scale, y8),
     y_scale from max(history), the amaxes of earlier calls (bootstrap: from this call's own amax, as
     rmsnorm_fp8_fwd); values beyond it saturate. history [L] (float32, most recent first) is rolled in place, this
-    call's amax in front (zero for a non-finite one). x is dequantized once (the CPU path's peak)."""
-    x8, xs, xd, rstd = _saved_and_rstd(x, weight, eps, group_size)
+    call's amax in front (zero for a non-finite one). x is dequantized once (the CPU path's peak). add: as
+    rmsnorm_fp8_fwd_ref's."""
+    h = _added(x, weight, group_size, add)
+    x8, xs, xd, rstd = _saved_and_rstd(h, weight, eps, group_size)
     amax = _y_amax(xd, rstd, weight)
     y_scale = scale_from_amax(amax if bootstrap else history.amax(), out_dtype).reshape(1)
     y8 = _cast_y(xd, rstd, weight, y_scale, out_dtype)
     record_amax(history, amax)
-    return x8, xs, rstd, y_scale, y8
+    return (x8, xs, rstd, y_scale, y8) + _h_out(h, add)
 
 
 def rmsnorm_fp8_bwd_ref(dy, x8, x_scales, rstd, weight, group_size: int, residual_grad=None):
@@ -110,15 +129,21 @@ def _row_tile(H, G: tl.constexpr, NGP: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(x_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, scale_ptr, y_ptr, hist_ptr, hist_len,
-                H, NG, eps, fmax_in, fmax_out, amax_floor, G: tl.constexpr, NGP: tl.constexpr, FAST: tl.constexpr,
-                HIST: tl.constexpr):
+def _fwd_kernel(x_ptr, add_ptr, h_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr, scale_ptr, y_ptr, hist_ptr,
+                hist_len, H, NG, eps, fmax_in, fmax_out, amax_floor, G: tl.constexpr, NGP: tl.constexpr,
+                FAST: tl.constexpr, HIST: tl.constexpr, ADD: tl.constexpr):
     """The row amaxes of y go into amax (megacoat.ops.tensor_scale), for _out_kernel's scale (current scaling) or
     for roll_history. HIST > 0 (delayed scaling): y's scale comes from the amax history's maximum and y is written
-    here."""
+    here. ADD: the row normed is h = x + add, summed in fp32 and rounded to h's dtype (torch's addition), and
+    written to h."""
     row = tl.program_id(0).to(tl.int64)
     gi, col, mask = _row_tile(H, G, NGP)
-    x = tl.load(x_ptr + row * H + col, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * H + col, mask=mask, other=0.0)
+    if ADD:
+        x = (x.to(tl.float32) + tl.load(add_ptr + row * H + col, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * H + col, x, mask=mask)
+    x = x.to(tl.float32)
     gs = tl.maximum(tl.max(tl.abs(x), axis=1), amax_floor) / fmax_in
     # a divide, not x * (1 / gs): an all-zero or subnormal group has 1 / gs = inf, and 0 * inf is NaN
     q = saturate(x / gs[:, None], fmax_in, FAST).to(x8_ptr.dtype.element_ty)
@@ -210,25 +235,29 @@ def _bwd_kernel(dy_ptr, x8_ptr, xs_ptr, rstd_ptr, w_ptr, res_ptr, dx_ptr, dwp_pt
     tl.store(dwp_ptr + pid.to(tl.int64) * H + col, dw, mask=mask)
 
 
-def rmsnorm_fp8_fwd_triton(x, weight, eps: float, group_size: int, out_dtype=E4M3):
+def rmsnorm_fp8_fwd_triton(x, weight, eps: float, group_size: int, out_dtype=E4M3, add=None):
     """Current scaling: after one memset, the first launch writes x8 and folds y's amax, the second writes y."""
-    return _fwd_launch(x, weight, eps, group_size, out_dtype)[:5]
+    *out, h, _ = _fwd_launch(x, weight, eps, group_size, out_dtype, add=add)
+    return tuple(out) + _h_out(h, add)
 
 
 def rmsnorm_fp8_fwd_delayed_triton(x, weight, history, eps: float, group_size: int, out_dtype=E4M3,
-                                   bootstrap: bool = False):
+                                   bootstrap: bool = False, add=None):
     """Delayed scaling: one launch writes x8 and y, one more (single program) rolls the history, after one memset;
     bootstrap: the two launches of current scaling, then the roll (once per run)."""
-    *out, amax = _fwd_launch(x, weight, eps, group_size, out_dtype, None if bootstrap else history)
+    *out, h, amax = _fwd_launch(x, weight, eps, group_size, out_dtype, None if bootstrap else history, add)
     roll_history(history, amax)
-    return tuple(out)
+    return tuple(out) + _h_out(h, add)
 
 
-def _fwd_launch(x, weight, eps, group_size, out_dtype, history=None):
-    """→ (x8, xs, rstd, y_scale, y, amax): amax is y's total either way; without a history y_scale comes from it
-    (in the second launch, which writes y), with one from the history (and the one launch writes y)."""
-    _check(x, weight, group_size)
+def _fwd_launch(x, weight, eps, group_size, out_dtype, history=None, add=None):
+    """→ (x8, xs, rstd, y_scale, y, h, amax): amax is y's total either way; without a history y_scale comes from it
+    (in the second launch, which writes y), with one from the history (and the one launch writes y). h: x + add,
+    None without add."""
+    _check(x, weight, group_size, add)
     x = x.contiguous()
+    add = None if add is None else add.contiguous()
+    h_out = None if add is None else torch.empty_like(x)
     m, h = x.shape
     ng = triton.cdiv(h, group_size)
     x8 = torch.empty((m, h), dtype=E4M3, device=x.device)
@@ -239,14 +268,14 @@ def _fwd_launch(x, weight, eps, group_size, out_dtype, history=None):
     amax = amax_workspace(x.device)
     ngp = triton.next_power_of_2(ng)
     hist_len = 0 if history is None else history.numel()
-    launcher(_fwd_kernel)[(m,)](x, weight, x8, xs, rstd, amax, y_scale, y, y_scale if history is None else history,
-                                hist_len, h, ng, eps, torch.finfo(E4M3).max, torch.finfo(out_dtype).max, AMAX_FLOOR,
-                                G=group_size, NGP=ngp, FAST=FAST,
-                                HIST=triton.next_power_of_2(hist_len) if hist_len else 0,
-                                num_warps=_warps(ngp * group_size, 1024))
+    launcher(_fwd_kernel)[(m,)](x, x if add is None else add, x if h_out is None else h_out, weight, x8, xs, rstd,
+                                amax, y_scale, y, y_scale if history is None else history, hist_len, h, ng, eps,
+                                torch.finfo(E4M3).max, torch.finfo(out_dtype).max, AMAX_FLOOR, G=group_size, NGP=ngp,
+                                FAST=FAST, HIST=triton.next_power_of_2(hist_len) if hist_len else 0,
+                                ADD=add is not None, num_warps=_warps(ngp * group_size, 1024))
     if history is None:
         _out_launch(x8, xs, rstd, weight, y_scale, y, group_size, False, amax)
-    return x8, xs, rstd, y_scale, y, amax
+    return x8, xs, rstd, y_scale, y, h_out, amax
 
 
 def _warps(row_elements: int, per_warp: int) -> int:
@@ -301,10 +330,11 @@ def rmsnorm_fp8_bwd_triton(dy, x8, x_scales, rstd, weight, group_size: int, resi
 Tensor = torch.Tensor
 
 
-def rmsnorm_fp8_fwd(x, weight, eps: float, group_size: int, out_dtype=E4M3):
+def rmsnorm_fp8_fwd(x, weight, eps: float, group_size: int, out_dtype=E4M3, add=None):
     """→ (x8, x_scales, rstd, y_scale, y8): the saved FP8 input and the FP8 output for the next GEMM
-    (rmsnorm_fp8_fwd_ref)."""
-    return dispatch(_fwd_op, x, rmsnorm_fp8_fwd_triton, rmsnorm_fp8_fwd_ref, x, weight, eps, group_size, out_dtype)
+    (rmsnorm_fp8_fwd_ref); add: of h = x + add, with h last."""
+    out = dispatch(_fwd_op, x, rmsnorm_fp8_fwd_triton, rmsnorm_fp8_fwd_ref, x, weight, eps, group_size, out_dtype, add)
+    return tuple(out) if add is not None else tuple(out[:5])
 
 
 def rmsnorm_fp8_out(x8, x_scales, rstd, weight, y_scale, group_size: int, transpose: bool, out_dtype=E4M3):
@@ -313,11 +343,12 @@ def rmsnorm_fp8_out(x8, x_scales, rstd, weight, y_scale, group_size: int, transp
 
 
 def rmsnorm_fp8_fwd_delayed(x, weight, history, eps: float, group_size: int, out_dtype=E4M3,
-                            bootstrap: bool = False):
+                            bootstrap: bool = False, add=None):
     """rmsnorm_fp8_fwd with delayed scaling (rmsnorm_fp8_fwd_delayed_ref): one launch writes x8 and y (x8 is not
     read again), `history` rolled in place."""
-    return dispatch(_fwd_delayed_op, x, rmsnorm_fp8_fwd_delayed_triton, rmsnorm_fp8_fwd_delayed_ref,
-                    x, weight, history, eps, group_size, out_dtype, bootstrap)
+    out = dispatch(_fwd_delayed_op, x, rmsnorm_fp8_fwd_delayed_triton, rmsnorm_fp8_fwd_delayed_ref,
+                   x, weight, history, eps, group_size, out_dtype, bootstrap, add)
+    return tuple(out) if add is not None else tuple(out[:5])
 
 
 def rmsnorm_fp8_bwd(dy, x8, x_scales, rstd, weight, group_size: int, residual_grad=None):
@@ -326,17 +357,23 @@ def rmsnorm_fp8_bwd(dy, x8, x_scales, rstd, weight, group_size: int, residual_gr
                     group_size, residual_grad)
 
 
+def _with_h(x: Tensor, out: tuple) -> tuple:
+    """The forward operators always return h, empty without add: an operator's outputs are fixed in number."""
+    return out if len(out) == 6 else (*out, x.new_empty(0))
+
+
 @fp8_operator("megacoat::rmsnorm_fp8_fwd")
-def _fwd_op(x: Tensor, weight: Tensor, eps: float, group_size: int,
-            out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return traced_body(x, rmsnorm_fp8_fwd_triton, rmsnorm_fp8_fwd_ref, x, weight, eps, group_size, out_dtype)
+def _fwd_op(x: Tensor, weight: Tensor, eps: float, group_size: int, out_dtype: torch.dtype,
+            add: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _with_h(x, traced_body(x, rmsnorm_fp8_fwd_triton, rmsnorm_fp8_fwd_ref, x, weight, eps, group_size,
+                                  out_dtype, add))
 
 
 @fp8_operator("megacoat::rmsnorm_fp8_fwd_delayed", mutates_args=("history",))
 def _fwd_delayed_op(x: Tensor, weight: Tensor, history: Tensor, eps: float, group_size: int, out_dtype: torch.dtype,
-                    bootstrap: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return traced_body(x, rmsnorm_fp8_fwd_delayed_triton, rmsnorm_fp8_fwd_delayed_ref, x, weight, history, eps,
-                       group_size, out_dtype, bootstrap)
+                    bootstrap: bool, add: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _with_h(x, traced_body(x, rmsnorm_fp8_fwd_delayed_triton, rmsnorm_fp8_fwd_delayed_ref, x, weight, history,
+                                  eps, group_size, out_dtype, bootstrap, add))
 
 
 @fp8_operator("megacoat::rmsnorm_fp8_out")

@@ -128,6 +128,30 @@ def test_mlp_residual_branch_gradient_joins_in_the_norm_kernel():
     assert ((dx0 - dx1).abs() <= 2 * u * (mlp_path.abs() + dx1.abs())).all()
 
 
+def test_mlp_add_is_the_mlp_of_the_sum():
+    """coat_mlp(x, add=a, residual=True) makes h = x + a in the norm's kernel: out and h the same bytes as
+    coat_mlp(x + a, residual=True), and x and a both receive h's gradient there, byte for byte."""
+    h, f, g = 128, 352, 64
+    ps = [p.detach() for p in _params(h, f, torch.bfloat16)]
+    x0, a0, dy, dh = (torch.randn(64, h, device=DEV, dtype=torch.bfloat16) for _ in range(4))
+
+    def run(fused):
+        x, a, ws = x0.clone().requires_grad_(), a0.clone().requires_grad_(), [p.clone().requires_grad_() for p in ps]
+        args = (Fp8WeightCache(), Fp8WeightCache(), 1e-5, g, torch.float8_e5m2)
+        out, hh = (coat_mlp(x, *ws, *args, residual=True, add=a) if fused
+                   else coat_mlp(x + a, *ws, *args, residual=True))
+        torch.autograd.backward((out, hh), (dy, dh))
+        return out, hh, x.grad, a.grad, [w.grad for w in ws]
+
+    plain, fused = run(False), run(True)
+    for p, q in zip(plain[:4], fused[:4]):
+        assert torch.equal(p, q)
+    assert torch.equal(fused[2], fused[3])  # one gradient for both addends
+    assert all(torch.equal(p, q) for p, q in zip(plain[4], fused[4]))
+    with pytest.raises(ValueError, match="add needs residual=True"):
+        coat_mlp(x0, *ps, Fp8WeightCache(), Fp8WeightCache(), 1e-5, g, torch.float8_e5m2, add=a0)
+
+
 def test_mlp_saves_only_fp8_and_small_scales():
     h, f, m = 128, 352, 64
     nw, w1, w3, w2 = _params(h, f, torch.bfloat16)

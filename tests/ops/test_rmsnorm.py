@@ -65,6 +65,37 @@ def test_backward_adds_the_residual_gradient_before_its_one_rounding(m, h, g):
     assert not torch.equal(tdx, R.rmsnorm_fp8_bwd_triton(dy, x8, xs, rstd, w, g)[0])  # it was added
 
 
+@pytest.mark.parametrize("backend", ["ref", "triton"])
+def test_add_norms_the_sum_and_returns_it(backend):
+    """add: h = x + add exactly as torch adds (fp32 sum, one rounding to bf16; the CPU interpreter truncates its
+    bf16 casts instead, so there within one bf16 step), and every output that of the norm of that h by the same
+    backend, byte for byte; delayed scaling too."""
+    if backend == "triton" and DEV == "cpu" and not interpreted(R._fwd_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+    fwd, delayed = ((R.rmsnorm_fp8_fwd_ref, R.rmsnorm_fp8_fwd_delayed_ref) if backend == "ref" else
+                    (R.rmsnorm_fp8_fwd_triton, R.rmsnorm_fp8_fwd_delayed_triton))
+    m, h, g = SHAPES[0]
+    x, w = _inputs(m, h)
+    add = (torch.randn(m, h, device=DEV) * 2).to(torch.bfloat16)
+    want_h = x + add
+    exact = backend == "ref" or DEV == "cuda"
+
+    def is_sum(out):
+        if len(out) != 6:
+            return False
+        if exact:
+            return same_bytes(out[5], want_h)
+        return bool(((out[5].float() - want_h.float()).abs() <= 2 ** -7 * want_h.float().abs()).all())
+    got = fwd(x, w, 1e-5, g, add=add)
+    assert is_sum(got)
+    assert all(same_bytes(a, b) for a, b in zip(got[:5], fwd(got[5], w, 1e-5, g)))
+    hist_a, hist_b = (torch.full((4,), 3.0, device=DEV) for _ in range(2))
+    got = delayed(x, w, hist_a, 1e-5, g, add=add)
+    assert is_sum(got)
+    assert all(same_bytes(a, b) for a, b in zip(got[:5], delayed(got[5], w, hist_b, 1e-5, g)))
+    assert torch.equal(hist_a, hist_b)
+
+
 def test_zero_row_and_group():
     """A zero row (padding) and a zero group: scales floored at tiny / fmax, FP8 zeros, rstd = 1/sqrt(eps)."""
     if DEV == "cpu" and not interpreted(R._fwd_kernel):
@@ -108,6 +139,8 @@ def test_bad_input_is_named():
         R.rmsnorm_fp8_fwd(torch.randn(4, 8, 16), torch.ones(16), 1e-5, 16)
     with pytest.raises(ValueError, match="group size"):
         R.rmsnorm_fp8_fwd(torch.randn(4, 16), torch.ones(16), 1e-5, 24)
+    with pytest.raises(ValueError, match="add must be x's shape and dtype"):
+        R.rmsnorm_fp8_fwd(torch.randn(4, 16), torch.ones(16), 1e-5, 16, add=torch.randn(4, 8))
 
 
 @pytest.mark.gpu

@@ -69,6 +69,8 @@ for transpose in (False, True):
 R.rmsnorm_fp8_bwd_triton(torch.randn(m, h, dtype=bf), x8, xs, rstd, w, g)
 R.rmsnorm_fp8_bwd_triton(torch.randn(m, h, dtype=bf), x8, xs, rstd, w, g, torch.randn(m, h, dtype=bf))  # + residual
 R.rmsnorm_fp8_fwd_delayed_triton(x, w, torch.ones(4), 1e-5, g)  # the one-launch variant
+R.rmsnorm_fp8_fwd_triton(x, w, 1e-5, g, add=x)  # the residual addition in the first launch
+R.rmsnorm_fp8_fwd_delayed_triton(x, w, torch.ones(4), 1e-5, g, add=x)
 a1, s1, a3, s3, ss, _ = S.swiglu_fp8_fwd_triton(torch.randn(m, 2 * f, dtype=bf), g)  # both launches
 S.swiglu_fp8_fwd_delayed_triton(torch.randn(m, 2 * f, dtype=bf), torch.ones(4), g)  # one launch
 for transpose in (False, True):
