@@ -103,8 +103,7 @@ class CoatMLPFunction(torch.autograd.Function):
                 grad_dtype, fast_accum, grad_history, bootstrap, norm_history, norm_bootstrap, swiglu_history,
                 swiglu_bootstrap, residual, add):
         x8, xs, rstd, y_scale, y8, *h = _norm_fwd(x, norm_weight, eps, group_size, norm_history, norm_bootstrap, add)
-        ctx.add = add is not None
-        x = h[0] if h else x  # the input that was normed
+        ctx.has_add = add is not None
         a13 = scaled_mm(y8, w13_8.t(), y_scale, w13_scale, x.dtype, fast_accum)  # [M, 2F]: gate | up
         a1_8, s1, a3_8, s3, s_scale, s8 = _swiglu_fwd(a13, group_size, swiglu_history, swiglu_bootstrap)
         del a13  # the BF16 GEMM output dies here; backward keeps its FP8 copy
@@ -115,7 +114,7 @@ class CoatMLPFunction(torch.autograd.Function):
         ctx.w2 = (w2,) if w2_8t is None else None
         ctx.group_size, ctx.grad_dtype, ctx.w_dtype, ctx.ffn = group_size, grad_dtype, w1.dtype, w1.shape[0]
         ctx.grad_history, ctx.bootstrap = grad_history, bootstrap  # state (written by backward), not an activation
-        return (out, x.view_as(x)) if residual else out
+        return (out, h[0] if h else x.view_as(x)) if residual else out  # h: a new tensor, x: an input (a view)
 
     @staticmethod
     def backward(ctx, grad_out, dres=None):
@@ -141,7 +140,7 @@ class CoatMLPFunction(torch.autograd.Function):
         dw13 = scaled_mm(da8t, y8t.t(), da_scale, y_scale, ctx.w_dtype)
         dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, g, residual_grad=dres)
         dw1, dw3 = _split_rows(dw13, [ctx.ffn, ctx.ffn])
-        return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, *(None,) * 17, dx if ctx.add else None
+        return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, *(None,) * 17, dx if ctx.has_add else None
 
 
 def _history(scale: DelayedScale | None) -> tuple[torch.Tensor | None, bool]:
