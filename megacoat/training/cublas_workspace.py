@@ -27,7 +27,10 @@ def apply_cublas_workspace(choice: str, fp8_gemms: bool, environ: MutableMapping
     if choice not in CHOICES:
         raise ValueError(f"--cublas-workspace must be one of {', '.join(CHOICES)}, got {choice!r}")
     if choice == "auto":
-        if not fp8_gemms or any(k in environ for k in NO_WORKSPACE):  # the user's own settings win over auto
+        own = [f"{k}={environ[k]}" for k in NO_WORKSPACE if k in environ]
+        if own:  # the user's own settings win over auto
+            return "the environment's (" + ", ".join(own) + ")"
+        if not fp8_gemms:
             return "default"
         choice = "none"
     if choice == "default":

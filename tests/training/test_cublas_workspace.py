@@ -53,4 +53,6 @@ def test_auto_is_none_with_fp8_gemms_only_and_yields_to_the_user():
     assert apply_cublas_workspace("auto", True, env).startswith("none") and env == NO_WORKSPACE
     for user in ({"CUBLASLT_WORKSPACE_SIZE": "1024"}, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}):
         env = dict(user)
-        assert apply_cublas_workspace("auto", True, env) == "default" and env == user
+        (k, v), = user.items()
+        assert apply_cublas_workspace("auto", True, env) == f"the environment's ({k}={v})"
+        assert env == user
