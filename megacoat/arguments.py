@@ -11,7 +11,7 @@ from megacoat.fp8.config import ACTIVATION_MODES, ACTIVATION_SCALINGS, FP8_DTYPE
 from megacoat.model.config import ModelConfig
 from megacoat.optim.config import DECAY_STYLES, MAIN_GRADS_DTYPES, MAIN_PARAMS_DTYPES, OptimizerConfig
 from megacoat.parallel.config import ParallelConfig
-from megacoat.training.config import TrainingConfig
+from megacoat.training.config import CUBLAS_WORKSPACES, TrainingConfig
 from megacoat.training.cuda_graph import check_cuda_graph
 
 # A negative number, scientific notation included (-1e-3, -.5, -2E+4): a value, never a flag. argparse's own
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-cuda-graph", action="store_true",
                    help="--compile with CUDA graphs: each block compiled in mode reduce-overhead (cudagraph trees: "
                         "replayed forward and backward, static shapes, a private memory pool); CUDA, no pipeline")
-    g.add_argument("--cublas-workspace", choices=("auto", "default", "none"), default=t.cublas_workspace,
+    g.add_argument("--cublas-workspace", choices=CUBLAS_WORKSPACES, default=t.cublas_workspace,
                    help="none: cuBLAS and cuBLASLt without a workspace (CUBLASLT_WORKSPACE_SIZE=0, "
                         "CUBLAS_WORKSPACE_CONFIG=:0:0): Hopper's FP8 GEMMs then run statically scheduled, without "
                         "a workspace memset before each; default: torch's workspace; auto (default): none where "

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from megacoat.ops.numerics import (AMAX_FLOOR, RESCALE, RESCALE_BELOW, cast_with_scale, fp8_operator, launcher,
                                    pick, scale_from_amax, traced_body)
+from megacoat.ops.tensor_scale import cast_scale
 
 RESCALE, RESCALE_BELOW = tl.constexpr(RESCALE), tl.constexpr(RESCALE_BELOW)
 
@@ -58,12 +59,7 @@ def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, N, 
     # out is [M, N] row-major; outt [N, M] with row stride ldt (M, or more when it is a column block of a wider
     # transpose: refresh writes each part of a joined weight straight into its place)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if FROM_AMAX:  # every program derives the scale from the amax; the first one stores it for _scaled_mm
-        scale = tl.div_rn(tl.maximum(tl.load(amax_ptr).to(tl.float32), amax_floor), fmax)
-        if (pid_m == 0) & (pid_n == 0):
-            tl.store(scale_ptr, scale)
-    else:
-        scale = tl.load(scale_ptr)
+    scale = cast_scale(scale_ptr, amax_ptr, fmax, amax_floor, FROM_AMAX)
     # once per program: the element loop multiplies; a scale from the amax floor is rescaled first (numerics)
     c = tl.where(scale < RESCALE_BELOW, RESCALE, 1.0)
     inv = tl.div_rn(1.0, scale * c)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from megacoat.ops.tensor_scale import (amax_workspace, cast_scale, history_max, record_amax, record_program_amax,
-                                       roll_history)
+                                       roll_history, scale_from_total)
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, div_cast, group_dequantize,
                                    group_quantize, fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate
@@ -156,7 +156,7 @@ def _fwd_kernel(x_ptr, add_ptr, h_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr
     w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
     amax = rstd * tl.max(tl.max(tl.abs(xd * w), axis=1), axis=0)
     if HIST > 0:
-        scale = tl.math.div_rn(tl.maximum(history_max(hist_ptr, hist_len, HIST), amax_floor), fmax_out)
+        scale = scale_from_total(history_max(hist_ptr, hist_len, HIST), fmax_out, amax_floor)
         if row == 0:
             tl.store(scale_ptr, scale)
         yq = div_saturate(xd * rstd * w, scale, fmax_out, FAST)  # _out_kernel's product, in its order

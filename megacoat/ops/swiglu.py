@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from megacoat.ops.tensor_scale import (amax_workspace, cast_scale, history_max, record_amax, record_program_amax,
-                                       roll_history)
+                                       roll_history, scale_from_total)
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, div_cast, group_dequantize,
                                    group_quantize, fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate, sigmoid
@@ -173,7 +173,7 @@ def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, y_pt
     s = a1 * sigmoid(a1, FAST) * a3
     amax = tl.max(tl.max(tl.abs(s), axis=1), axis=0)
     if HIST > 0:
-        scale = tl.math.div_rn(tl.maximum(history_max(hist_ptr, hist_len, HIST), amax_floor), fmax_out)
+        scale = scale_from_total(history_max(hist_ptr, hist_len, HIST), fmax_out, amax_floor)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(scale_ptr, scale)
         tl.store(y_ptr + offs, div_saturate(s, scale, fmax_out, FAST).to(y_ptr.dtype.element_ty), mask=mask)
@@ -249,7 +249,7 @@ def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr
         amax_in = history_max(hist_ptr, hist_len, HIST)
     else:
         amax_in = tl.load(amax_ptr)
-    scale = tl.math.div_rn(tl.maximum(amax_in, amax_floor), fmax_g)  # IEEE, as the reference's torch division
+    scale = scale_from_total(amax_in, fmax_g, amax_floor)  # IEEE, as the reference's torch division
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(scale_ptr, scale)
     da1, da3, s = _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG, FAST)

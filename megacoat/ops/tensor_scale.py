@@ -40,9 +40,10 @@ def scale_from_total(amax, fmax, amax_floor):
 @triton.jit
 def cast_scale(scale_ptr, amax_ptr, fmax, amax_floor, FROM_AMAX: tl.constexpr):
     """The per-tensor scale a cast launch uses: read from scale_ptr, or (FROM_AMAX) derived by every program from
-    the total amax an earlier launch folded, and stored at scale_ptr by the first program."""
+    the total amax an earlier launch folded (read as float32), and stored at scale_ptr by the first program (for
+    the GEMM that reads the cast)."""
     if FROM_AMAX:
-        scale = scale_from_total(tl.load(amax_ptr), fmax, amax_floor)
+        scale = scale_from_total(tl.load(amax_ptr).to(tl.float32), fmax, amax_floor)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(scale_ptr, scale)
     else:

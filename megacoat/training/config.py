@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PRECISIONS = ("auto", "bf16", "fp32")
+CUBLAS_WORKSPACES = ("auto", "default", "none")  # --cublas-workspace (megacoat.training.cublas_workspace)
 
 
 @dataclass
@@ -74,8 +75,9 @@ class TrainingConfig:
             raise ValueError("--finetune needs --load DIR")
         if self.override_optimizer_state not in (None, "convert"):
             raise ValueError(f"--override-optimizer-state must be 'convert', got {self.override_optimizer_state!r}")
-        if self.cublas_workspace not in ("auto", "default", "none"):
-            raise ValueError(f"--cublas-workspace must be auto, default or none, got {self.cublas_workspace!r}")
+        if self.cublas_workspace not in CUBLAS_WORKSPACES:
+            raise ValueError(f"--cublas-workspace must be one of {', '.join(CUBLAS_WORKSPACES)}, got "
+                             f"{self.cublas_workspace!r}")
         if self.enable_cuda_graph and not self.compile:
             raise ValueError("--enable-cuda-graph captures the compiled blocks: it needs --compile")
 

@@ -16,16 +16,17 @@ from __future__ import annotations
 import os
 from typing import MutableMapping
 
+from megacoat.training.config import CUBLAS_WORKSPACES
+
 NO_WORKSPACE = {"CUBLASLT_WORKSPACE_SIZE": "0", "CUBLAS_WORKSPACE_CONFIG": ":0:0"}  # KiB; cuBLAS's size:count
-CHOICES = ("auto", "default", "none")
 
 
 def apply_cublas_workspace(choice: str, fp8_gemms: bool, environ: MutableMapping[str, str] = os.environ) -> str:
     """`default`: torch's workspace, the environment left alone; `none`: both variables set to no workspace; `auto`:
     `none` where the run has FP8 GEMMs (fp8_gemms), `default` otherwise. Returns the setting in effect for the
     startup banner."""
-    if choice not in CHOICES:
-        raise ValueError(f"--cublas-workspace must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if choice not in CUBLAS_WORKSPACES:
+        raise ValueError(f"--cublas-workspace must be one of {', '.join(CUBLAS_WORKSPACES)}, got {choice!r}")
     if choice == "auto":
         own = [f"{k}={environ[k]}" for k in NO_WORKSPACE if k in environ]
         if own:  # the user's own settings win over auto
