@@ -46,29 +46,34 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # megacoat, imported where needed (the allocator settings, the memory model)
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
+# Each name keeps the flags it was measured with, whatever the trainer's defaults become: "coat" and its variants
+# pin COAT's just-in-time (current) scaling; "coat-delayed-all" is --coat-fp8's default (delayed at both sites).
+COAT = ["--coat-fp8", "--fp8-grad-scaling", "current", "--fp8-activation-scaling", "current"]
 # mode -> (script, flags)
 MODES = {
     "bf16": ("pretrain_gpt.py", []),
     "fp8-linear": ("pretrain_gpt.py", ["--fp8-activations", "fp8-linear"]),
-    # the defaults: bf16 main gradients, and no fp32 master (bf16 weights + CoatAdamW's int16 remainders, exact)
-    "coat": ("pretrain_gpt.py", ["--coat-fp8"]),
+    # the defaults but scaling: bf16 main gradients, and no fp32 master (bf16 weights + CoatAdamW's int16 remainders)
+    "coat": ("pretrain_gpt.py", COAT),
     # COAT's own layout: an fp32 master copy (and the fp32 round trip of the gradients in DeepSpeed's step)
-    "coat-fp32-master": ("pretrain_gpt.py", ["--coat-fp8", "--main-params-dtype", "fp32"]),
+    "coat-fp32-master": ("pretrain_gpt.py", [*COAT, "--main-params-dtype", "fp32"]),
     # without the per-step FP8 weight copies (2 B per block-linear parameter): the memory-lean setting
-    "coat-lean": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-weight-cache", "none"]),
+    "coat-lean": ("pretrain_gpt.py", [*COAT, "--fp8-weight-cache", "none"]),
     # only the row-major FP8 weight copy kept (backward transposes its bytes): 1 B/param less
-    "coat-rowwise": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-weight-cache", "rowwise"]),
+    "coat-rowwise": ("pretrain_gpt.py", [*COAT, "--fp8-weight-cache", "rowwise"]),
     # forward GEMMs with cuBLASLt's fast FP8 accumulation (torchao's and TransformerEngine's forward default)
-    "coat-fast-accum": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-fast-accum"]),
+    "coat-fast-accum": ("pretrain_gpt.py", [*COAT, "--fp8-fast-accum"]),
     # SwiGLU's gradient with delayed scaling (one pass of its backward instead of two; TransformerEngine's recipe)
-    "coat-delayed": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-grad-scaling", "delayed"]),
-    # and the norms' and SwiGLU's FP8 outputs with delayed scaling (each written in the launch that reads its input)
+    "coat-delayed": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling",
+                                         "current"]),
+    # the default: the norms' and SwiGLU's FP8 outputs with delayed scaling too (each written in the launch that
+    # reads its input)
     "coat-delayed-all": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling",
                                              "delayed"]),
     # cuBLAS(Lt)'s workspace against the mode's default (FP8 modes: none, statically scheduled FP8 GEMMs without a
     # memset before each; bf16: torch's workspace)
     "bf16-no-workspace": ("pretrain_gpt.py", ["--cublas-workspace", "none"]),
-    "coat-workspace": ("pretrain_gpt.py", ["--coat-fp8", "--cublas-workspace", "default"]),
+    "coat-workspace": ("pretrain_gpt.py", [*COAT, "--cublas-workspace", "default"]),
     "torchao-float8": ("benchmarks/torchao_pretrain.py", []),
     "plain-llama": ("benchmarks/plain_llama.py", []),
 }

@@ -54,18 +54,22 @@ def load_script(relpath: str):
 
 stats = load_script("benchmarks/fidelity_stats.py")
 
+# Each name keeps the flags it was measured with, whatever the trainer's defaults become: "coat" and its variants
+# pin COAT's just-in-time (current) scaling; "coat-delayed-all" is --coat-fp8's default (delayed at both sites).
+COAT = ["--coat-fp8", "--fp8-grad-scaling", "current", "--fp8-activation-scaling", "current"]
 MODES = {
     "bf16": [],
-    "coat": ["--coat-fp8"],
+    "coat": COAT,
     "fp8-optimizer": ["--fp8-optimizer"],
-    "fp8-activations": ["--fp8-activations", "coat"],
+    "fp8-activations": ["--fp8-activations", "coat", "--fp8-grad-scaling", "current", "--fp8-activation-scaling",
+                        "current"],
     "fp8-linear": ["--fp8-activations", "fp8-linear"],
-    "coat-no-expansion": ["--coat-fp8", "--fp8-no-expansion"],
-    "coat-v-e5m2": ["--coat-fp8", "--fp8-v-dtype", "e5m2"],
+    "coat-no-expansion": [*COAT, "--fp8-no-expansion"],
+    "coat-v-e5m2": [*COAT, "--fp8-v-dtype", "e5m2"],
     # forward GEMMs with fast accumulation: whether --fp8-fast-accum costs loss (it is off by default until shown)
-    "coat-fast-accum": ["--coat-fp8", "--fp8-fast-accum"],
+    "coat-fast-accum": [*COAT, "--fp8-fast-accum"],
     # SwiGLU's gradient scaled by the amaxes of earlier backward calls: whether --fp8-grad-scaling delayed costs loss
-    "coat-delayed": ["--coat-fp8", "--fp8-grad-scaling", "delayed"],
+    "coat-delayed": ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling", "current"],
     # and the norms' and SwiGLU's FP8 outputs scaled by the amaxes of earlier forwards (--fp8-activation-scaling)
     "coat-delayed-all": ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling", "delayed"],
 }

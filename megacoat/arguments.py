@@ -7,7 +7,8 @@ import re
 
 from megacoat.config import MegacoatConfig
 from megacoat.data.config import DataConfig
-from megacoat.fp8.config import ACTIVATION_MODES, ACTIVATION_SCALINGS, FP8_DTYPES, GRAD_SCALINGS, WEIGHT_CACHES, FP8Config
+from megacoat.fp8.config import (ACTIVATION_MODES, ACTIVATION_SCALINGS, AUTO, FP8_DTYPES, GRAD_SCALINGS, WEIGHT_CACHES,
+                                 FP8Config, resolve_scaling)
 from megacoat.model.config import ModelConfig
 from megacoat.optim.config import DECAY_STYLES, MAIN_GRADS_DTYPES, MAIN_PARAMS_DTYPES, OptimizerConfig
 from megacoat.parallel.config import ParallelConfig
@@ -111,13 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="forward FP8 GEMMs accumulate without the tensor cores' periodic fp32 promotion (less "
                         "exact; TransformerEngine's and torchao's forward default; no gain measured for the 1.3 B "
                         "model on an H100); backward GEMMs always promote")
-    g.add_argument("--fp8-grad-scaling", choices=GRAD_SCALINGS, default=FP8Config().grad_scaling,
-                   help="current: every FP8 gradient scaled by its own amax; delayed (coat mode): SwiGLU's gradient "
+    g.add_argument("--fp8-grad-scaling", choices=(AUTO, *GRAD_SCALINGS), default=AUTO,
+                   help="auto (default): delayed in coat mode without pipeline parallelism, current otherwise; "
+                        "current: every FP8 gradient scaled by its own amax; delayed (coat mode): SwiGLU's gradient "
                         "scaled by the largest amax of its last --fp8-amax-history-len backward calls, recording its "
                         "own in the same pass (TransformerEngine's delayed scaling: one pass of SwiGLU's backward "
                         "instead of two; values beyond the history's amax saturate)")
-    g.add_argument("--fp8-activation-scaling", choices=ACTIVATION_SCALINGS, default=FP8Config().activation_scaling,
-                   help="current: every FP8 activation scaled by its own amax; delayed (coat mode): the FP8 outputs of "
+    g.add_argument("--fp8-activation-scaling", choices=(AUTO, *ACTIVATION_SCALINGS), default=AUTO,
+                   help="auto (default): delayed in coat mode without pipeline parallelism, current otherwise; "
+                        "current: every FP8 activation scaled by its own amax; delayed (coat mode): the FP8 outputs of "
                         "RMSNorm and SwiGLU scaled by the largest amax of their last --fp8-amax-history-len forwards "
                         "with gradients, each written in the kernel that reads its input (one launch instead of two; "
                         "values beyond the history's amax saturate; evaluation scales just in time)")
@@ -225,9 +228,11 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         main_grads_dtype=args.main_grads_dtype, main_params_dtype=args.main_params_dtype)
     data = DataConfig(data_path=list(args.data_path), split=args.split, tokenizer_model=args.tokenizer_model,
                       cache_dir=args.data_cache_dir, num_workers=args.num_workers, mock_data=args.mock_data)
+    pp = args.pipeline_model_parallel_size
     fp8 = FP8Config(mode=fp8_activations, grad_dtype=args.fp8_grad_dtype, group_size=args.fp8_group_size,
                     weight_cache=args.fp8_weight_cache, fast_accum=args.fp8_fast_accum,
-                    grad_scaling=args.fp8_grad_scaling, activation_scaling=args.fp8_activation_scaling,
+                    grad_scaling=resolve_scaling(args.fp8_grad_scaling, fp8_activations, pp),
+                    activation_scaling=resolve_scaling(args.fp8_activation_scaling, fp8_activations, pp),
                     amax_history_len=args.fp8_amax_history_len)
     parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                               pipeline_model_parallel_size=args.pipeline_model_parallel_size,

@@ -46,10 +46,24 @@ def test_fast_accum_reaches_the_fp8_config():
 
 
 def test_grad_scaling_reaches_the_fp8_config():
-    assert parse_config(["--coat-fp8"]).fp8.grad_scaling == "current"
-    fp8 = parse_config(["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-amax-history-len", "4"]).fp8
+    fp8 = parse_config(["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling", "current",
+                        "--fp8-amax-history-len", "4"]).fp8
     assert fp8.grad_scaling == "delayed" and fp8.amax_history_len == 4 and fp8.activation_scaling == "current"
-    assert parse_config(["--coat-fp8", "--fp8-activation-scaling", "delayed"]).fp8.activation_scaling == "delayed"
+    fp8 = parse_config(["--coat-fp8", "--fp8-grad-scaling", "current", "--fp8-activation-scaling", "delayed"]).fp8
+    assert (fp8.grad_scaling, fp8.activation_scaling) == ("current", "delayed")
+
+
+@pytest.mark.parametrize("argv, scaling", [
+    (["--coat-fp8"], "delayed"),
+    (["--fp8-activations", "coat"], "delayed"),
+    (["--coat-fp8", "--tensor-model-parallel-size", "2"], "delayed"),
+    (["--coat-fp8", "--pipeline-model-parallel-size", "2"], "current"),  # the 1F1B schedule: no delayed scaling
+    (["--fp8-activations", "fp8-linear"], "current"),  # no megacoat kernel makes its FP8 tensors
+    ([], "current"),
+])
+def test_scaling_auto_is_delayed_where_it_applies(argv, scaling):
+    fp8 = parse_config(argv).fp8
+    assert (fp8.grad_scaling, fp8.activation_scaling) == (scaling, scaling)
 
 
 def test_checkpoint_conversion_flags_reach_the_config():

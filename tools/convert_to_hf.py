@@ -30,6 +30,7 @@ from megacoat.checkpoint.hf_llama import hf_config, to_hf_state_dict  # noqa: E4
 from megacoat.checkpoint.layout_free import WEIGHTS_FILE, is_layout_free  # noqa: E402
 from megacoat.checkpoint.paths import META_FILE, resolve_tag_dir  # noqa: E402
 from megacoat.checkpoint.sharding import merge_tensor_parallel, plain_name  # noqa: E402
+from megacoat.fp8.delayed_scaling import HISTORY_KEY  # noqa: E402
 from megacoat.model.config import ModelConfig  # noqa: E402
 
 
@@ -37,21 +38,28 @@ def _load(path: str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def _weights(state: dict, buffer_names=()) -> dict:
+    """The parameters of a saved module state: its buffers (delayed scaling's amax histories, training state
+    that differs between tensor-parallel ranks) are not weights and have no place in the export."""
+    buffers = set(buffer_names or ())
+    return {k: v for k, v in state.items() if k not in buffers and not k.endswith(f".{HISTORY_KEY}")}
+
+
 def read_shards(tag_dir: str, cfg: ModelConfig) -> list[dict[str, torch.Tensor]]:
-    """One state dict (plain GPT names) per tensor-parallel rank."""
+    """One state dict (plain GPT names, parameters only) per tensor-parallel rank."""
     layer_files = glob.glob(os.path.join(tag_dir, "layer_*-model_*-model_states.pt"))
     if layer_files:  # DeepSpeed's PipelineModule: one file per layer and TP rank
         shards: dict[int, dict] = {}
         for path in layer_files:
             layer, tp = map(int, re.search(r"layer_(\d+)-model_(\d+)-model_states", path).groups())
-            for key, value in _load(path).items():  # a tied head's file repeats the embedding: same tensor
+            for key, value in _weights(_load(path)).items():  # a tied head's file repeats the embedding
                 shards.setdefault(tp, {})[plain_name(f"{layer}.{key}", cfg.num_layers)] = value
         return [shards[r] for r in sorted(shards)]
     files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
     if not files:
         raise FileNotFoundError(f"{tag_dir}: no DeepSpeed model-state files (mp_rank_*_model_states.pt or "
                                 "layer_*-model_*-model_states.pt)")
-    return [_load(path)["module"] for path in files]
+    return [_weights(sd["module"], sd.get("buffer_names")) for sd in map(_load, files)]
 
 
 def load_megacoat_checkpoint(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:

@@ -19,6 +19,19 @@ GRAD_SCALINGS = ("current", "delayed")
 # current: each FP8 activation scaled by its own amax. delayed: in coat mode the FP8 outputs of RMSNorm and SwiGLU by
 # the amaxes their earlier forwards recorded (one launch each instead of two).
 ACTIVATION_SCALINGS = ("current", "delayed")
+# The trainer's flags also take auto (their default): see resolve_scaling.
+AUTO = "auto"
+
+
+def resolve_scaling(choice: str, mode: str, pipeline_model_parallel_size: int) -> str:
+    """--fp8-grad-scaling / --fp8-activation-scaling auto: delayed where it applies (coat mode) and where the
+    schedule allows it (no pipeline parallelism: its schedule runs several forwards before the first backward),
+    current elsewhere. Delayed is the faster of the two (one pass of SwiGLU's backward and one launch per norm and
+    SwiGLU forward instead of two), and its loss is as close to bf16's as current scaling's
+    (benchmarks/results/fidelity_125m.json). current stays available by name: COAT's just-in-time scaling."""
+    if choice != AUTO:
+        return choice
+    return "delayed" if mode == "coat" and pipeline_model_parallel_size == 1 else "current"
 
 
 @dataclass
@@ -31,6 +44,7 @@ class FP8Config:
     # TransformerEngine's and torchao's forward default. Backward GEMMs always promote: gradients sum over
     # the tokens, where the tensor cores' limited accumulator precision loses the most.
     fast_accum: bool = False
+    # The library's default is COAT's just-in-time scaling; the trainer's flags default to auto (resolve_scaling).
     grad_scaling: str = "current"
     activation_scaling: str = "current"
     amax_history_len: int = 16  # delayed scaling: calls (micro-batches) whose amaxes set the scale

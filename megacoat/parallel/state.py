@@ -59,6 +59,11 @@ class ParallelState:
         return None if self.grid is None else self.grid.get_slice_parallel_group()
 
     @property
+    def dp_group(self):
+        """The ranks holding the same model shard (None: the default group, plain data parallelism)."""
+        return None if self.grid is None else self.grid.get_data_parallel_group()
+
+    @property
     def mpu(self):
         """What deepspeed.initialize takes as `mpu`: model-parallel grad norms, checkpoint shard names."""
         return self.grid

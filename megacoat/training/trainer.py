@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megacoat.config import MegacoatConfig
 from megacoat.data.config import parse_data_path
+from megacoat.fp8.delayed_scaling import AmaxHistorySync
 from megacoat.fp8.linear import refresh_fp8_weights
 from megacoat.parallel import initialize_parallel_state
 from megacoat.parallel.grad_norm import global_grad_norm
@@ -152,6 +153,7 @@ class Trainer:
         # After each optimizer step; as one CUDA graph under --enable-cuda-graph (the weights' addresses are fixed)
         self.refresh_after_step = (GraphedWeightRefresh(self.engine.module) if t.enable_cuda_graph
                                    else lambda: refresh_fp8_weights(self.engine.module))
+        self.sync_amax_histories = AmaxHistorySync(self.engine.module, self.parallel.dp_group, self.dp_size)
         if t.profile_dir:
             annotate_engine(self.engine)  # the profiled window's idle time, split by phase (profiling.py)
         # Plain fp32 data parallelism is the one engine that would apply a non-finite step (stability.py).
@@ -212,6 +214,7 @@ class Trainer:
                 if self.device_skips is not None:
                     self.device_skips.record()
                 self.refresh_after_step()  # in place: compiled forwards only read the copies
+                self.sync_amax_histories()  # delayed scaling: every replica keeps the group's amaxes
             losses.append(loss.detach())
         norm = self.engine.get_global_grad_norm()
         if norm is None:

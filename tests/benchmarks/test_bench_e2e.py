@@ -15,7 +15,7 @@ from torch import nn
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 sys.path.insert(0, BENCH)
 
-from bench_e2e import MODEL_TINY, MODES, mode_command, mode_spec, summarize, timed_window  # noqa: E402
+from bench_e2e import COAT, MODEL_TINY, MODES, mode_command, mode_spec, summarize, timed_window  # noqa: E402
 
 
 def _records(rates, every=5, mfu_per_rate=None):
@@ -29,8 +29,11 @@ def test_mode_labels_and_their_commands():
     for bad in ("bogus", "coat+eager", "bf16+", "plain-llama+cudagraph"):
         with pytest.raises(argparse.ArgumentTypeError, match="MODE, MODE\\+compile or MODE\\+cudagraph"):
             mode_spec(bad)
-    assert mode_command("coat") == ("pretrain_gpt.py", ["--coat-fp8"])
-    assert mode_command("coat+cudagraph") == ("pretrain_gpt.py", ["--coat-fp8", "--compile", "--enable-cuda-graph"])
+    # "coat" pins COAT's just-in-time scaling: its name means what it measured before delayed became the default
+    assert COAT == ["--coat-fp8", "--fp8-grad-scaling", "current", "--fp8-activation-scaling", "current"]
+    assert mode_command("coat") == ("pretrain_gpt.py", COAT)
+    assert mode_command("coat+cudagraph") == ("pretrain_gpt.py", [*COAT, "--compile", "--enable-cuda-graph"])
+    assert mode_command("coat-lean")[1][:len(COAT)] == COAT
     assert mode_command("bf16+compile") == ("pretrain_gpt.py", ["--compile"])
     assert mode_command("torchao-float8") == ("benchmarks/torchao_pretrain.py", ["--compile"])
 

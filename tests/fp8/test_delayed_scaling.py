@@ -11,11 +11,12 @@ import torch
 
 from megacoat.fp8.config import FP8Config
 from megacoat.fp8.convert import convert_to_fp8
-from megacoat.fp8.delayed_scaling import DelayedScale
+from megacoat.fp8.delayed_scaling import AmaxHistorySync, DelayedScale
 from megacoat.fp8.linear import refresh_fp8_weights
 from megacoat.model.config import ModelConfig
 from megacoat.model.gpt import GPT
 from tests.fp8.test_blocks import CFG, _run
+from tests.parallel.dist_helpers import run_ranks
 
 # the block's delayed-scaling modules per site
 SITES = {"grad": ("swiglu_grad_scale",),
@@ -187,3 +188,29 @@ def test_gpu_delayed_block_under_cuda_graphs(site):
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     for he, hg in zip(_histories(eb, site), _histories(gb, site)):
         assert hg.gt(0).all() and ((hg - he).abs() / he).max().item() <= 2 ** -6
+
+
+def _synced_histories():
+    """On each of 2 ranks: two sites with this rank's own histories, synced once."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = torch.nn.Sequential(DelayedScale(3), DelayedScale(2))
+    model[0].amax_history.copy_(torch.tensor([1.0, 5.0, 2.0] if rank == 0 else [4.0, 3.0, 0.0]))
+    model[1].amax_history.copy_(torch.tensor([7.0, 0.0] if rank == 0 else [1.0, 8.0]))
+    buffers = [m.amax_history for m in model]
+    AmaxHistorySync(model, None, dist.get_world_size())()
+    assert all(m.amax_history is b for m, b in zip(model, buffers))  # in place: CUDA graphs read these addresses
+    return [m.amax_history.tolist() for m in model]
+
+
+def test_data_parallel_replicas_keep_the_groups_amax_histories():
+    """Entry by entry, the maximum over the replicas (each history's i-th entry is every replica's i-th most
+    recent call)."""
+    assert run_ranks(2, _synced_histories) == [[[4.0, 5.0, 2.0], [7.0, 8.0]]] * 2
+
+
+def test_history_sync_is_a_no_op_on_one_replica_or_without_delayed_scaling():
+    assert not AmaxHistorySync(_model("delayed"), None, 1).active
+    assert not AmaxHistorySync(_model("current"), None, 2).active
+    assert AmaxHistorySync(_model("delayed"), None, 2).active

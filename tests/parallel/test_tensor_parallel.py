@@ -21,8 +21,8 @@ TINY = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_hea
 FP8_TINY = dict(TINY, hidden_size=128, ffn_hidden_size=256)  # shards stay multiples of 16 for FP8 GEMMs
 
 
-def _batch(cfg: ModelConfig, batch: int = 2):
-    g = torch.Generator().manual_seed(7)
+def _batch(cfg: ModelConfig, batch: int = 2, seed: int = 7):
+    g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=g)
     labels[0, :5] = -100  # padding must be ignored the same way
@@ -39,11 +39,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _tp_case(model_kw: dict, sequence_parallel: bool, fp8_mode: str | None):
+def _tp_case(model_kw: dict, sequence_parallel: bool, fp8_mode: str | None, scaling: str = "current"):
     import torch.distributed as dist
 
     cfg = ModelConfig(**model_kw)
-    fp8 = FP8Config(mode=fp8_mode, group_size=64) if fp8_mode else None
+    fp8 = (FP8Config(mode=fp8_mode, group_size=64, grad_scaling=scaling, activation_scaling=scaling)
+           if fp8_mode else None)
     tokens, labels = _batch(cfg)
     torch.manual_seed(0)
     ref = GPT(cfg)
@@ -60,6 +61,10 @@ def _tp_case(model_kw: dict, sequence_parallel: bool, fp8_mode: str | None):
     assert type(model) is GPT  # apply_tp swaps modules and the loss, never the model's class
     if fp8_mode == "coat":
         assert all(block.region.group is state.tp_group for block in model.layers)
+    if scaling == "delayed":  # one step on another batch first: the measured one scales by the recorded amaxes
+        for m in (ref, model):
+            m(*_batch(cfg, seed=8)).backward()
+            m.zero_grad(set_to_none=True)
     ref_loss = ref(tokens, labels)
     ref_loss.backward()
     loss = model(tokens, labels)
@@ -78,6 +83,8 @@ def _all_cases(cases):
 
 BF16_CASES = [("bf16", dict(TINY, num_query_groups=groups), sp, None) for groups in (None, 2) for sp in (False, True)]
 FP8_CASES = [(mode, FP8_TINY, sp, mode) for mode in ("fp8-linear", "coat") for sp in (False, True)]
+# coat with delayed scaling at both sites: each TP rank keeps the histories of its own shards
+FP8_CASES += [("coat-delayed", FP8_TINY, sp, "coat", "delayed") for sp in (False, True)]
 
 
 @pytest.fixture(scope="module")

@@ -168,14 +168,16 @@ def test_bad_inputs_are_named(tmp_path, tool):
         tool.convert(str(tmp_path / "ckpt"), str(tmp_path / "out"))
 
 
-def test_a_real_training_checkpoint_converts(tmp_path, tool):
-    """From pretrain_gpt.py's own DeepSpeed files (ZeRO-1): HF logits equal the megacoat model's."""
+@pytest.mark.parametrize("flags", [[], ["--coat-fp8"]], ids=["bf16", "coat"])
+def test_a_real_training_checkpoint_converts(tmp_path, tool, flags):
+    """From pretrain_gpt.py's own DeepSpeed files (ZeRO-1): HF logits equal the megacoat model's. coat's model
+    state also holds its delayed-scaling amax histories (buffers, not weights): the export leaves them out."""
     cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=32,
                       vocab_size=256)
     argv = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
             "--seq-length", "32", "--vocab-size", "256", "--micro-batch-size", "2", "--global-batch-size", "2",
             "--train-iters", "2", "--eval-iters", "0", "--mock-data", "--zero-stage", "1",
-            "--save", str(tmp_path / "ckpt")]
+            "--save", str(tmp_path / "ckpt"), *flags]
     env = dict(os.environ, PYTHONPATH=ROOT, MEGACOAT_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     env.pop("RANK", None)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py")] + argv, env=env, cwd=tmp_path,

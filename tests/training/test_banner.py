@@ -41,11 +41,11 @@ def test_plain_run_on_cpu():
     fast = startup_banner(parse_config(["--coat-fp8", "--fp8-fast-accum"]), ParallelState(), 1, 2, bf16=True,
                           on_cuda=True)
     assert "gradients E5M2; forward GEMMs with fast accumulation (--fp8-fast-accum))" in fast
-    delayed = startup_banner(parse_config(["--coat-fp8", "--fp8-grad-scaling", "delayed"]), ParallelState(), 1, 2,
-                             bf16=True, on_cuda=True)
+    delayed = startup_banner(parse_config(["--coat-fp8", "--fp8-activation-scaling", "current"]), ParallelState(),
+                             1, 2, bf16=True, on_cuda=True)
     assert "SwiGLU's gradient with delayed scaling (history of 16, --fp8-grad-scaling" in delayed
-    both = startup_banner(parse_config(["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling",
-                                        "delayed"]), ParallelState(), 1, 2, bf16=True, on_cuda=True)
-    assert "SwiGLU's gradient and RMSNorm's and SwiGLU's outputs with delayed scaling" in both
-    assert "delayed" not in startup_banner(parse_config(["--coat-fp8"]), ParallelState(), 1, 2, bf16=True,
-                                           on_cuda=True)
+    both = startup_banner(parse_config(["--coat-fp8"]), ParallelState(), 1, 2, bf16=True, on_cuda=True)
+    assert "SwiGLU's gradient and RMSNorm's and SwiGLU's outputs with delayed scaling" in both  # the default
+    assert "delayed" not in startup_banner(parse_config(["--coat-fp8", "--fp8-grad-scaling", "current",
+                                                         "--fp8-activation-scaling", "current"]), ParallelState(),
+                                           1, 2, bf16=True, on_cuda=True)

@@ -52,6 +52,19 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, flags):
 
 
 @pytest.mark.slow
+def test_default_delayed_scaling_resumes_two_data_parallel_ranks_bitwise(tmp_path):
+    """--coat-fp8's default (delayed scaling at both sites) on 2 data-parallel ranks: each replica records the amaxes
+    of its own micro-batches, and the step's all-reduce keeps the replicas' histories the same. Without it rank 0's
+    checkpoint would resume rank 1 with histories it never had, and the resumed losses would differ."""
+    argv = ["--train-iters", str(ITERS), "--zero-stage", "1", "--fp32", "--coat-fp8", "--fp8-amax-history-len", "5"]
+    first = run(tmp_path, argv, tmp_path / "full.json", ranks=2, port=29613)
+    assert "with delayed scaling" in first.stdout
+    _, log = _interrupted_then_resumed(tmp_path, argv, ranks=2, port=29614)
+    full, resumed = losses(tmp_path / "full.json"), losses(log)
+    assert same_sequence(full, resumed), (full, resumed)
+
+
+@pytest.mark.slow
 def test_zero2_two_ranks_resume_bitwise_and_another_dp_size_converts(tmp_path):
     argv = ["--train-iters", str(ITERS), "--zero-stage", "2", "--fp32"]
     run(tmp_path, argv, tmp_path / "full.json", ranks=2, port=29611)
