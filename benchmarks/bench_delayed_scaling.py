@@ -16,10 +16,14 @@ launched from Python, triton.testing.do_bench); repeated and interleaved. Back-t
 the previous call's input in L2 (50 MB on the H100), as the trainer's next kernel often does; bytes counted as each
 read and write.
 
-`--sweep BM:WARPS ...` repeats the backward rows with other tile heights and warp counts of its cast pass (the
-library's are the first row), each checked for the same bytes before it is timed.
+`--sweep BM:WARPS ...` repeats the backward rows with other tile heights and warp counts of its cast pass,
+`--sweep-fwd BM:WARPS ...` the SwiGLU forward rows with other tiles of its kernel, and `--sweep-norm PER_WARP ...`
+the RMSNorm forward rows with other row elements per warp (its warps per row); the library's setting is each op's
+first row. "same_bytes" in each row: delayed scaling wrote current scaling's bytes (the history holding the call's
+own amax), and a swept setting wrote the library setting's bytes.
 
-    python benchmarks/bench_delayed_scaling.py [--repeats 3] [--sweep 64:4 32:4 128:8 128:16] [--eager]
+    python benchmarks/bench_delayed_scaling.py [--repeats 3] [--sweep 64:4 32:4 128:8 128:16]
+        [--sweep-fwd 64:4 64:8 128:8] [--sweep-norm 512 2048] [--eager]
         [--out benchmarks/results/bench_delayed_scaling.json]
     python benchmarks/bench_delayed_scaling.py --cpu-smoke   # no GPU: tiny shapes under TRITON_INTERPRET=1
 """
@@ -86,12 +90,20 @@ def _rmsnorm_fwd(m, h, f, device):
 OPS = {"swiglu_bwd": _swiglu_bwd, "swiglu_fwd": _swiglu_fwd, "rmsnorm_fwd": _rmsnorm_fwd}
 
 
-def measure(op: str, name: str, m: int, h: int, f: int, repeats: int, device: str, eager: bool = False) -> dict:
+def measure(op: str, name: str, m: int, h: int, f: int, repeats: int, device: str, eager: bool = False,
+            library_bytes: dict | None = None) -> dict:
+    """library_bytes: {(op, name): outputs} of the library's setting, filled by its row and compared with by the
+    swept ones (the same seed makes the same inputs), so a tile that changes any byte fails the run."""
     torch.manual_seed(0)
     current, delayed, moved = OPS[op](m, h, f, device)
     history = torch.zeros(16, device=device)
     delayed(history, True)  # bootstrap: records this input's amax
-    same = all(_same(a, b) for a, b in zip(current(), delayed(history)))  # history max = own amax
+    outs = current()
+    same = all(_same(a, b) for a, b in zip(outs, delayed(history)))  # history max = own amax
+    if library_bytes is not None:
+        first = library_bytes.setdefault((op, name), outs)
+        same = same and all(_same(a, b) for a, b in zip(first, outs))
+    del outs
 
     def timed(fn):
         if device == "cuda" and eager:
@@ -108,9 +120,39 @@ def measure(op: str, name: str, m: int, h: int, f: int, repeats: int, device: st
         for k, fn in runs.items():
             times[k].append(timed(fn))
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"op": op, "shape": name, "tokens": m, "hidden": h, "ffn": f, "same_bytes_at_equal_amax": same,
+    return {"op": op, "shape": name, "tokens": m, "hidden": h, "ffn": f, "same_bytes": same,
             "ms": med, "ms_repeats": times, "speedup": med["current"] / med["delayed"],
             "bytes": moved, "gb_per_s": {k: moved[k] / (med[k] * 1e-3) / 1e9 for k in med}}
+
+
+SETTING_NAMES = {"swiglu_bwd": ("BM", "warps"), "swiglu_fwd": ("BM", "warps"), "rmsnorm_fwd": ("per_warp",)}
+
+
+def _tile(text: str) -> tuple[int, int]:
+    try:
+        bm, warps = (int(x) for x in text.split(":"))
+    except ValueError:
+        bm = warps = 0
+    if bm < 16 or bm & (bm - 1) or warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"--sweep / --sweep-fwd take BM:WARPS, BM a power of two >= 16, WARPS a power of two up to "
+                         f"32: got {text!r}")
+    return bm, warps
+
+
+def _per_warp(text: str) -> tuple[int]:
+    n = int(text) if text.isdigit() else 0
+    if n < 32 or n & (n - 1):
+        raise ValueError(f"--sweep-norm takes row elements per warp, a power of two >= 32: got {text!r}")
+    return (n,)
+
+
+def _apply(op: str, setting: tuple) -> None:
+    if op == "swiglu_bwd":
+        swiglu._BM_T, swiglu._WARPS_T = setting
+    elif op == "swiglu_fwd":
+        swiglu._BM_F, swiglu._WARPS_F = setting
+    else:
+        rmsnorm._FWD_PER_WARP, = setting
 
 
 def main() -> int:
@@ -121,38 +163,38 @@ def main() -> int:
     p.add_argument("--eager", action="store_true", help="time each call launched from Python, not in a CUDA graph")
     p.add_argument("--sweep", nargs="*", default=[], metavar="BM:WARPS",
                    help="also time SwiGLU's backward cast pass at these tile heights and warp counts (e.g. 128:8)")
+    p.add_argument("--sweep-fwd", nargs="*", default=[], metavar="BM:WARPS",
+                   help="also time SwiGLU's forward kernel at these tile heights and warp counts (e.g. 64:8)")
+    p.add_argument("--sweep-norm", nargs="*", default=[], metavar="PER_WARP",
+                   help="also time RMSNorm's forward kernel with these row elements per warp (e.g. 512 2048)")
     args = p.parse_args()
     try:
-        configs = [(swiglu._BM_T, swiglu._WARPS_T)] + [tuple(int(x) for x in c.split(":")) for c in args.sweep]
-    except ValueError:
-        configs = [()]
-    if not all(len(c) == 2 and c[0] >= 16 and c[0] & (c[0] - 1) == 0 and c[1] in (1, 2, 4, 8, 16, 32)
-               for c in configs):
-        print("error: --sweep takes BM:WARPS pairs, BM a power of two >= 16, WARPS a power of two up to 32: "
-              f"{args.sweep}",
-              file=sys.stderr)
+        configs = {"swiglu_bwd": [(swiglu._BM_T, swiglu._WARPS_T)] + [_tile(c) for c in args.sweep],
+                   "swiglu_fwd": [(swiglu._BM_F, swiglu._WARPS_F)] + [_tile(c) for c in args.sweep_fwd],
+                   "rmsnorm_fwd": [(rmsnorm._FWD_PER_WARP,)] + [_per_warp(c) for c in args.sweep_norm]}
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     device = "cpu" if args.cpu_smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("error: needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
         return 2
     rows = []
-    library = configs[0]
     shapes = SMOKE if args.cpu_smoke else SHAPES
     repeats = 1 if args.cpu_smoke else args.repeats
     for op in OPS:
-        for bm, warps in configs if op == "swiglu_bwd" else configs[:1]:
-            swiglu._BM_T, swiglu._WARPS_T = bm, warps  # read at each launch
+        library_bytes = {}  # this op's outputs at the library setting, per shape (the previous op's freed)
+        for setting in configs[op]:
+            _apply(op, setting)  # module settings, read at each launch
             for name, m, h, f in shapes:
-                r = measure(op, name, m, h, f, repeats, device, args.eager)
-                if op == "swiglu_bwd":
-                    r["cast_pass"] = {"BM": bm, "num_warps": warps, "library": (bm, warps) == library}
+                r = measure(op, name, m, h, f, repeats, device, args.eager, library_bytes)
+                r["kernel_setting"] = {**dict(zip(SETTING_NAMES[op], setting)), "library": setting == configs[op][0]}
                 rows.append(r)
-                tile = f"BM {bm:3d} warps {warps:2d}" if op == "swiglu_bwd" else " " * 17
-                print(f"{op:11s} {name:9s} {tile}  current {r['ms']['current'] * 1e3:8.1f} us  "
+                tile = " ".join(f"{k} {v:4d}" for k, v in zip(SETTING_NAMES[op], setting))
+                print(f"{op:11s} {name:9s} {tile:18s}  current {r['ms']['current'] * 1e3:8.1f} us  "
                       f"delayed {r['ms']['delayed'] * 1e3:8.1f} us  "
-                      f"x{r['speedup']:.2f}  same bytes at equal amax: {r['same_bytes_at_equal_amax']}", flush=True)
-    swiglu._BM_T, swiglu._WARPS_T = library
+                      f"x{r['speedup']:.2f}  same bytes: {r['same_bytes']}", flush=True)
+        _apply(op, configs[op][0])
     result = {"what": "delayed scaling per call: SwiGLU's backward, SwiGLU's and RMSNorm's forward, current vs delayed",
               "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device == "cuda"
               else platform.processor() or "cpu", "torch": torch.__version__, "triton": triton.__version__,
@@ -161,7 +203,7 @@ def main() -> int:
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)
     print("wrote", args.out)
-    return 0 if all(r["same_bytes_at_equal_amax"] for r in rows) else 1
+    return 0 if all(r["same_bytes"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@
 #   kernels     (~8 min, 1 GPU) GPU tests (pytest -m gpu) but CoatAdamW's, bench_quant         issues 6, 16
 #   gpu-suite   (~4 min, 1 GPU) every GPU test (pytest -m gpu), then bench_delayed_scaling (SwiGLU's
 #               backward and the norm's and SwiGLU's forward per call, current vs delayed scaling)   issue 17
+#   kernel-sweep (~6 min, 1 GPU) bench_delayed_scaling with other tiles of SwiGLU's forward and backward kernels
+#               and other warps per row of RMSNorm's forward, each checked for the library's bytes   issue 17
 #   suite-speed MB (~9.5 min, 1 GPU) every GPU test, then e2e MB speed without a profile in the call's remaining
 #               time: a kernel change's check and its speed point on one machine start                  issue 17
 #   optimizer   (~6 min, 1 GPU) CoatAdamW's GPU tests (the CUDA kernel), bench_optimizer          issues 5, 16
@@ -105,6 +107,10 @@ gpu-suite)
     step gpu_tests_all 420 python3 -m pytest -m gpu -q --no-header -p no:cacheprovider tests -rfE
     cp "$LOGS/gpu_tests_all.txt" "$OUT/gpu_tests_all.txt"
     step bench_delayed_scaling 150 python3 benchmarks/bench_delayed_scaling.py --out "$OUT/bench_delayed_scaling.json"
+    ;;
+kernel-sweep)
+    step kernel_sweep 540 python3 benchmarks/bench_delayed_scaling.py --repeats 3 --sweep 32:4 128:8 64:4 \
+        --sweep-fwd 16:4 64:4 64:8 128:8 32:8 --sweep-norm 256 512 2048 --out "$OUT/bench_kernel_sweep.json"
     ;;
 suite-speed)
     MB=${2:?suite-speed needs a micro-batch size}

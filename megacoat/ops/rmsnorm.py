@@ -272,10 +272,13 @@ def _fwd_launch(x, weight, eps, group_size, out_dtype, history=None, add=None):
                                 amax, y_scale, y, y_scale if history is None else history, hist_len, h, ng, eps,
                                 torch.finfo(E4M3).max, torch.finfo(out_dtype).max, AMAX_FLOOR, G=group_size, NGP=ngp,
                                 FAST=FAST, HIST=triton.next_power_of_2(hist_len) if hist_len else 0,
-                                ADD=add is not None, num_warps=_warps(ngp * group_size, 1024))
+                                ADD=add is not None, num_warps=_warps(ngp * group_size, _FWD_PER_WARP))
     if history is None:
         _out_launch(x8, xs, rstd, weight, y_scale, y, group_size, False, amax)
     return x8, xs, rstd, y_scale, y, h_out, amax
+
+
+_FWD_PER_WARP = 1024  # the forward's row elements per warp (benchmarks/bench_delayed_scaling.py --sweep-norm)
 
 
 def _warps(row_elements: int, per_warp: int) -> int:

@@ -276,6 +276,7 @@ def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr
 
 
 _BM = 32
+_BM_F, _WARPS_F = 32, 4  # the forward's tile (benchmarks/bench_delayed_scaling.py --sweep-fwd times others)
 _BM_T, _WARPS_T = 64, 8  # the transposed store writes BM contiguous bytes per row: 64 of them
 
 
@@ -299,7 +300,7 @@ def _fwd_launch(a13, group_size, out_dtype, history=None):
     a13 = a13.contiguous()
     m = a13.shape[0]
     ng = triton.cdiv(f, group_size)
-    grid = (triton.cdiv(m, _BM), ng)
+    grid = (triton.cdiv(m, _BM_F), ng)
     dev = a13.device
     a1_8, a3_8 = (torch.empty((m, f), dtype=E4M3, device=dev) for _ in range(2))
     s1, s3 = (torch.empty((m, ng), dtype=torch.float32, device=dev) for _ in range(2))
@@ -309,8 +310,8 @@ def _fwd_launch(a13, group_size, out_dtype, history=None):
     hist_len = 0 if history is None else history.numel()
     launcher(_fwd_kernel)[grid](a13, a1_8, s1, a3_8, s3, amax, s_scale, y, s_scale if history is None else history,
                                 hist_len, m, f, ng, torch.finfo(E4M3).max, torch.finfo(out_dtype).max, AMAX_FLOOR,
-                                G=group_size, BM=_BM, FAST=FAST,
-                                HIST=triton.next_power_of_2(hist_len) if hist_len else 0, num_warps=4)
+                                G=group_size, BM=_BM_F, FAST=FAST,
+                                HIST=triton.next_power_of_2(hist_len) if hist_len else 0, num_warps=_WARPS_F)
     if history is None:
         _out_launch(a1_8, s1, a3_8, s3, s_scale, y, group_size, False, amax)
     return a1_8, s1, a3_8, s3, s_scale, y, amax

@@ -2,22 +2,32 @@
 delayed scaling writes current scaling's bytes where the history holds the call's own amax, at every site."""
 import json
 
+import pytest
+
 from tests.benchmarks.conftest import run_script
 
 
 def test_cpu_smoke_writes_its_json(tmp_path):
+    """Each op's library setting first, then the swept ones, each checked byte for byte against current scaling
+    (a tile that changed the bytes would fail the run)."""
     out = tmp_path / "bench.json"
-    proc = run_script("benchmarks/bench_delayed_scaling.py", "--cpu-smoke", "--sweep", "128:8", "--out", str(out))
+    proc = run_script("benchmarks/bench_delayed_scaling.py", "--cpu-smoke", "--sweep", "128:8", "--sweep-fwd", "64:8",
+                      "--sweep-norm", "128", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["results"]
-    assert [r["op"] for r in rows] == ["swiglu_bwd", "swiglu_bwd", "swiglu_fwd", "rmsnorm_fwd"]
-    assert all(r["same_bytes_at_equal_amax"] is True for r in rows)
-    assert [r["cast_pass"]["library"] for r in rows[:2]] == [True, False] and rows[1]["cast_pass"]["BM"] == 128
+    assert [r["op"] for r in rows] == ["swiglu_bwd"] * 2 + ["swiglu_fwd"] * 2 + ["rmsnorm_fwd"] * 2
+    assert all(r["same_bytes"] is True for r in rows)
+    assert [r["kernel_setting"]["library"] for r in rows] == [True, False] * 3
+    assert rows[1]["kernel_setting"] == {"BM": 128, "warps": 8, "library": False}
+    assert rows[3]["kernel_setting"] == {"BM": 64, "warps": 8, "library": False}
+    assert rows[5]["kernel_setting"] == {"per_warp": 128, "library": False}
     assert all(r["bytes"]["current"] > r["bytes"]["delayed"] > 0 for r in rows)
     assert all(set(r["ms"]) == {"current", "delayed"} for r in rows)
 
 
-def test_bad_sweep_is_one_line_and_exit_2(tmp_path):
-    proc = run_script("benchmarks/bench_delayed_scaling.py", "--cpu-smoke", "--sweep", "100:8",
+@pytest.mark.parametrize("flag, value", [("--sweep", "100:8"), ("--sweep-fwd", "64"), ("--sweep-norm", "100")])
+def test_bad_sweep_is_one_line_and_exit_2(tmp_path, flag, value):
+    proc = run_script("benchmarks/bench_delayed_scaling.py", "--cpu-smoke", flag, value,
                       "--out", str(tmp_path / "bench.json"))
-    assert proc.returncode == 2 and "--sweep" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and flag in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
