@@ -52,14 +52,17 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, flags):
 
 
 @pytest.mark.slow
-def test_default_delayed_scaling_resumes_two_data_parallel_ranks_bitwise(tmp_path):
-    """--coat-fp8's default (delayed scaling at both sites) on 2 data-parallel ranks: each replica records the amaxes
-    of its own micro-batches, and the step's all-reduce keeps the replicas' histories the same. Without it rank 0's
-    checkpoint would resume rank 1 with histories it never had, and the resumed losses would differ."""
-    argv = ["--train-iters", str(ITERS), "--zero-stage", "1", "--fp32", "--coat-fp8", "--fp8-amax-history-len", "5"]
-    first = run(tmp_path, argv, tmp_path / "full.json", ranks=2, port=29613)
+@pytest.mark.parametrize("ranks, layout", [(2, []), (4, ["--tensor-model-parallel-size", "2"])], ids=["dp2", "tp2-dp2"])
+def test_default_delayed_scaling_resumes_data_parallel_ranks_bitwise(tmp_path, ranks, layout):
+    """--coat-fp8's default (delayed scaling at both sites) on 2 data-parallel replicas (of one rank, or of a TP=2
+    pair): each replica records the amaxes of its own micro-batches, and the step's all-reduce over the
+    data-parallel group keeps the replicas' histories the same. Without it the checkpoint (written by data-parallel
+    rank 0) would resume the other replica with histories it never had, and the resumed losses would differ."""
+    argv = ["--train-iters", str(ITERS), "--zero-stage", "1", "--fp32", "--coat-fp8", "--fp8-amax-history-len", "5",
+            *layout]
+    first = run(tmp_path, argv, tmp_path / "full.json", ranks=ranks, port=29613)
     assert "with delayed scaling" in first.stdout
-    _, log = _interrupted_then_resumed(tmp_path, argv, ranks=2, port=29614)
+    _, log = _interrupted_then_resumed(tmp_path, argv, ranks=ranks, port=29614)
     full, resumed = losses(tmp_path / "full.json"), losses(log)
     assert same_sequence(full, resumed), (full, resumed)
 
