@@ -10,8 +10,9 @@
 #   kernels     (~8 min, 1 GPU) GPU tests (pytest -m gpu) but CoatAdamW's, bench_quant         issues 6, 16
 #   gpu-suite   (~4 min, 1 GPU) every GPU test (pytest -m gpu), then bench_delayed_scaling (SwiGLU's
 #               backward and the norm's and SwiGLU's forward per call, current vs delayed scaling)   issue 17
-#   kernel-sweep (~6 min, 1 GPU) bench_delayed_scaling with other tiles of SwiGLU's forward and backward kernels
-#               and other warps per row of RMSNorm's forward, each checked for the library's bytes   issue 17
+#   kernel-sweep (~7 min, 1 GPU) bench_cast_transpose (every linear operand's FP8 cast) with other tiles, then
+#               bench_delayed_scaling with other tiles of SwiGLU's forward and backward kernels and other warps
+#               per row of RMSNorm's forward; each tile checked for the library's bytes          issue 17
 #   suite-speed MB (~9.5 min, 1 GPU) every GPU test, then e2e MB speed without a profile in the call's remaining
 #               time: a kernel change's check and its speed point on one machine start                  issue 17
 #   optimizer   (~6 min, 1 GPU) CoatAdamW's GPU tests (the CUDA kernel), bench_optimizer          issues 5, 16
@@ -109,7 +110,9 @@ gpu-suite)
     step bench_delayed_scaling 150 python3 benchmarks/bench_delayed_scaling.py --out "$OUT/bench_delayed_scaling.json"
     ;;
 kernel-sweep)
-    step kernel_sweep 540 python3 benchmarks/bench_delayed_scaling.py --repeats 3 --sweep 32:4 128:8 64:4 \
+    step cast_sweep 200 python3 benchmarks/bench_cast_transpose.py --repeats 3 --layouts both \
+        --sweep 128:64:4 128:64:8 64:128:4 128:128:8 32:64:4 64:64:8 --out "$OUT/bench_cast_transpose_sweep.json"
+    step kernel_sweep $((585 - SECONDS)) python3 benchmarks/bench_delayed_scaling.py --repeats 3 --sweep 32:4 128:8 \
         --sweep-fwd 16:4 64:4 64:8 128:8 32:8 --sweep-norm 256 512 2048 --out "$OUT/bench_kernel_sweep.json"
     ;;
 suite-speed)

@@ -75,6 +75,9 @@ def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, N, 
                  mask=tl.trans(mask))
 
 
+_BM, _BN, _WARPS = 64, 64, 4  # the cast's tile (benchmarks/bench_cast_transpose.py --sweep times others)
+
+
 def _launch(x, amax, scale, out_dtype, rowwise, transpose, out=None, outt=None):
     """Cast x into out [M, N] and/or outt [N, M] (allocated when not given; a given outt may be a column block of
     a wider row-major tensor)."""
@@ -95,13 +98,13 @@ def _launch(x, amax, scale, out_dtype, rowwise, transpose, out=None, outt=None):
     if transpose and outt is None:
         outt = torch.empty((n, m), dtype=out_dtype, device=x.device)
     dummy = out if rowwise else outt
-    bm, bn = 64, 64
+    bm, bn = _BM, _BN
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     launcher(_cast_transpose_kernel)[grid](x, amax if amax is not None else scale, scale, out if rowwise else dummy,
                                  outt if transpose else dummy, m, n, outt.stride(0) if transpose else m,
                                  torch.finfo(out_dtype).max, AMAX_FLOOR,
                                  FROM_AMAX=amax is not None, ROWWISE=rowwise, TRANSPOSE=transpose,
-                                 BM=bm, BN=bn, num_warps=4)
+                                 BM=bm, BN=bn, num_warps=_WARPS)
     return (out if rowwise else None), (outt if transpose else None)
 
 

@@ -1,0 +1,142 @@
+"""The FP8 cast of every linear's operands per call, at the shapes the e2e model and the 7B layer run: the cast
+launch alone, given the tensor's amax (as the trained step runs it: under torch.compile the amax is a reduction
+fused elsewhere or a pass of its own), writing the row-major copy and the transpose, or one of them.
+
+At micro-batch 12 the 1.3 B step spends 22.8 ms in this kernel (360 calls; benchmarks/results/
+kernels_coat-delayed-all_cudagraph_mb12_zero1.json), its backward calls at ~1.6 TB/s against ~3 TB/s for a copy.
+`--sweep BM:BN:WARPS ...` times other tiles (the library's, megacoat.ops.cast_transpose._BM/_BN/_WARPS, is each
+shape's first row); on the GPU every tile must write the torch reference's bytes, or the run fails. Each call is timed inside a
+CUDA graph (triton.testing.do_bench_cudagraph), repeated and interleaved with a device-to-device copy of the same
+bytes read, whose GB/s is the yardstick.
+
+    python benchmarks/bench_cast_transpose.py [--repeats 3] [--sweep 128:64:4 128:128:8 64:128:4]
+        [--out benchmarks/results/bench_cast_transpose.json]
+    python benchmarks/bench_cast_transpose.py --cpu-smoke   # no GPU: tiny shapes under TRITON_INTERPRET=1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+if "--cpu-smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megacoat.ops import cast_transpose as ct  # noqa: E402
+
+E5M2 = torch.float8_e5m2
+# (name, rows, columns): a [tokens, hidden] gradient of the 1.3 B model at micro-batch 4, 8 and 12 (seq 2048), and
+# of one 7B layer (seq 4096)
+SHAPES = [("1.3B mb4", 4 * 2048, 2048), ("1.3B mb8", 8 * 2048, 2048), ("1.3B mb12", 12 * 2048, 2048),
+          ("7B mb1", 4096, 4096)]
+SMOKE = [("smoke", 96, 160)]
+LAYOUTS = {"both": (True, True), "rowwise": (True, False), "transpose": (False, True)}
+
+
+def _tile(text: str) -> tuple[int, int, int]:
+    try:
+        bm, bn, warps = (int(x) for x in text.split(":"))
+    except ValueError:
+        bm = bn = warps = 0
+    if min(bm, bn) < 16 or bm & (bm - 1) or bn & (bn - 1) or warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"--sweep takes BM:BN:WARPS, BM and BN powers of two >= 16, WARPS a power of two up to 16: "
+                         f"got {text!r}")
+    return bm, bn, warps
+
+
+def _timed(fn, device: str) -> float:
+    if device == "cuda":
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _same(a, b) -> bool:
+    return (a is None) == (b is None) and (a is None or torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+
+
+def measure(name: str, m: int, n: int, layout: str, repeats: int, device: str, reference_bytes: dict) -> dict:
+    """reference_bytes: {(shape, layout): the bytes every tile must write}, made once per shape and layout."""
+    torch.manual_seed(0)
+    x = (torch.randn(m, n, device=device) * 1e-2).to(torch.bfloat16)
+    amax = ct.tensor_amax(x).float()
+    rowwise, transpose = LAYOUTS[layout]
+    cast = lambda: ct.cast_from_amax_triton(x, amax, E5M2, rowwise, transpose)  # noqa: E731
+    q, qt, _ = cast()
+    if (name, layout) not in reference_bytes:
+        # on the GPU the torch reference; under the interpreter (whose FP8 casts round differently,
+        # tests/ops/fp8_compare.py) the first tile's output
+        reference_bytes[(name, layout)] = (ct.cast_from_amax_ref(x, amax, E5M2, rowwise, transpose)[:2]
+                                           if device == "cuda" else (q, qt))
+    want = reference_bytes[(name, layout)]
+    same = _same(want[0], q) and _same(want[1], qt)
+    del q, qt
+    y = torch.empty_like(x)
+    copy = lambda: y.copy_(x)  # noqa: E731
+    times = {"cast": [], "copy": []}
+    for _ in range(repeats):  # interleaved, so drift touches both alike
+        times["cast"].append(_timed(cast, device))
+        times["copy"].append(_timed(copy, device))
+    ms = {k: statistics.median(v) for k, v in times.items()}
+    moved = 2 * m * n + m * n * (rowwise + transpose)  # bf16 read, one FP8 byte per element and layout written
+    gbps = moved / (ms["cast"] * 1e-3) / 1e9
+    copy_gbps = 4 * m * n / (ms["copy"] * 1e-3) / 1e9
+    return {"shape": name, "rows": m, "cols": n, "layout": layout, "same_bytes": same, "ms": ms["cast"],
+            "ms_repeats": times["cast"], "copy_ms": ms["copy"], "bytes": moved, "gb_per_s": gbps,
+            "copy_gb_per_s": copy_gbps, "fraction_of_copy": gbps / copy_gbps}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sweep", nargs="*", default=[], metavar="BM:BN:WARPS")
+    p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--out", default="benchmarks/results/bench_cast_transpose.json")
+    p.add_argument("--cpu-smoke", action="store_true")
+    args = p.parse_args()
+    try:
+        tiles = [(ct._BM, ct._BN, ct._WARPS)] + [_tile(t) for t in args.sweep]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    device = "cpu" if args.cpu_smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("error: needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
+        return 2
+    shapes, repeats = (SMOKE, 1) if args.cpu_smoke else (SHAPES, args.repeats)
+    library = tiles[0]
+    rows = []
+    for name, m, n in shapes:
+        reference_bytes = {}  # this shape's reference outputs (the previous shape's freed)
+        for tile in tiles:
+            ct._BM, ct._BN, ct._WARPS = tile  # read at each launch
+            for layout in args.layouts:
+                r = measure(name, m, n, layout, repeats, device, reference_bytes)
+                r["tile"] = {"BM": tile[0], "BN": tile[1], "warps": tile[2], "library": tile == library}
+                rows.append(r)
+                print(f"{name:9s} {layout:9s} BM {tile[0]:3d} BN {tile[1]:3d} warps {tile[2]:2d}  "
+                      f"{r['ms'] * 1e3:7.1f} us  {r['gb_per_s']:6.0f} GB/s ({r['fraction_of_copy']:.2f} of a copy)  "
+                      f"same bytes: {r['same_bytes']}", flush=True)
+        ct._BM, ct._BN, ct._WARPS = library
+    result = {"what": "the FP8 cast launch of quantize_transpose given the amax, per tile and layout",
+              "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device == "cuda"
+              else platform.processor() or "cpu", "torch": torch.__version__, "triton": triton.__version__,
+              "timing": "cuda graph", "results": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print("wrote", args.out)
+    return 0 if all(r["same_bytes"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
