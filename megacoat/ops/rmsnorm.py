@@ -313,6 +313,30 @@ def _persistent_programs(m: int, warps: int, device) -> int:
     return max(1, min(m, sms * max(1, 16 // warps)))
 
 
+@triton.jit
+def _column_sum_kernel(p_ptr, out_ptr, P, H, BP: tl.constexpr, BH: tl.constexpr):
+    """out[h] = sum over the P rows of p[:, h] (float32), each program BH columns, its rows in a fixed order:
+    the dw partials' sum, deterministic. torch's sum(0) of the [P, H] partials took ~20 us a call on the H100
+    (1.3 B model: 96 calls a step), several times the read of its 4 MB."""
+    cols = tl.program_id(0) * BH + tl.arange(0, BH)
+    col_ok = cols < H
+    acc = tl.zeros([BP, BH], dtype=tl.float32)
+    for r0 in range(0, P, BP):
+        rows = r0 + tl.arange(0, BP)
+        acc += tl.load(p_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
+                       mask=(rows[:, None] < P) & col_ok[None, :], other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=col_ok)
+
+
+def column_sum_triton(p: torch.Tensor) -> torch.Tensor:
+    """[P, H] float32 → [H]: p.sum(0) in a fixed order (the backward's dw partials)."""
+    rows, h = p.shape
+    out = torch.empty((h,), dtype=torch.float32, device=p.device)
+    bh = 32
+    launcher(_column_sum_kernel)[(triton.cdiv(h, bh),)](p, out, rows, h, BP=64, BH=bh, num_warps=4)
+    return out
+
+
 def rmsnorm_fp8_bwd_triton(dy, x8, x_scales, rstd, weight, group_size: int, residual_grad=None):
     dy = dy.contiguous()
     m, h = x8.shape
@@ -325,7 +349,7 @@ def rmsnorm_fp8_bwd_triton(dy, x8, x_scales, rstd, weight, group_size: int, resi
     dwp = torch.empty((grid, h), dtype=torch.float32, device=dy.device)
     launcher(_bwd_kernel)[(grid,)](dy, x8, x_scales, rstd, weight, dy if res is None else res, dx, dwp, m, h, ng,
                                    G=group_size, NGP=ngp, RES=res is not None, num_warps=warps)
-    return dx, dwp.sum(0)
+    return dx, column_sum_triton(dwp)
 
 
 # ---------------------------------------------------------------------------------------------- dispatchers

@@ -45,6 +45,21 @@ def test_triton_matches_reference(m, h, g):
     assert_close_f32(tdw, rdw, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("p,h", [(1, 5), (64, 32), (130, 200), (528, 96)])
+def test_column_sum_of_the_dw_partials(p, h):
+    """The backward's [P, H] dw partials summed per column in a fixed order: float32 sums of P terms, so within
+    P * 2^-24 of the float64 sum's magnitude sum; and the same bits on every call (no atomics)."""
+    if DEV == "cpu" and not interpreted(R._column_sum_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+    parts = torch.randn(p, h, device=DEV) * torch.logspace(-3, 3, h, device=DEV)
+    got = R.column_sum_triton(parts)
+    exact = parts.double().sum(0)
+    bound = p * 2.0 ** -24 * parts.double().abs().sum(0)
+    assert got.dtype == torch.float32 and got.shape == (h,)
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert torch.equal(got, R.column_sum_triton(parts))
+
+
 @pytest.mark.parametrize("m,h,g", SHAPES[:2])
 def test_backward_adds_the_residual_gradient_before_its_one_rounding(m, h, g):
     """residual_grad (the block's other branch into the norm's input) is added to dx in fp32 and rounded once:
