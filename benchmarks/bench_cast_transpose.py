@@ -5,9 +5,9 @@ fused elsewhere or a pass of its own), writing the row-major copy and the transp
 At micro-batch 12 the 1.3 B step spends 22.8 ms in this kernel (360 calls; benchmarks/results/
 kernels_coat-delayed-all_cudagraph_mb12_zero1.json), its backward calls at ~1.6 TB/s against ~3 TB/s for a copy.
 `--sweep BM:BN:WARPS ...` times other tiles (the library's, megacoat.ops.cast_transpose._BM/_BN/_WARPS, is each
-shape's first row); on the GPU every tile must write the torch reference's bytes, or the run fails. Each call is timed inside a
-CUDA graph (triton.testing.do_bench_cudagraph), repeated and interleaved with a device-to-device copy of the same
-bytes read, whose GB/s is the yardstick.
+shape's first row); on the GPU every tile must write the torch reference's bytes, or the run fails. Each call is
+timed inside a CUDA graph (triton.testing.do_bench_cudagraph), repeated and interleaved with a device-to-device copy
+of the same bytes read, whose GB/s is the yardstick.
 
     python benchmarks/bench_cast_transpose.py [--repeats 3] [--sweep 128:64:4 128:128:8 64:128:4]
         [--out benchmarks/results/bench_cast_transpose.json]

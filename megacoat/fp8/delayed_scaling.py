@@ -90,21 +90,22 @@ class AmaxHistorySync:
     """Keeps every data-parallel replica's amax histories the same: after each optimizer step, each history
     becomes the element-wise maximum over the data-parallel group (TransformerEngine reduces its amaxes the same
     way). Replicas see different micro-batches, so their own histories differ; unreduced, their FP8 scales would
-    drift apart, and a checkpoint (which saves rank 0's model state) would resume the other ranks with histories
-    they never had. Entry i is the i-th most recent call on every replica (they run the same number of calls), so
-    the maximum is the history of the group's amaxes. One all-reduce of all histories a step (24 layers x 4 sites
-    x 16 float32 = 6 KiB for the 1.3 B model); nothing with one replica."""
+    drift apart, and a checkpoint (which saves data-parallel rank 0's model state) would resume the other ranks
+    with histories they never had. Entry i is the i-th most recent call on every replica (they run the same number
+    of calls), so the maximum is the history of the group's amaxes. One all-reduce of all histories a step
+    (24 layers x 4 sites x 16 float32 = 6 KiB for the 1.3 B model); nothing with one replica."""
 
     def __init__(self, module: nn.Module, group=None, size: int = 1):
-        self.histories = [getattr(m, HISTORY_KEY) for m in module.modules() if isinstance(m, DelayedScale)]
+        self.sites = [m for m in module.modules() if isinstance(m, DelayedScale)]
         self.group = group
-        self.active = size > 1 and bool(self.histories)
+        self.active = size > 1 and bool(self.sites)
 
     def __call__(self) -> None:
         if not self.active:
             return
         import torch.distributed as dist
 
-        flat = torch.cat(self.histories)
+        histories = [getattr(m, HISTORY_KEY) for m in self.sites]  # read now: Module.to replaces the buffer
+        flat = torch.cat(histories)
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
-        torch._foreach_copy_(self.histories, flat.split([h.numel() for h in self.histories]))  # in place
+        torch._foreach_copy_(histories, flat.split([h.numel() for h in histories]))  # in place
