@@ -110,7 +110,7 @@ gpu-suite)
     step bench_delayed_scaling 150 python3 benchmarks/bench_delayed_scaling.py --out "$OUT/bench_delayed_scaling.json"
     ;;
 kernel-sweep)
-    step cast_sweep 200 python3 benchmarks/bench_cast_transpose.py --repeats 3 --layouts both \
+    step cast_sweep 200 python3 benchmarks/bench_cast_transpose.py --repeats 2 --layouts both \
         --sweep 128:64:4 128:64:8 64:128:4 128:128:8 32:64:4 64:64:8 --out "$OUT/bench_cast_transpose_sweep.json"
     step kernel_sweep $((585 - SECONDS)) python3 benchmarks/bench_delayed_scaling.py --repeats 3 --sweep 32:4 128:8 128:16 \
         --sweep-fwd 16:4 64:4 64:8 128:8 32:8 --sweep-norm 256 512 2048 --out "$OUT/bench_kernel_sweep.json"
