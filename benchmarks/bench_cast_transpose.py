@@ -115,6 +115,18 @@ def main() -> int:
     shapes, repeats = (SMOKE, 1) if args.cpu_smoke else (SHAPES, args.repeats)
     library = tiles[0]
     rows = []
+
+    def write(complete: bool) -> None:
+        """The JSON so far: a step that runs out of time keeps the rows it measured."""
+        result = {"what": "the FP8 cast launch of quantize_transpose given the amax, per tile and layout",
+                  "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device == "cuda"
+                  else platform.processor() or "cpu", "torch": torch.__version__, "triton": triton.__version__,
+                  "timing": "cuda graph", "results": rows, "complete": complete}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + ".tmp", "w") as fh:
+            json.dump(result, fh, indent=1)
+        os.replace(args.out + ".tmp", args.out)  # never a half-written file
+
     for name, m, n in shapes:
         reference_bytes = {}  # this shape's reference outputs (the previous shape's freed)
         for tile in tiles:
@@ -123,17 +135,12 @@ def main() -> int:
                 r = measure(name, m, n, layout, repeats, device, reference_bytes)
                 r["tile"] = {"BM": tile[0], "BN": tile[1], "warps": tile[2], "library": tile == library}
                 rows.append(r)
+                write(False)
                 print(f"{name:9s} {layout:9s} BM {tile[0]:3d} BN {tile[1]:3d} warps {tile[2]:2d}  "
                       f"{r['ms'] * 1e3:7.1f} us  {r['gb_per_s']:6.0f} GB/s ({r['fraction_of_copy']:.2f} of a copy)  "
                       f"same bytes: {r['same_bytes']}", flush=True)
         ct._BM, ct._BN, ct._WARPS = library
-    result = {"what": "the FP8 cast launch of quantize_transpose given the amax, per tile and layout",
-              "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device == "cuda"
-              else platform.processor() or "cpu", "torch": torch.__version__, "triton": triton.__version__,
-              "timing": "cuda graph", "results": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    write(True)
     print("wrote", args.out)
     return 0 if all(r["same_bytes"] for r in rows) else 1
 

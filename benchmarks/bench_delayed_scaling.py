@@ -180,6 +180,20 @@ def main() -> int:
         print("error: needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
         return 2
     rows = []
+
+    def write(complete: bool) -> None:
+        """The JSON so far: a step that runs out of time keeps the rows it measured."""
+        result = {"what": "delayed scaling per call: SwiGLU's backward, SwiGLU's and RMSNorm's forward, current vs "
+                          "delayed",
+                  "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device == "cuda"
+                  else platform.processor() or "cpu", "torch": torch.__version__, "triton": triton.__version__,
+                  "group_size": GROUP, "timing": "eager" if args.eager else "cuda graph", "results": rows,
+                  "complete": complete}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + ".tmp", "w") as fh:
+            json.dump(result, fh, indent=1)
+        os.replace(args.out + ".tmp", args.out)  # never a half-written file
+
     shapes = SMOKE if args.cpu_smoke else SHAPES
     repeats = 1 if args.cpu_smoke else args.repeats
     for op in OPS:
@@ -190,18 +204,13 @@ def main() -> int:
                 r = measure(op, name, m, h, f, repeats, device, args.eager, library_bytes)
                 r["kernel_setting"] = {**dict(zip(SETTING_NAMES[op], setting)), "library": setting == configs[op][0]}
                 rows.append(r)
+                write(False)
                 tile = " ".join(f"{k} {v:4d}" for k, v in zip(SETTING_NAMES[op], setting))
                 print(f"{op:11s} {name:9s} {tile:18s}  current {r['ms']['current'] * 1e3:8.1f} us  "
                       f"delayed {r['ms']['delayed'] * 1e3:8.1f} us  "
                       f"x{r['speedup']:.2f}  same bytes: {r['same_bytes']}", flush=True)
         _apply(op, configs[op][0])
-    result = {"what": "delayed scaling per call: SwiGLU's backward, SwiGLU's and RMSNorm's forward, current vs delayed",
-              "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device == "cuda"
-              else platform.processor() or "cpu", "torch": torch.__version__, "triton": triton.__version__,
-              "group_size": GROUP, "timing": "eager" if args.eager else "cuda graph", "results": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    write(True)
     print("wrote", args.out)
     return 0 if all(r["same_bytes"] for r in rows) else 1
 

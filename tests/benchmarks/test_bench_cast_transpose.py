@@ -11,7 +11,9 @@ def test_cpu_smoke_writes_its_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = run_script("benchmarks/bench_cast_transpose.py", "--cpu-smoke", "--sweep", "128:32:4", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads(out.read_text())["results"]
+    result = json.loads(out.read_text())
+    assert result["complete"] is True and not (tmp_path / "bench.json.tmp").exists()
+    rows = result["results"]
     assert [(r["tile"]["library"], r["layout"]) for r in rows] == [
         (library, layout) for library in (True, False) for layout in ("both", "rowwise", "transpose")]
     assert rows[3]["tile"] == {"BM": 128, "BN": 32, "warps": 4, "library": False}

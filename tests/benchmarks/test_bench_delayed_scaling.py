@@ -14,7 +14,9 @@ def test_cpu_smoke_writes_its_json(tmp_path):
     proc = run_script("benchmarks/bench_delayed_scaling.py", "--cpu-smoke", "--sweep", "128:8", "--sweep-fwd", "64:8",
                       "--sweep-norm", "128", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads(out.read_text())["results"]
+    result = json.loads(out.read_text())
+    assert result["complete"] is True
+    rows = result["results"]
     assert [r["op"] for r in rows] == ["swiglu_bwd"] * 2 + ["swiglu_fwd"] * 2 + ["rmsnorm_fwd"] * 2
     assert all(r["same_bytes"] is True for r in rows)
     assert [r["kernel_setting"]["library"] for r in rows] == [True, False] * 3
