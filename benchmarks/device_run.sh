@@ -10,6 +10,8 @@
 #   kernels     (~8 min, 1 GPU) GPU tests (pytest -m gpu) but CoatAdamW's, bench_quant         issues 6, 16
 #   gpu-suite   (~4 min, 1 GPU) every GPU test (pytest -m gpu), then bench_delayed_scaling (SwiGLU's
 #               backward and the norm's and SwiGLU's forward per call, current vs delayed scaling)   issue 17
+#   graph-loss  (~4 min, 1 GPU) graph_loss_agreement.py: 200 steps of the default model in coat (its default
+#               scaling) eager, compiled and CUDA-graphed, and a second seed: do they learn the same   issue 17
 #   kernel-sweep (~7 min, 1 GPU) bench_cast_transpose (every linear operand's FP8 cast) with other tiles, then
 #               bench_delayed_scaling with other tiles of SwiGLU's forward and backward kernels and other warps
 #               per row of RMSNorm's forward; each tile checked for the library's bytes          issue 17
@@ -108,6 +110,9 @@ gpu-suite)
     step gpu_tests_all 420 python3 -m pytest -m gpu -q --no-header -p no:cacheprovider tests -rfE
     cp "$LOGS/gpu_tests_all.txt" "$OUT/gpu_tests_all.txt"
     step bench_delayed_scaling 150 python3 benchmarks/bench_delayed_scaling.py --out "$OUT/bench_delayed_scaling.json"
+    ;;
+graph-loss)
+    step graph_loss 560 python3 benchmarks/graph_loss_agreement.py --out "$OUT/graph_loss_agreement.json"
     ;;
 kernel-sweep)
     step cast_sweep 200 python3 benchmarks/bench_cast_transpose.py --repeats 2 --layouts both \
