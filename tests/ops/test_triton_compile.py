@@ -89,8 +89,9 @@ print("compiled:", " ".join(sorted(compiled)))
 """
 
 KERNELS = {"cast_transpose._cast_transpose_kernel", "cast_transpose._amax_kernel", "rmsnorm._fwd_kernel",
-           "rmsnorm._out_kernel", "rmsnorm._bwd_kernel", "rmsnorm._column_sum_kernel", "swiglu._fwd_kernel", "swiglu._out_kernel", "swiglu._bwd_amax_kernel",
-           "swiglu._bwd_cast_kernel", "rope._rope_kernel", "tensor_scale._roll_kernel"}
+           "rmsnorm._out_kernel", "rmsnorm._bwd_kernel", "rmsnorm._column_sum_kernel", "swiglu._fwd_kernel",
+           "swiglu._out_kernel", "swiglu._bwd_amax_kernel", "swiglu._bwd_cast_kernel", "rope._rope_kernel",
+           "tensor_scale._roll_kernel"}
 
 
 @pytest.mark.slow

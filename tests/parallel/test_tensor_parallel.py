@@ -9,6 +9,7 @@ import torch
 
 from megacoat.fp8.config import FP8Config
 from megacoat.fp8.convert import convert_to_fp8
+from megacoat.fp8.delayed_scaling import DelayedScale
 from megacoat.model import GPT
 from megacoat.model.config import ModelConfig
 from megacoat.parallel.config import ParallelConfig
@@ -65,6 +66,8 @@ def _tp_case(model_kw: dict, sequence_parallel: bool, fp8_mode: str | None, scal
         for m in (ref, model):
             m(*_batch(cfg, seed=8)).backward()
             m.zero_grad(set_to_none=True)
+            histories = [s.amax_history for s in m.modules() if isinstance(s, DelayedScale)]
+            assert len(histories) == 4 * cfg.num_layers and all(h[0] > 0 for h in histories)
     ref_loss = ref(tokens, labels)
     ref_loss.backward()
     loss = model(tokens, labels)
