@@ -277,6 +277,19 @@ def check_compatible(path: str, meta: dict, config_dict: dict, layout: Layout, t
                          f"(sha256 {tokenizer['sha256'][:12]}...)")
 
 
+def scaling_changes(meta: dict, config_dict: dict) -> list[str]:
+    """The FP8 scaling switches that differ from the checkpoint's run, as notes: switching is allowed (the amax
+    histories start afresh, or are dropped), but a run resumed after the default changed should not switch silently."""
+    saved = (meta.get("megacoat_config") or {}).get("fp8") or {}
+    now = config_dict.get("fp8") or {}
+    notes = []
+    for key, flag in (("grad_scaling", "--fp8-grad-scaling"), ("activation_scaling", "--fp8-activation-scaling")):
+        if key in saved and key in now and saved[key] != now[key]:
+            notes.append(f"note: the checkpoint was trained with {flag} {saved[key]}, this run uses {now[key]} "
+                         f"(pass {flag} {saved[key]} to keep it)")
+    return notes
+
+
 def optimizer_changes_of(meta: dict, config_dict: dict, finetune: bool) -> list[str]:
     """What differs between the optimizer state the checkpoint holds and this run's (empty when none is loaded)."""
     from megacoat.checkpoint.layout_free import is_layout_free

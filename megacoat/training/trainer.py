@@ -21,7 +21,7 @@ from megacoat.parallel import initialize_parallel_state
 from megacoat.parallel.grad_norm import global_grad_norm
 from megacoat.training.banner import startup_banner
 from megacoat.training.checkpointing import (Layout, TrainState, check_compatible, file_identity, load_checkpoint,
-                                             read_meta, resolve_load, save_checkpoint)
+                                             read_meta, resolve_load, save_checkpoint, scaling_changes)
 from megacoat.training.cublas_workspace import apply_cublas_workspace
 from megacoat.training.cuda_allocator import default_allocator_settings
 from megacoat.training.cuda_graph import GraphedWeightRefresh, gradient_groups, own_graph_gradients
@@ -291,6 +291,8 @@ class Trainer:
             return
         check_compatible(os.path.join(*self.resume), meta, self.cfg.to_dict(), self.layout, self.tokenizer_identity,
                          finetune=t.finetune, convert_optimizer=t.override_optimizer_state == "convert")
+        for note in scaling_changes(meta, self.cfg.to_dict()):
+            self.logger.info(note)
 
     def load_checkpoint(self, directory: str, tag: str) -> None:
         t = self.cfg.training

@@ -222,3 +222,15 @@ def test_other_coat_adamw_state_format_is_refused_before_loading(tmp_path):
                                          r"--override-optimizer-state convert"):
         ckpt.check_compatible(str(tmp_path), meta, other, layout)
     ckpt.check_compatible(str(tmp_path), meta, other, layout, convert_optimizer=True)  # converted on load instead
+
+
+def test_a_changed_scaling_switch_is_a_note_not_an_error():
+    """Delayed scaling became --coat-fp8's default (auto): a run resumed from a checkpoint trained with current
+    scaling says so, and how to keep current scaling, instead of switching silently."""
+    meta = {"megacoat_config": {"fp8": {"grad_scaling": "current", "activation_scaling": "current"}}}
+    now = {"fp8": {"grad_scaling": "delayed", "activation_scaling": "current"}}
+    assert ckpt.scaling_changes(meta, now) == [
+        "note: the checkpoint was trained with --fp8-grad-scaling current, this run uses delayed "
+        "(pass --fp8-grad-scaling current to keep it)"]
+    assert ckpt.scaling_changes(meta, {"fp8": meta["megacoat_config"]["fp8"]}) == []
+    assert ckpt.scaling_changes({"megacoat_config": {"model": {}}}, now) == []  # e.g. a layout-free HF checkpoint
