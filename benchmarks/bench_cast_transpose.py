@@ -95,6 +95,21 @@ def measure(name: str, m: int, n: int, layout: str, repeats: int, device: str, r
             "copy_gb_per_s": copy_gbps, "fraction_of_copy": gbps / copy_gbps}
 
 
+def best_tiles(rows: list[dict]) -> list[str]:
+    """Per shape and layout, the fastest tile that wrote the right bytes, against the library's."""
+    lines = []
+    for key in dict.fromkeys((r["shape"], r["layout"]) for r in rows):
+        group = [r for r in rows if (r["shape"], r["layout"]) == key and r["same_bytes"]]
+        library = [r for r in group if r["tile"]["library"]]
+        if not group or not library:
+            continue
+        best = min(group, key=lambda r: r["ms"])
+        t = best["tile"]
+        lines.append(f"best {key[0]:9s} {key[1]:9s} BM {t['BM']:3d} BN {t['BN']:3d} warps {t['warps']:2d}: "
+                     f"{best['ms'] * 1e3:.1f} us, x{library[0]['ms'] / best['ms']:.3f} the library tile's")
+    return lines
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
@@ -141,6 +156,8 @@ def main() -> int:
                       f"same bytes: {r['same_bytes']}", flush=True)
         ct._BM, ct._BN, ct._WARPS = library
     write(True)
+    for line in best_tiles(rows):
+        print(line)
     print("wrote", args.out)
     return 0 if all(r["same_bytes"] for r in rows) else 1
 

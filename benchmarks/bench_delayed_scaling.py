@@ -155,6 +155,22 @@ def _apply(op: str, setting: tuple) -> None:
         rmsnorm._FWD_PER_WARP, = setting
 
 
+def best_settings(rows: list[dict]) -> list[str]:
+    """Per op and shape, the setting whose delayed call (the trainer's default path) was fastest with the right
+    bytes, against the library's."""
+    lines = []
+    for key in dict.fromkeys((r["op"], r["shape"]) for r in rows):
+        group = [r for r in rows if (r["op"], r["shape"]) == key and r["same_bytes"]]
+        library = [r for r in group if r["kernel_setting"]["library"]]
+        if len(group) < 2 or not library:
+            continue
+        best = min(group, key=lambda r: r["ms"]["delayed"])
+        setting = " ".join(f"{k} {v}" for k, v in best["kernel_setting"].items() if k != "library")
+        lines.append(f"best {key[0]:11s} {key[1]:9s} {setting}: {best['ms']['delayed'] * 1e3:.1f} us, "
+                     f"x{library[0]['ms']['delayed'] / best['ms']['delayed']:.3f} the library setting's")
+    return lines
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
@@ -211,6 +227,8 @@ def main() -> int:
                       f"x{r['speedup']:.2f}  same bytes: {r['same_bytes']}", flush=True)
         _apply(op, configs[op][0])
     write(True)
+    for line in best_settings(rows):
+        print(line)
     print("wrote", args.out)
     return 0 if all(r["same_bytes"] for r in rows) else 1
 

@@ -19,6 +19,7 @@ def test_cpu_smoke_writes_its_json(tmp_path):
     assert rows[3]["tile"] == {"BM": 128, "BN": 32, "warps": 4, "library": False}
     assert all(r["same_bytes"] is True for r in rows)
     assert [r["bytes"] for r in rows[:3]] == [4 * 96 * 160, 3 * 96 * 160, 3 * 96 * 160]
+    assert sum(line.startswith("best smoke") for line in proc.stdout.splitlines()) == 3  # one per layout
 
 
 @pytest.mark.parametrize("tile", ["64:64", "100:64:4", "64:64:3"])

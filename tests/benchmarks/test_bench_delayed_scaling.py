@@ -25,6 +25,7 @@ def test_cpu_smoke_writes_its_json(tmp_path):
     assert rows[5]["kernel_setting"] == {"per_warp": 128, "library": False}
     assert all(r["bytes"]["current"] > r["bytes"]["delayed"] > 0 for r in rows)
     assert all(set(r["ms"]) == {"current", "delayed"} for r in rows)
+    assert sum(line.startswith("best ") for line in proc.stdout.splitlines()) == 3  # one per swept op and shape
 
 
 @pytest.mark.parametrize("flag, value", [("--sweep", "100:8"), ("--sweep-fwd", "64"), ("--sweep-norm", "100")])
