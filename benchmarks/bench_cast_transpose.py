@@ -16,12 +16,10 @@ of the same bytes read, whose GB/s is the yardstick.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
-import time
 
 if "--cpu-smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
@@ -31,6 +29,7 @@ import triton  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megacoat.ops import cast_transpose as ct  # noqa: E402
+from benchmarks.sweep_common import best_rows, parse_tile, same_bytes, time_call_ms, write_json  # noqa: E402
 
 E5M2 = torch.float8_e5m2
 # (name, rows, columns): a [tokens, hidden] gradient of the 1.3 B model at micro-batch 4, 8 and 12 (seq 2048), and
@@ -39,29 +38,6 @@ SHAPES = [("1.3B mb4", 4 * 2048, 2048), ("1.3B mb8", 8 * 2048, 2048), ("1.3B mb1
           ("7B mb1", 4096, 4096)]
 SMOKE = [("smoke", 96, 160)]
 LAYOUTS = {"both": (True, True), "rowwise": (True, False), "transpose": (False, True)}
-
-
-def _tile(text: str) -> tuple[int, int, int]:
-    try:
-        bm, bn, warps = (int(x) for x in text.split(":"))
-    except ValueError:
-        bm = bn = warps = 0
-    if min(bm, bn) < 16 or bm & (bm - 1) or bn & (bn - 1) or warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"--sweep takes BM:BN:WARPS, BM and BN powers of two >= 16, WARPS a power of two up to 16: "
-                         f"got {text!r}")
-    return bm, bn, warps
-
-
-def _timed(fn, device: str) -> float:
-    if device == "cuda":
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def _same(a, b) -> bool:
-    return (a is None) == (b is None) and (a is None or torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
 
 
 def measure(name: str, m: int, n: int, layout: str, repeats: int, device: str, reference_bytes: dict) -> dict:
@@ -78,14 +54,14 @@ def measure(name: str, m: int, n: int, layout: str, repeats: int, device: str, r
         reference_bytes[(name, layout)] = (ct.cast_from_amax_ref(x, amax, E5M2, rowwise, transpose)[:2]
                                            if device == "cuda" else (q, qt))
     want = reference_bytes[(name, layout)]
-    same = _same(want[0], q) and _same(want[1], qt)
+    same = same_bytes(want[0], q) and same_bytes(want[1], qt)
     del q, qt
     y = torch.empty_like(x)
     copy = lambda: y.copy_(x)  # noqa: E731
     times = {"cast": [], "copy": []}
     for _ in range(repeats):  # interleaved, so drift touches both alike
-        times["cast"].append(_timed(cast, device))
-        times["copy"].append(_timed(copy, device))
+        times["cast"].append(time_call_ms(cast, device))
+        times["copy"].append(time_call_ms(copy, device))
     ms = {k: statistics.median(v) for k, v in times.items()}
     moved = 2 * m * n + m * n * (rowwise + transpose)  # bf16 read, one FP8 byte per element and layout written
     gbps = moved / (ms["cast"] * 1e-3) / 1e9
@@ -98,15 +74,11 @@ def measure(name: str, m: int, n: int, layout: str, repeats: int, device: str, r
 def best_tiles(rows: list[dict]) -> list[str]:
     """Per shape and layout, the fastest tile that wrote the right bytes, against the library's."""
     lines = []
-    for key in dict.fromkeys((r["shape"], r["layout"]) for r in rows):
-        group = [r for r in rows if (r["shape"], r["layout"]) == key and r["same_bytes"]]
-        library = [r for r in group if r["tile"]["library"]]
-        if not group or not library:
-            continue
-        best = min(group, key=lambda r: r["ms"])
+    for (shape, layout), best, speedup, _ in best_rows(rows, lambda r: (r["shape"], r["layout"]), lambda r: r["ms"],
+                                                        lambda r: r["tile"]["library"]):
         t = best["tile"]
-        lines.append(f"best {key[0]:9s} {key[1]:9s} BM {t['BM']:3d} BN {t['BN']:3d} warps {t['warps']:2d}: "
-                     f"{best['ms'] * 1e3:.1f} us, x{library[0]['ms'] / best['ms']:.3f} the library tile's")
+        lines.append(f"best {shape:9s} {layout:9s} BM {t['BM']:3d} BN {t['BN']:3d} warps {t['warps']:2d}: "
+                     f"{best['ms'] * 1e3:.1f} us, x{speedup:.3f} the library tile's")
     return lines
 
 
@@ -119,7 +91,8 @@ def main() -> int:
     p.add_argument("--cpu-smoke", action="store_true")
     args = p.parse_args()
     try:
-        tiles = [(ct._BM, ct._BN, ct._WARPS)] + [_tile(t) for t in args.sweep]
+        tiles = [(ct._BM, ct._BN, ct._WARPS)] + [parse_tile(t, "--sweep", ("BM", "BN", "WARPS"), 16)
+                                                 for t in args.sweep]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -133,14 +106,11 @@ def main() -> int:
 
     def write(complete: bool) -> None:
         """The JSON so far: a step that runs out of time keeps the rows it measured."""
-        result = {"what": "the FP8 cast launch of quantize_transpose given the amax, per tile and layout",
-                  "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device == "cuda"
-                  else platform.processor() or "cpu", "torch": torch.__version__, "triton": triton.__version__,
-                  "timing": "cuda graph", "results": rows, "complete": complete}
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out + ".tmp", "w") as fh:
-            json.dump(result, fh, indent=1)
-        os.replace(args.out + ".tmp", args.out)  # never a half-written file
+        write_json(args.out, {
+            "what": "the FP8 cast launch of quantize_transpose given the amax, per tile and layout",
+            "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device == "cuda"
+            else platform.processor() or "cpu", "torch": torch.__version__, "triton": triton.__version__,
+            "timing": "cuda graph", "results": rows, "complete": complete})
 
     for name, m, n in shapes:
         reference_bytes = {}  # this shape's reference outputs (the previous shape's freed)

@@ -30,12 +30,10 @@ own amax), and a swept setting wrote the library setting's bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
-import time
 
 if "--cpu-smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
@@ -45,6 +43,7 @@ import triton  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megacoat.ops import rmsnorm, swiglu  # noqa: E402
+from benchmarks.sweep_common import best_rows, parse_tile, same_bytes, time_call_ms, write_json  # noqa: E402
 
 E5M2 = torch.float8_e5m2
 GROUP = 128
@@ -52,10 +51,6 @@ GROUP = 128
 # (seq 4096)
 SHAPES = [("1.3B mb4", 4 * 2048, 2048, 5632), ("1.3B mb8", 8 * 2048, 2048, 5632), ("7B mb1", 4096, 4096, 11008)]
 SMOKE = [("smoke", 64, 256, 256)]
-
-
-def _same(a, b) -> bool:
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype.itemsize == 1 else torch.equal(a, b)
 
 
 def _swiglu_bwd(m, h, f, device):
@@ -99,26 +94,16 @@ def measure(op: str, name: str, m: int, h: int, f: int, repeats: int, device: st
     history = torch.zeros(16, device=device)
     delayed(history, True)  # bootstrap: records this input's amax
     outs = current()
-    same = all(_same(a, b) for a, b in zip(outs, delayed(history)))  # history max = own amax
+    same = all(same_bytes(a, b) for a, b in zip(outs, delayed(history)))  # history max = own amax
     if library_bytes is not None:
         first = library_bytes.setdefault((op, name), outs)
-        same = same and all(_same(a, b) for a, b in zip(first, outs))
+        same = same and all(same_bytes(a, b) for a, b in zip(first, outs))
     del outs
-
-    def timed(fn):
-        if device == "cuda" and eager:
-            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-        if device == "cuda":
-            return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
     runs = {"current": current, "delayed": lambda: delayed(history)}
     times = {k: [] for k in runs}
     for _ in range(repeats):  # interleaved, so drift touches all alike
         for k, fn in runs.items():
-            times[k].append(timed(fn))
+            times[k].append(time_call_ms(fn, device, eager))
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"op": op, "shape": name, "tokens": m, "hidden": h, "ffn": f, "same_bytes": same,
             "ms": med, "ms_repeats": times, "speedup": med["current"] / med["delayed"],
@@ -128,15 +113,8 @@ def measure(op: str, name: str, m: int, h: int, f: int, repeats: int, device: st
 SETTING_NAMES = {"swiglu_bwd": ("BM", "warps"), "swiglu_fwd": ("BM", "warps"), "rmsnorm_fwd": ("per_warp",)}
 
 
-def _tile(text: str) -> tuple[int, int]:
-    try:
-        bm, warps = (int(x) for x in text.split(":"))
-    except ValueError:
-        bm = warps = 0
-    if bm < 16 or bm & (bm - 1) or warps not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(f"--sweep / --sweep-fwd take BM:WARPS, BM a power of two >= 16, WARPS a power of two up to "
-                         f"32: got {text!r}")
-    return bm, warps
+def _tile(text: str, flag: str) -> tuple[int, int]:
+    return parse_tile(text, flag, ("BM", "WARPS"), 32)
 
 
 def _per_warp(text: str) -> tuple[int]:
@@ -159,15 +137,13 @@ def best_settings(rows: list[dict]) -> list[str]:
     """Per op and shape, the setting whose delayed call (the trainer's default path) was fastest with the right
     bytes, against the library's."""
     lines = []
-    for key in dict.fromkeys((r["op"], r["shape"]) for r in rows):
-        group = [r for r in rows if (r["op"], r["shape"]) == key and r["same_bytes"]]
-        library = [r for r in group if r["kernel_setting"]["library"]]
-        if len(group) < 2 or not library:
+    for (op, shape), best, speedup, n in best_rows(rows, lambda r: (r["op"], r["shape"]), lambda r: r["ms"]["delayed"],
+                                                   lambda r: r["kernel_setting"]["library"]):
+        if n < 2:  # not swept
             continue
-        best = min(group, key=lambda r: r["ms"]["delayed"])
         setting = " ".join(f"{k} {v}" for k, v in best["kernel_setting"].items() if k != "library")
-        lines.append(f"best {key[0]:11s} {key[1]:9s} {setting}: {best['ms']['delayed'] * 1e3:.1f} us, "
-                     f"x{library[0]['ms']['delayed'] / best['ms']['delayed']:.3f} the library setting's")
+        lines.append(f"best {op:11s} {shape:9s} {setting}: {best['ms']['delayed'] * 1e3:.1f} us, "
+                     f"x{speedup:.3f} the library setting's")
     return lines
 
 
@@ -185,8 +161,8 @@ def main() -> int:
                    help="also time RMSNorm's forward kernel with these row elements per warp (e.g. 512 2048)")
     args = p.parse_args()
     try:
-        configs = {"swiglu_bwd": [(swiglu._BM_T, swiglu._WARPS_T)] + [_tile(c) for c in args.sweep],
-                   "swiglu_fwd": [(swiglu._BM_F, swiglu._WARPS_F)] + [_tile(c) for c in args.sweep_fwd],
+        configs = {"swiglu_bwd": [(swiglu._BM_T, swiglu._WARPS_T)] + [_tile(c, "--sweep") for c in args.sweep],
+                   "swiglu_fwd": [(swiglu._BM_F, swiglu._WARPS_F)] + [_tile(c, "--sweep-fwd") for c in args.sweep_fwd],
                    "rmsnorm_fwd": [(rmsnorm._FWD_PER_WARP,)] + [_per_warp(c) for c in args.sweep_norm]}
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -199,16 +175,12 @@ def main() -> int:
 
     def write(complete: bool) -> None:
         """The JSON so far: a step that runs out of time keeps the rows it measured."""
-        result = {"what": "delayed scaling per call: SwiGLU's backward, SwiGLU's and RMSNorm's forward, current vs "
-                          "delayed",
-                  "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device == "cuda"
-                  else platform.processor() or "cpu", "torch": torch.__version__, "triton": triton.__version__,
-                  "group_size": GROUP, "timing": "eager" if args.eager else "cuda graph", "results": rows,
-                  "complete": complete}
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out + ".tmp", "w") as fh:
-            json.dump(result, fh, indent=1)
-        os.replace(args.out + ".tmp", args.out)  # never a half-written file
+        write_json(args.out, {
+            "what": "delayed scaling per call: SwiGLU's backward, SwiGLU's and RMSNorm's forward, current vs delayed",
+            "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device == "cuda"
+            else platform.processor() or "cpu", "torch": torch.__version__, "triton": triton.__version__,
+            "group_size": GROUP, "timing": "eager" if args.eager else "cuda graph", "results": rows,
+            "complete": complete})
 
     shapes = SMOKE if args.cpu_smoke else SHAPES
     repeats = 1 if args.cpu_smoke else args.repeats

@@ -1,0 +1,68 @@
+"""What the per-call kernel benchmarks that sweep tiles share (bench_cast_transpose.py, bench_delayed_scaling.py):
+one call's time, the byte comparison every swept setting must pass, tile parsing, the fastest setting per group
+against the library's, and the JSON written after every row. Import it after TRITON_INTERPRET is set."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+import triton
+
+
+def time_call_ms(fn, device: str, eager: bool = False) -> float:
+    """Median milliseconds of one call: inside a CUDA graph (do_bench_cudagraph: many calls captured, so Python's
+    launch cost is not timed), launched from Python with `eager`, or one wall-clock call under the interpreter."""
+    if device == "cuda" and eager:
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    if device == "cuda":
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def same_bytes(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Equal bytes (FP8 codes compared as uint8, so NaN codes compare too), or both absent."""
+    if a is None or b is None:
+        return a is None and b is None
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype.itemsize == 1 else torch.equal(a, b)
+
+
+def parse_tile(text: str, flag: str, names: tuple[str, ...], max_warps: int) -> tuple[int, ...]:
+    """A sweep's tile 'A:...:WARPS': every field but the last a power of two >= 16, the last a warp count (a power
+    of two up to max_warps); anything else is one error naming the flag."""
+    try:
+        values = tuple(int(x) for x in text.split(":"))
+    except ValueError:
+        values = ()
+    *sizes, warps = values or (0,)
+    if (len(values) != len(names) or any(s < 16 or s & (s - 1) for s in sizes) or warps < 1 or warps & (warps - 1)
+            or warps > max_warps):
+        raise ValueError(f"{flag} takes {':'.join(names)}, {'/'.join(names[:-1])} a power of two >= 16, "
+                         f"{names[-1]} a power of two up to {max_warps}: got {text!r}")
+    return values
+
+
+def best_rows(rows: list[dict], group, ms, is_library) -> list[tuple]:
+    """Per group (in order of first appearance): (group, the fastest row that wrote the right bytes, its speedup
+    over the library's row, how many rows with the right bytes the group has); groups without a library row are
+    left out."""
+    out = []
+    for key in dict.fromkeys(map(group, rows)):
+        ok = [r for r in rows if group(r) == key and r["same_bytes"]]
+        library = [r for r in ok if is_library(r)]
+        if library:
+            best = min(ok, key=ms)
+            out.append((key, best, ms(library[0]) / ms(best), len(ok)))
+    return out
+
+
+def write_json(path: str, result: dict) -> None:
+    """Atomically (a temporary file, then a rename): a run stopped mid-write leaves the previous rows, never half
+    a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as fh:
+        json.dump(result, fh, indent=1)
+    os.replace(path + ".tmp", path)
