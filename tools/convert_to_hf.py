@@ -30,7 +30,6 @@ from megacoat.checkpoint.hf_llama import hf_config, to_hf_state_dict  # noqa: E4
 from megacoat.checkpoint.layout_free import WEIGHTS_FILE, is_layout_free  # noqa: E402
 from megacoat.checkpoint.paths import META_FILE, resolve_tag_dir  # noqa: E402
 from megacoat.checkpoint.sharding import merge_tensor_parallel, plain_name  # noqa: E402
-from megacoat.fp8.delayed_scaling import HISTORY_KEY  # noqa: E402
 from megacoat.model.config import ModelConfig  # noqa: E402
 
 
@@ -38,11 +37,11 @@ def _load(path: str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _weights(state: dict, buffer_names=()) -> dict:
-    """The parameters of a saved module state: its buffers (delayed scaling's amax histories, training state
-    that differs between tensor-parallel ranks) are not weights and have no place in the export."""
+def _weights(state: dict, buffer_names) -> dict:
+    """The parameters of a saved module state (DeepSpeed lists its buffers beside it): buffers such as delayed
+    scaling's amax histories, training state that differs between tensor-parallel ranks, are not weights."""
     buffers = set(buffer_names or ())
-    return {k: v for k, v in state.items() if k not in buffers and not k.endswith(f".{HISTORY_KEY}")}
+    return {k: v for k, v in state.items() if k not in buffers}
 
 
 def read_shards(tag_dir: str, cfg: ModelConfig) -> list[dict[str, torch.Tensor]]:
@@ -52,7 +51,7 @@ def read_shards(tag_dir: str, cfg: ModelConfig) -> list[dict[str, torch.Tensor]]
         shards: dict[int, dict] = {}
         for path in layer_files:
             layer, tp = map(int, re.search(r"layer_(\d+)-model_(\d+)-model_states", path).groups())
-            for key, value in _weights(_load(path)).items():  # a tied head's file repeats the embedding
+            for key, value in _load(path).items():  # a tied head's file repeats the embedding: same tensor
                 shards.setdefault(tp, {})[plain_name(f"{layer}.{key}", cfg.num_layers)] = value
         return [shards[r] for r in sorted(shards)]
     files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
