@@ -15,6 +15,8 @@
 #   kernel-sweep (~7 min, 1 GPU) bench_cast_transpose (every linear operand's FP8 cast) with other tiles, then
 #               bench_delayed_scaling with other tiles of SwiGLU's forward and backward kernels and other warps
 #               per row of RMSNorm's forward; each tile checked for the library's bytes          issue 17
+#   suite-sweep (~9.5 min, 1 GPU) every GPU test, then kernel-sweep's two sweeps (fewer tiles and repeats) in the
+#               call's remaining time: a kernel change's check and the tiles to try next, on one machine start  issue 17
 #   suite-speed MB (~9.5 min, 1 GPU) every GPU test, then e2e MB speed without a profile in the call's remaining
 #               time: a kernel change's check and its speed point on one machine start                  issue 17
 #   optimizer   (~6 min, 1 GPU) CoatAdamW's GPU tests (the CUDA kernel), bench_optimizer          issues 5, 16
@@ -119,6 +121,15 @@ kernel-sweep)
         --sweep 128:64:4 128:64:8 64:128:4 128:128:8 32:64:4 64:64:8 --out "$OUT/bench_cast_transpose_sweep.json"
     step kernel_sweep $((585 - SECONDS)) python3 benchmarks/bench_delayed_scaling.py --repeats 3 --sweep 32:4 128:8 128:16 \
         --sweep-fwd 16:4 64:4 64:8 128:8 32:8 --sweep-norm 256 512 2048 --out "$OUT/bench_kernel_sweep.json"
+    ;;
+suite-sweep)
+    # a kernel change's GPU check, then the tile sweeps of kernel-sweep in the call's remaining time
+    step gpu_tests_all 270 python3 -m pytest -m gpu -q --no-header -p no:cacheprovider tests -rfE
+    cp "$LOGS/gpu_tests_all.txt" "$OUT/gpu_tests_all.txt"
+    step cast_sweep 160 python3 benchmarks/bench_cast_transpose.py --repeats 2 --layouts both \
+        --sweep 128:64:4 128:64:8 64:128:4 128:128:8 32:64:4 64:64:8 --out "$OUT/bench_cast_transpose_sweep.json"
+    step kernel_sweep $((585 - SECONDS)) python3 benchmarks/bench_delayed_scaling.py --repeats 2 --sweep 32:4 128:8 \
+        --sweep-fwd 16:4 64:8 32:8 --sweep-norm 256 512 2048 --out "$OUT/bench_kernel_sweep.json"
     ;;
 suite-speed)
     MB=${2:?suite-speed needs a micro-batch size}

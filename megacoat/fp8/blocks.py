@@ -6,7 +6,8 @@ It adopts the original block's submodules (`attention_norm`, `attention.wq/wk/wv
                                   (wo: Fp8Linear)
     out = h + coat_mlp(h)
 On one rank the MLP norm's forward kernel makes h itself (coat_mlp's add), and both norms' backward kernels add
-the residual branches' gradients. The residual stream itself stays in the activation dtype (adds save nothing
+the residual branches' gradients; the MLP norm's also folds in the amax of h's gradient, which wo's backward casts
+(wo's carrier, megacoat.fp8.linear.Fp8LinearFunction). The residual stream itself stays in the activation dtype (adds save nothing
 for backward); attention's core
 stays BF16 (flash SDPA on GPU) and what it saves is counted in the measurements.
 
@@ -82,14 +83,16 @@ class CoatTransformerBlock(nn.Module):
                             (a.wq.weight, a.wk.weight, a.wv.weight), self.qkv_cache, self.attention_norm.eps,
                             self.group_size, self.grad_dtype, cos, sin, a.head_dim, self.fast_accum,
                             self.qkv_norm_out_scale, residual=fused)
-        attn = a.wo(causal_attention(*out[:3]))
+        core = causal_attention(*out[:3])
         mlp = (region.replicated(self.ffn_norm.weight), ff.w1.weight, ff.w3.weight, ff.w2.weight, self.w13_cache,
                self.w2_cache, self.ffn_norm.eps, self.group_size, self.grad_dtype, self.fast_accum,
                self.swiglu_grad_scale, self.mlp_norm_out_scale, self.swiglu_out_scale)
-        if fused:  # h = x + attn made by the MLP norm's kernel, and returned for the residual branch
-            out, h = coat_mlp(out[3], *mlp, residual=True, add=attn)
+        if fused:  # h = x + attn made by the MLP norm's kernel, and returned for the residual branch; that kernel's
+            # backward also folds in the amax of h's gradient, which is wo's output gradient, for wo's cast
+            attn, carrier = a.wo(core, carry_amax=True)
+            out, h = coat_mlp(out[3], *mlp, residual=True, add=attn, add_carrier=carrier)
             return h + out
-        h = x + attn
+        h = x + a.wo(core)
         return h + region.exit(coat_mlp(region.enter(h), *mlp))
 
     def fp8_weight_caches(self):

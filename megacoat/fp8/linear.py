@@ -30,7 +30,7 @@ from torch import nn
 
 from megacoat.fp8.config import WEIGHT_CACHES
 from megacoat.fp8.formats import E4M3, get_format
-from megacoat.ops.cast_transpose import quantize_transpose, quantize_transpose_into
+from megacoat.ops.cast_transpose import cast_from_amax, quantize_transpose, quantize_transpose_into
 
 _generation = 0  # bumped by invalidate_fp8_weight_caches(); every cache compares it with its own
 
@@ -217,9 +217,13 @@ def scaled_mm(a8, b8_colmajor, scale_a, scale_b, out_dtype, fast_accum: bool = F
                             use_fast_accum=fast_accum)
 
 
-def quantize_grad(g: torch.Tensor, grad_dtype: torch.dtype, rowwise: bool = True, transpose: bool = True):
+def quantize_grad(g: torch.Tensor, grad_dtype: torch.dtype, rowwise: bool = True, transpose: bool = True,
+                  amax: torch.Tensor | None = None):
     """Output gradient → (g8 [M, N] for dgrad, g8^T [N, M] for wgrad, scale): its amax, then one read of g.
-    A layout nobody needs (frozen weight, or an input without grad) is not written."""
+    A layout nobody needs (frozen weight, or an input without grad) is not written. amax: g's, folded into the
+    kernel that wrote g (see Fp8LinearFunction's carrier): the cast alone."""
+    if amax is not None:
+        return cast_from_amax(g, amax, grad_dtype, rowwise, transpose)
     return quantize_transpose(g, grad_dtype, rowwise, transpose)
 
 
@@ -227,37 +231,49 @@ class Fp8LinearFunction(torch.autograd.Function):
     """y = x @ W^T in FP8. x [M, K] in the activation dtype; x8, x8t, x_scale its FP8 copies and w8, w8t,
     w_scale the weight's, made by the caller (x's possibly shared with sibling linears, W's cached; w8t None: made
     again from `weight` in backward); returns [M, N] in x's dtype. Only tensors and constants cross apply(), so
-    torch.compile traces forward and backward into its graphs."""
+    torch.compile traces forward and backward into its graphs.
+
+    carry_amax: also return a carrier, a float32 [1] tensor whose gradient is y's gradient's amax. The one consumer
+    of y that writes y's gradient in a kernel of its own (the COAT block's MLP norm, whose backward kernel makes
+    dh) passes the carrier in and returns that amax, folded into its kernel, as the carrier's gradient; backward
+    then casts grad_out in one launch instead of two. Its bytes are the same: a max in any order is the same max.
+    A carrier that receives no gradient (None: unused) leaves the amax to this backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, w8, w8t, w_scale, x8, x8t, x_scale, grad_dtype, fast_accum):
+    def forward(ctx, x, weight, w8, w8t, w_scale, x8, x8t, x_scale, grad_dtype, fast_accum, carry_amax=False):
         out = scaled_mm(x8, w8.t(), x_scale, w_scale, x.dtype, fast_accum)
         ctx.save_for_backward(x8t, x_scale)  # FP8 input, transposed for wgrad: the only activation saved
         ctx.w8t, ctx.w_scale, ctx.grad_dtype, ctx.w_dtype = w8t, w_scale, grad_dtype, weight.dtype
         ctx.weights = (weight,) if w8t is None else None  # to remake W8^T in backward (no persistent cache)
-        return out
+        if not carry_amax:
+            return out
+        ctx.set_materialize_grads(False)  # an unused carrier must arrive as None, not as a zero amax
+        return out, x.new_zeros(1, dtype=torch.float32)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_amax=None):
+        if grad_out is None:  # (with a carrier) y unused
+            return (None,) * 11
         x8t, x_scale = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[:2]
-        g8, g8t, g_scale = quantize_grad(grad_out, ctx.grad_dtype, rowwise=need_dx, transpose=need_dw)
+        g8, g8t, g_scale = quantize_grad(grad_out, ctx.grad_dtype, rowwise=need_dx, transpose=need_dw,
+                                         amax=grad_amax)
         dx = dw = None
         if need_dx:
             w8t = fp8_weight_t(ctx.w8t, ctx.weights)
             dx = scaled_mm(g8, w8t.t(), g_scale, ctx.w_scale, grad_out.dtype)
         if need_dw:
             dw = scaled_mm(g8t, x8t.t(), g_scale, x_scale, ctx.w_dtype)
-        return dx, dw, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | None = None,
                grad_dtype: str | torch.dtype = "e5m2", input_cache: Fp8InputCache | None = None,
-               fast_accum: bool = False) -> torch.Tensor:
+               fast_accum: bool = False, carry_amax: bool = False):
     """FP8 x @ weight^T over any leading dims. `cache` keeps the weight's FP8 copies across micro-batches
     (None: quantize the weight on every call); `input_cache` shares x's FP8 copy with sibling linears that
     read the same x (None: quantize x here); `fast_accum`: the forward GEMM's (FP8Config.fast_accum). A
-    tensor-parallel layer passes its shard."""
+    tensor-parallel layer passes its shard. carry_amax: → (y, carrier), see Fp8LinearFunction."""
     lead = x.shape[:-1]
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if grad:
@@ -270,7 +286,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | No
     else:
         w8, w8t, w_scale = cache.get((weight,))
     out = Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, w8, w8t, w_scale, x8, x8t, x_scale,
-                                  get_format(grad_dtype).dtype, fast_accum)
+                                  get_format(grad_dtype).dtype, fast_accum, carry_amax)
+    if carry_amax:
+        return out[0].view(*lead, weight.shape[0]), out[1]
     return out.view(*lead, weight.shape[0])
 
 
@@ -293,8 +311,10 @@ class Fp8Linear(nn.Linear):
         self.input_cache = input_cache
         self.fast_accum = fast_accum
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.fp8_cache, self.grad_dtype, self.input_cache, self.fast_accum)
+    def forward(self, x: torch.Tensor, carry_amax: bool = False):
+        """carry_amax: → (y, carrier), see Fp8LinearFunction."""
+        return fp8_linear(x, self.weight, self.fp8_cache, self.grad_dtype, self.input_cache, self.fast_accum,
+                          carry_amax)
 
     def fp8_weight_caches(self):
         """(cache, weights) pairs for refresh_fp8_weights."""

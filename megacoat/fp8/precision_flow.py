@@ -96,14 +96,15 @@ class CoatMLPFunction(torch.autograd.Function):
     residual: x is also returned (a view) for the block's residual branch, whose gradient is then added to x's in
     the norm's backward kernel (as CoatNormQKVFunction's). add (with residual): the input is h = x + add, the
     block's residual addition, made by the norm's forward kernel; h is returned instead of x, and x and add both
-    receive h's gradient."""
+    receive h's gradient. add_carrier (with add): the carrier of add's producer (Fp8LinearFunction, carry_amax),
+    whose gradient is returned as h's gradient's amax, folded into the norm's backward kernel."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, w1, w3, w2, w13_8, w13_8t, w13_scale, w2_8, w2_8t, w2_scale, eps, group_size,
                 grad_dtype, fast_accum, grad_history, bootstrap, norm_history, norm_bootstrap, swiglu_history,
-                swiglu_bootstrap, residual, add):
+                swiglu_bootstrap, residual, add, add_carrier):
         x8, xs, rstd, y_scale, y8, *h = _norm_fwd(x, norm_weight, eps, group_size, norm_history, norm_bootstrap, add)
-        ctx.has_add = add is not None
+        ctx.has_add, ctx.carry = add is not None, add_carrier is not None
         a13 = scaled_mm(y8, w13_8.t(), y_scale, w13_scale, x.dtype, fast_accum)  # [M, 2F]: gate | up
         a1_8, s1, a3_8, s3, s_scale, s8 = _swiglu_fwd(a13, group_size, swiglu_history, swiglu_bootstrap)
         del a13  # the BF16 GEMM output dies here; backward keeps its FP8 copy
@@ -138,9 +139,10 @@ class CoatMLPFunction(torch.autograd.Function):
         del w13_8t
         y8t = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, g, transpose=True)
         dw13 = scaled_mm(da8t, y8t.t(), da_scale, y_scale, ctx.w_dtype)
-        dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, g, residual_grad=dres)
+        dx, dnorm, *amax = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, g, residual_grad=dres, dx_amax=ctx.carry)
         dw1, dw3 = _split_rows(dw13, [ctx.ffn, ctx.ffn])
-        return dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, *(None,) * 17, dx if ctx.has_add else None
+        return (dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, *(None,) * 17, dx if ctx.has_add else None,
+                amax[0] if ctx.carry else None)
 
 
 def _history(scale: DelayedScale | None) -> tuple[torch.Tensor | None, bool]:
@@ -169,17 +171,22 @@ def coat_norm_qkv(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, gr
 def coat_mlp(x, norm_weight, w1, w3, w2, cache13: Fp8WeightCache, cache2: Fp8WeightCache, eps: float,
              group_size: int, grad_dtype: torch.dtype, fast_accum: bool = False,
              grad_scale: DelayedScale | None = None, norm_scale: DelayedScale | None = None,
-             swiglu_scale: DelayedScale | None = None, residual: bool = False, add: torch.Tensor | None = None):
+             swiglu_scale: DelayedScale | None = None, residual: bool = False, add: torch.Tensor | None = None,
+             add_carrier: torch.Tensor | None = None):
     """grad_scale: SwiGLU's gradient with delayed scaling from that history; norm_scale, swiglu_scale: the norm's and
     SwiGLU's FP8 outputs (None: current scaling). residual: → (out, x), x for the residual branch (its gradient
     joins x's in the norm's backward kernel). add (with residual): the MLP of h = x + add, the addition made in the
-    norm's forward kernel, → (out, h)."""
+    norm's forward kernel, → (out, h). add_carrier: the carrier of the FP8 linear that made add (fp8_linear's
+    carry_amax), whose backward then receives h's gradient's amax from the norm's backward kernel; add must then
+    have no other use (its gradient is exactly h's)."""
     if add is not None and not residual:
         raise ValueError("coat_mlp: add needs residual=True (h = x + add is returned for the residual branch)")
+    if add_carrier is not None and add is None:
+        raise ValueError("coat_mlp: add_carrier needs add (it carries the amax of add's gradient)")
     if torch.is_grad_enabled():
         check_gemm_dims(tokens_per_micro_batch=x[..., 0].numel())
     out = CoatMLPFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w1, w3, w2, *cache13.get((w1, w3)),
                                 *cache2.get((w2,)), eps, group_size, grad_dtype, fast_accum, *_history(grad_scale),
                                 *_history(norm_scale), *_history(swiglu_scale), residual,
-                                None if add is None else add.reshape(-1, add.shape[-1]))
+                                None if add is None else add.reshape(-1, add.shape[-1]), add_carrier)
     return (out[0].view(x.shape), out[1].view(x.shape)) if residual else out.view(x.shape)

@@ -148,6 +148,15 @@ def quantize_transpose(x: torch.Tensor, out_dtype: torch.dtype, rowwise: bool = 
         return pick(x, quantize_transpose_triton, quantize_transpose_ref)(x, out_dtype, rowwise, transpose)
     _check2d(x)
     amax = torch.linalg.vector_norm(x.detach(), float("inf")).reshape(1)  # tensor_amax, visible to Inductor
+    return cast_from_amax(x, amax, out_dtype, rowwise, transpose)
+
+
+def cast_from_amax(x: torch.Tensor, amax: torch.Tensor, out_dtype: torch.dtype, rowwise: bool = True,
+                   transpose: bool = True):
+    """quantize_transpose given x's amax (float32 [1], or x's dtype), folded into the kernel that wrote x: one
+    launch, no pass over x for its amax. Its bytes are quantize_transpose's whenever amax is max|x|."""
+    if not torch.compiler.is_compiling():
+        return pick(x, cast_from_amax_triton, cast_from_amax_ref)(x, amax, out_dtype, rowwise, transpose)
     q, qt, scale = _cast_transpose_from_amax_op(x, amax, out_dtype, rowwise, transpose)
     return (q if rowwise else None), (qt if transpose else None), scale
 

@@ -14,8 +14,9 @@ call's amax into the history (x8 is not read again: 1 byte per element fewer).
 With `add` (the block's residual addition h = x + add, fused), the first launch also reads add and writes h,
 rounded to x's dtype as torch's addition rounds it, and norms h: the separate addition's launch and the norm's
 read of h are gone.
-Backward `rmsnorm_fp8_bwd` reads dy and the saved FP8 x once and writes dx, with a persistent grid (two
-programs per SM) whose programs each keep one partial sum of dw, summed by torch.
+Backward `rmsnorm_fp8_bwd` reads dy and the saved FP8 x once and writes dx, with a persistent grid whose programs
+each keep one partial sum of dw (summed by a column-sum kernel in a fixed order); with dx_amax it also folds max|dx|
+in, for the FP8 cast of dx as the next linear's output gradient (no amax pass over dx).
 
 Every function computes from the dequantized FP8 input, so forward, the backward recompute and the
 reference agree on the same values. Works for any hidden size (a short last group is padded with zeros).
@@ -104,16 +105,19 @@ def rmsnorm_fp8_fwd_delayed_ref(x, weight, history, eps: float, group_size: int,
     return (x8, xs, rstd, y_scale, y8) + _h_out(h, add)
 
 
-def rmsnorm_fp8_bwd_ref(dy, x8, x_scales, rstd, weight, group_size: int, residual_grad=None):
+def rmsnorm_fp8_bwd_ref(dy, x8, x_scales, rstd, weight, group_size: int, residual_grad=None, dx_amax: bool = False):
     """→ (dx [M,H] in dy's dtype, dw [H] fp32). residual_grad [M,H]: the gradient the input also receives from
-    the residual branch, added to dx in fp32 before the one rounding (the block's add, fused)."""
+    the residual branch, added to dx in fp32 before the one rounding (the block's add, fused). dx_amax: also
+    max|dx| as float32 [1] (the amax of dx's FP8 cast, which the kernel folds in as it writes dx)."""
     xhat = group_dequantize(x8, x_scales, group_size) * rstd[:, None]
     dyf, w = dy.float(), weight.float()
     c = (dyf * w * xhat).sum(-1, keepdim=True) / x8.shape[1]
     dx = rstd[:, None] * (dyf * w - xhat * c)
     if residual_grad is not None:
         dx = dx + residual_grad.float()
-    return dx.to(dy.dtype), (dyf * xhat).sum(0)
+    dx = dx.to(dy.dtype)
+    amax = (dx.abs().amax().float().reshape(1),) if dx_amax else ()
+    return (dx, (dyf * xhat).sum(0)) + amax
 
 
 # --------------------------------------------------------------------------------------------------- triton
@@ -206,16 +210,19 @@ def _load_row(dy_ptr, x8_ptr, xs_ptr, rstd_ptr, res_ptr, row, col, gi, mask, H, 
 
 
 @triton.jit
-def _bwd_kernel(dy_ptr, x8_ptr, xs_ptr, rstd_ptr, w_ptr, res_ptr, dx_ptr, dwp_ptr, M, H, NG,
-                G: tl.constexpr, NGP: tl.constexpr, RES: tl.constexpr):
+def _bwd_kernel(dy_ptr, x8_ptr, xs_ptr, rstd_ptr, w_ptr, res_ptr, dx_ptr, dwp_ptr, amax_ptr, M, H, NG,
+                G: tl.constexpr, NGP: tl.constexpr, RES: tl.constexpr, AMAX: tl.constexpr):
     """Persistent: program p takes rows p, p + P, ... and keeps its share of dw in registers (one [H] partial
     per program, not per row block). The next row's loads are issued before this row's math, so each program
-    has two rows in flight. RES: the residual branch's gradient is added to dx before it is stored."""
+    has two rows in flight. RES: the residual branch's gradient is added to dx before it is stored. AMAX: max|dx|
+    of the stored (rounded) values is folded into amax_ptr, one atomic per program: the amax that dx's FP8 cast
+    needs, without a pass of its own over dx."""
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     gi, col, mask = _row_tile(H, G, NGP)
     w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([NGP, G], dtype=tl.float32)
+    amax = tl.zeros([NGP, G], dtype=tl.float32)
     nxt = _load_row(dy_ptr, x8_ptr, xs_ptr, rstd_ptr, res_ptr, pid, col, gi, mask, H, NG, RES)
     for i in range(0, tl.cdiv(M - pid, step)):
         row = pid + i * step
@@ -231,8 +238,13 @@ def _bwd_kernel(dy_ptr, x8_ptr, xs_ptr, rstd_ptr, w_ptr, res_ptr, dx_ptr, dwp_pt
         if RES:
             dx += res.to(tl.float32)
         tl.store(dx_ptr + row.to(tl.int64) * H + col, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if AMAX:  # masked lanes hold 0, and |dx| >= 0
+            amax = tl.maximum(amax, tl.abs(dx))
         dw += dy * xhat
     tl.store(dwp_ptr + pid.to(tl.int64) * H + col, dw, mask=mask)
+    if AMAX:  # rounding is monotonic: the rounded max is the max of the rounded (stored) values
+        amax = tl.max(tl.max(amax, axis=1), axis=0).to(dx_ptr.dtype.element_ty).to(tl.float32)
+        record_program_amax(amax, amax_ptr)
 
 
 def rmsnorm_fp8_fwd_triton(x, weight, eps: float, group_size: int, out_dtype=E4M3, add=None):
@@ -337,7 +349,8 @@ def column_sum_triton(p: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rmsnorm_fp8_bwd_triton(dy, x8, x_scales, rstd, weight, group_size: int, residual_grad=None):
+def rmsnorm_fp8_bwd_triton(dy, x8, x_scales, rstd, weight, group_size: int, residual_grad=None,
+                           dx_amax: bool = False):
     dy = dy.contiguous()
     m, h = x8.shape
     ng = x_scales.shape[1]
@@ -347,9 +360,11 @@ def rmsnorm_fp8_bwd_triton(dy, x8, x_scales, rstd, weight, group_size: int, resi
     res = None if residual_grad is None else residual_grad.contiguous()
     dx = torch.empty((m, h), dtype=dy.dtype, device=dy.device)
     dwp = torch.empty((grid, h), dtype=torch.float32, device=dy.device)
-    launcher(_bwd_kernel)[(grid,)](dy, x8, x_scales, rstd, weight, dy if res is None else res, dx, dwp, m, h, ng,
-                                   G=group_size, NGP=ngp, RES=res is not None, num_warps=warps)
-    return dx, column_sum_triton(dwp)
+    amax = amax_workspace(dy.device) if dx_amax else None
+    launcher(_bwd_kernel)[(grid,)](dy, x8, x_scales, rstd, weight, dy if res is None else res, dx, dwp,
+                                   dwp if amax is None else amax, m, h, ng, G=group_size, NGP=ngp,
+                                   RES=res is not None, AMAX=dx_amax, num_warps=warps)
+    return (dx, column_sum_triton(dwp)) + ((amax,) if dx_amax else ())
 
 
 # ---------------------------------------------------------------------------------------------- dispatchers
@@ -378,10 +393,12 @@ def rmsnorm_fp8_fwd_delayed(x, weight, history, eps: float, group_size: int, out
     return tuple(out) if add is not None else tuple(out[:5])
 
 
-def rmsnorm_fp8_bwd(dy, x8, x_scales, rstd, weight, group_size: int, residual_grad=None):
-    """→ (dx, dw); residual_grad: added to dx in the kernel (rmsnorm_fp8_bwd_ref)."""
-    return dispatch(_bwd_op, dy, rmsnorm_fp8_bwd_triton, rmsnorm_fp8_bwd_ref, dy, x8, x_scales, rstd, weight,
-                    group_size, residual_grad)
+def rmsnorm_fp8_bwd(dy, x8, x_scales, rstd, weight, group_size: int, residual_grad=None, dx_amax: bool = False):
+    """→ (dx, dw), and dx's amax (float32 [1]) last with dx_amax; residual_grad: added to dx in the kernel
+    (rmsnorm_fp8_bwd_ref)."""
+    out = dispatch(_bwd_op, dy, rmsnorm_fp8_bwd_triton, rmsnorm_fp8_bwd_ref, dy, x8, x_scales, rstd, weight,
+                   group_size, residual_grad, dx_amax)
+    return tuple(out) if dx_amax else tuple(out[:2])
 
 
 def _with_h(x: Tensor, out: tuple) -> tuple:
@@ -411,7 +428,9 @@ def _out_op(x8: Tensor, x_scales: Tensor, rstd: Tensor, weight: Tensor, y_scale:
 
 
 @fp8_operator("megacoat::rmsnorm_fp8_bwd")
-def _bwd_op(dy: Tensor, x8: Tensor, x_scales: Tensor, rstd: Tensor, weight: Tensor,
-            group_size: int, residual_grad: Tensor | None) -> tuple[Tensor, Tensor]:
-    return traced_body(dy, rmsnorm_fp8_bwd_triton, rmsnorm_fp8_bwd_ref, dy, x8, x_scales, rstd, weight, group_size,
-                       residual_grad)
+def _bwd_op(dy: Tensor, x8: Tensor, x_scales: Tensor, rstd: Tensor, weight: Tensor, group_size: int,
+            residual_grad: Tensor | None, dx_amax: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw, amax); amax empty without dx_amax (an operator's outputs are fixed in number)."""
+    out = traced_body(dy, rmsnorm_fp8_bwd_triton, rmsnorm_fp8_bwd_ref, dy, x8, x_scales, rstd, weight, group_size,
+                      residual_grad, dx_amax)
+    return out if dx_amax else (*out, dy.new_empty(0, dtype=torch.float32))

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from tests.ops.fp8_compare import DEV, rel_err  # noqa: I001
 from megacoat.fp8.formats import E4M3, E5M2
-from megacoat.fp8.linear import Fp8WeightCache
+from megacoat.fp8.linear import Fp8WeightCache, fp8_linear
 from megacoat.fp8.precision_flow import coat_mlp, coat_norm_qkv
 from megacoat.fp8.saved_memory import saved_activation_bytes
 from megacoat.model.gpt import apply_rope, rope_tables
@@ -150,6 +150,41 @@ def test_mlp_add_is_the_mlp_of_the_sum():
     assert all(torch.equal(p, q) for p, q in zip(plain[4], fused[4]))
     with pytest.raises(ValueError, match="add needs residual=True"):
         coat_mlp(x0, *ps, Fp8WeightCache(), Fp8WeightCache(), 1e-5, g, torch.float8_e5m2, add=a0)
+
+
+def test_mlp_add_carrier_hands_the_amax_to_the_linear_that_made_add():
+    """a = fp8_linear(c, W, carry_amax=True) feeding coat_mlp(x, add=a, add_carrier=carrier): the norm's backward
+    kernel folds in the amax of h's gradient and the linear's backward casts its output gradient from it, one launch
+    instead of two. Every output and gradient is the same bytes as without the carrier (a max in any order is the
+    same max); a carrier that is not used (its gradient None) leaves the amax to the linear's own pass."""
+    h, f, g = 128, 352, 64
+    ps = [p.detach() for p in _params(h, f, torch.bfloat16)]
+    wo0 = (torch.randn(h, h, device=DEV) * 0.05).to(torch.bfloat16)
+    x0, c0, dy, dh = (torch.randn(64, h, device=DEV, dtype=torch.bfloat16) for _ in range(4))
+
+    def run(carry):
+        x, c, wo = x0.clone().requires_grad_(), c0.clone().requires_grad_(), wo0.clone().requires_grad_()
+        ws = [p.clone().requires_grad_() for p in ps]
+        args = (Fp8WeightCache(), Fp8WeightCache(), 1e-5, g, torch.float8_e5m2)
+        if carry:
+            a, carrier = fp8_linear(c, wo, carry_amax=True)
+            out, hh = coat_mlp(x, *ws, *args, residual=True, add=a, add_carrier=carrier)
+        else:
+            out, hh = coat_mlp(x, *ws, *args, residual=True, add=fp8_linear(c, wo))
+        torch.autograd.backward((out, hh), (dy, dh))
+        return [out, hh, x.grad, c.grad, wo.grad] + [w.grad for w in ws]
+
+    plain, carried = run(False), run(True)
+    assert all(torch.equal(p, q) for p, q in zip(plain, carried))
+    c = c0.clone().requires_grad_()
+    a, carrier = fp8_linear(c, wo0, carry_amax=True)  # carrier unused: the linear takes the amax itself
+    a.backward(dh)
+    c_ref = c0.clone().requires_grad_()
+    fp8_linear(c_ref, wo0).backward(dh)
+    assert torch.equal(c.grad, c_ref.grad)
+    with pytest.raises(ValueError, match="add_carrier needs add"):
+        coat_mlp(x0, *ps, Fp8WeightCache(), Fp8WeightCache(), 1e-5, g, torch.float8_e5m2, residual=True,
+                 add_carrier=carrier)
 
 
 def test_mlp_saves_only_fp8_and_small_scales():

@@ -80,6 +80,27 @@ def test_backward_adds_the_residual_gradient_before_its_one_rounding(m, h, g):
     assert not torch.equal(tdx, R.rmsnorm_fp8_bwd_triton(dy, x8, xs, rstd, w, g)[0])  # it was added
 
 
+@pytest.mark.parametrize("m,h,g", SHAPES[:2])
+@pytest.mark.parametrize("residual", [False, True])
+def test_backward_folds_the_amax_of_dx(m, h, g, residual):
+    """dx_amax: the kernel also returns max|dx| of the values it stored (the amax of dx's FP8 cast as the next
+    linear's output gradient), exactly, since a max is the same in any order; dx and dw are unchanged."""
+    if DEV == "cpu" and not interpreted(R._bwd_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+    x, w = _inputs(m, h)
+    x8, xs, rstd = R.rmsnorm_fp8_fwd_ref(x, w, 1e-5, g)[:3]
+    dy = torch.randn(m, h, device=DEV).to(torch.bfloat16)
+    res = (torch.randn(m, h, device=DEV) * 4).to(torch.bfloat16) if residual else None
+    for bwd in (R.rmsnorm_fp8_bwd_ref, R.rmsnorm_fp8_bwd_triton):
+        dx, dw, amax = bwd(dy, x8, xs, rstd, w, g, residual_grad=res, dx_amax=True)
+        assert amax.dtype == torch.float32 and amax.shape == (1,)
+        assert amax.item() == dx.float().abs().max().item() > 0
+        dx0, dw0 = bwd(dy, x8, xs, rstd, w, g, residual_grad=res)
+        assert torch.equal(dx, dx0) and torch.equal(dw, dw0)
+    assert len(R.rmsnorm_fp8_bwd(dy, x8, xs, rstd, w, g, residual_grad=res)) == 2  # the dispatcher too
+    assert len(R.rmsnorm_fp8_bwd(dy, x8, xs, rstd, w, g, residual_grad=res, dx_amax=True)) == 3
+
+
 @pytest.mark.parametrize("backend", ["ref", "triton"])
 def test_add_norms_the_sum_and_returns_it(backend):
     """add: h = x + add exactly as torch adds (fp32 sum, one rounding to bf16; the CPU interpreter truncates its
@@ -161,7 +182,8 @@ def test_bad_input_is_named():
 @pytest.mark.gpu
 def test_gpu_large_shape_matches_reference():
     """Llama-2-7B's norm at 2048 tokens: one row per forward program (2048 programs fold the output's amax, the
-    second launch derives the scale), a persistent backward grid with many rows per program."""
+    second launch derives the scale), a persistent backward grid with many rows per program (each folding its
+    share of dx's amax)."""
     x, w = _inputs(2048, 4096)
     ta, ra = R.rmsnorm_fp8_fwd_triton(x, w, 1e-5, 128), R.rmsnorm_fp8_fwd_ref(x, w, 1e-5, 128)
     assert_fp8_close(ta[0], ra[0])
@@ -180,6 +202,8 @@ def test_gpu_large_shape_matches_reference():
     tdx, tdw2 = R.rmsnorm_fp8_bwd_triton(dy, *ra[:3], w, 128, residual_grad=res)
     assert_close_f32(tdx, R.rmsnorm_fp8_bwd_ref(dy, *ra[:3], w, 128, residual_grad=res)[0], rtol=1e-2, atol=1e-2)
     assert torch.equal(tdw2, tdw)  # dw does not see the residual
+    tdx3, _, amax = R.rmsnorm_fp8_bwd_triton(dy, *ra[:3], w, 128, residual_grad=res, dx_amax=True)
+    assert torch.equal(tdx3, tdx) and amax.item() == tdx.float().abs().max().item()  # every program's max folded
 
 
 # --- delayed scaling of the output (--fp8-activation-scaling delayed) --------------------------------------------
