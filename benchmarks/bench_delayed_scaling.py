@@ -7,6 +7,9 @@
                one launch writing the pair and s (delayed).
   rmsnorm_fwd  RMSNorm's forward: x8 and the amax, then y from a second read of x8 (current), against one launch
                writing x8 and y (delayed).
+  rope_qkv_bwd The [q|k|v] output gradient: RoPE's backward writing the BF16 joined gradient with its amax, then
+               the cast into both layouts (current), against RoPE's backward writing the FP8 codes, then a byte
+               transpose (delayed).
 A delayed call also runs one memset and a one-program launch that rolls its amax into the history
 (megacoat.ops.tensor_scale.roll_history). With a history whose maximum is the call's own amax (a bootstrap call
 records it), both write the same bytes: checked here on the device before timing. Each call is timed as the
@@ -20,7 +23,8 @@ read and write.
 `--sweep-fwd BM:WARPS ...` the SwiGLU forward rows with other tiles of its kernel, and `--sweep-norm PER_WARP ...`
 the RMSNorm forward rows with other row elements per warp (its warps per row); the library's setting is each op's
 first row. "same_bytes" in each row: delayed scaling wrote current scaling's bytes (the history holding the call's
-own amax), and a swept setting wrote the library setting's bytes.
+own amax), and a swept tile wrote the library tile's bytes; RMSNorm's warps per row reorder the row's sum, so there
+the library comparison is only recorded ("same_bytes_as_library").
 
     python benchmarks/bench_delayed_scaling.py [--repeats 3] [--sweep 64:4 32:4 128:8 128:16]
         [--sweep-fwd 64:4 64:8 128:8] [--sweep-norm 512 2048] [--eager]
@@ -42,7 +46,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megacoat.ops import rmsnorm, swiglu  # noqa: E402
+from megacoat.model.gpt import rope_tables  # noqa: E402
+from megacoat.ops import cast_transpose, rmsnorm, rope_grad_cast, swiglu  # noqa: E402
 from benchmarks.sweep_common import best_rows, parse_tile, same_bytes, time_call_ms, write_json  # noqa: E402
 
 E5M2 = torch.float8_e5m2
@@ -82,7 +87,28 @@ def _rmsnorm_fwd(m, h, f, device):
             {"current": 2 * n + n + n + n, "delayed": 2 * n + n + n})
 
 
-OPS = {"swiglu_bwd": _swiglu_bwd, "swiglu_fwd": _swiglu_fwd, "rmsnorm_fwd": _rmsnorm_fwd}
+def _rope_qkv_bwd(m, h, f, device):
+    """The [q|k|v] output gradient from attention's dq, dk, dv ([batch, seq, heads, 128] views of [batch, heads, seq,
+    128], as SDPA's backward leaves them; q, k and v of H columns each)."""
+    d, seq = 128, min(m, 4096 if h > 2048 else 2048)
+    cos, sin = (t.to(device) for t in rope_tables(d, seq, 10000.0))
+    dq, dk, dv = ((torch.randn(m // seq, h // d, seq, d, device=device) * 1e-3).to(torch.bfloat16).transpose(1, 2)
+                  for _ in range(3))
+    n = 3 * m * h  # current: RoPE's pass reads 2 B and writes the BF16 joined gradient (2 B), the cast reads it (2 B)
+    # and writes both layouts (1 + 1 B); delayed: RoPE's pass reads 2 B and writes the codes (1 B), the byte
+    # transpose reads 1 B and writes 1 B
+    return (lambda: rope_grad_cast.rope_qkv_grad_fp8_triton(dq, dk, dv, cos, sin, E5M2),
+            lambda hist, boot=False: rope_grad_cast.rope_qkv_grad_fp8_delayed_triton(dq, dk, dv, cos, sin, E5M2, hist,
+                                                                                      bootstrap=boot),
+            {"current": 8 * n, "delayed": 5 * n})
+
+
+OPS = {"swiglu_bwd": _swiglu_bwd, "swiglu_fwd": _swiglu_fwd, "rmsnorm_fwd": _rmsnorm_fwd,
+       "rope_qkv_bwd": _rope_qkv_bwd}
+# Ops whose swept setting changes a reduction's summation order (RMSNorm's warps per row: the row's sum of squares),
+# so its bytes may differ from the library setting's by one rounding of rstd: recorded (same_bytes_as_library), not
+# a failure. A tile of the elementwise kernels changes no arithmetic: there any byte that differs fails the run.
+REORDERS = {"rmsnorm_fwd"}
 
 
 def measure(op: str, name: str, m: int, h: int, f: int, repeats: int, device: str, eager: bool = False,
@@ -95,9 +121,12 @@ def measure(op: str, name: str, m: int, h: int, f: int, repeats: int, device: st
     delayed(history, True)  # bootstrap: records this input's amax
     outs = current()
     same = all(same_bytes(a, b) for a, b in zip(outs, delayed(history)))  # history max = own amax
+    as_library = None
     if library_bytes is not None:
         first = library_bytes.setdefault((op, name), outs)
-        same = same and all(same_bytes(a, b) for a, b in zip(first, outs))
+        as_library = all(same_bytes(a, b) for a, b in zip(first, outs))
+        if op not in REORDERS:
+            same = same and as_library
     del outs
     runs = {"current": current, "delayed": lambda: delayed(history)}
     times = {k: [] for k in runs}
@@ -106,11 +135,13 @@ def measure(op: str, name: str, m: int, h: int, f: int, repeats: int, device: st
             times[k].append(time_call_ms(fn, device, eager))
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"op": op, "shape": name, "tokens": m, "hidden": h, "ffn": f, "same_bytes": same,
+            "same_bytes_as_library": as_library,
             "ms": med, "ms_repeats": times, "speedup": med["current"] / med["delayed"],
             "bytes": moved, "gb_per_s": {k: moved[k] / (med[k] * 1e-3) / 1e9 for k in med}}
 
 
-SETTING_NAMES = {"swiglu_bwd": ("BM", "warps"), "swiglu_fwd": ("BM", "warps"), "rmsnorm_fwd": ("per_warp",)}
+SETTING_NAMES = {"swiglu_bwd": ("BM", "warps"), "swiglu_fwd": ("BM", "warps"), "rmsnorm_fwd": ("per_warp",),
+                 "rope_qkv_bwd": ("BM", "BN", "warps")}
 
 
 def _tile(text: str, flag: str) -> tuple[int, int]:
@@ -129,6 +160,8 @@ def _apply(op: str, setting: tuple) -> None:
         swiglu._BM_T, swiglu._WARPS_T = setting
     elif op == "swiglu_fwd":
         swiglu._BM_F, swiglu._WARPS_F = setting
+    elif op == "rope_qkv_bwd":  # the cast's tile, which the byte transpose shares
+        cast_transpose._BM, cast_transpose._BN, cast_transpose._WARPS = setting
     else:
         rmsnorm._FWD_PER_WARP, = setting
 
@@ -159,11 +192,16 @@ def main() -> int:
                    help="also time SwiGLU's forward kernel at these tile heights and warp counts (e.g. 64:8)")
     p.add_argument("--sweep-norm", nargs="*", default=[], metavar="PER_WARP",
                    help="also time RMSNorm's forward kernel with these row elements per warp (e.g. 512 2048)")
+    p.add_argument("--ops", nargs="+", default=list(OPS), metavar="OP", help=f"which of {', '.join(OPS)} (all)")
     args = p.parse_args()
     try:
         configs = {"swiglu_bwd": [(swiglu._BM_T, swiglu._WARPS_T)] + [_tile(c, "--sweep") for c in args.sweep],
                    "swiglu_fwd": [(swiglu._BM_F, swiglu._WARPS_F)] + [_tile(c, "--sweep-fwd") for c in args.sweep_fwd],
-                   "rmsnorm_fwd": [(rmsnorm._FWD_PER_WARP,)] + [_per_warp(c) for c in args.sweep_norm]}
+                   "rmsnorm_fwd": [(rmsnorm._FWD_PER_WARP,)] + [_per_warp(c) for c in args.sweep_norm],
+                   "rope_qkv_bwd": [(cast_transpose._BM, cast_transpose._BN, cast_transpose._WARPS)]}
+        unknown = sorted(set(args.ops) - set(OPS))
+        if unknown:
+            raise ValueError(f"--ops: unknown {', '.join(unknown)} (choose from {', '.join(OPS)})")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -176,7 +214,8 @@ def main() -> int:
     def write(complete: bool) -> None:
         """The JSON so far: a step that runs out of time keeps the rows it measured."""
         write_json(args.out, {
-            "what": "delayed scaling per call: SwiGLU's backward, SwiGLU's and RMSNorm's forward, current vs delayed",
+            "what": "delayed scaling per call: SwiGLU's backward, SwiGLU's and RMSNorm's forward, the [q|k|v] "
+                    "gradient's RoPE backward and cast, current vs delayed",
             "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device == "cuda"
             else platform.processor() or "cpu", "torch": torch.__version__, "triton": triton.__version__,
             "group_size": GROUP, "timing": "eager" if args.eager else "cuda graph", "results": rows,
@@ -184,7 +223,7 @@ def main() -> int:
 
     shapes = SMOKE if args.cpu_smoke else SHAPES
     repeats = 1 if args.cpu_smoke else args.repeats
-    for op in OPS:
+    for op in args.ops:
         library_bytes = {}  # this op's outputs at the library setting, per shape (the previous op's freed)
         for setting in configs[op]:
             _apply(op, setting)  # module settings, read at each launch

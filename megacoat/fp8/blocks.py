@@ -63,8 +63,9 @@ class CoatTransformerBlock(nn.Module):
         self.grad_dtype = get_format(fp8.grad_dtype).dtype
         self.qkv_cache, self.w13_cache, self.w2_cache = (Fp8WeightCache(fp8.weight_cache)
                                                          for _ in range(3))
-        # delayed scaling sites (megacoat.fp8.delayed_scaling): SwiGLU's gradient; the two norms' and SwiGLU's outputs
-        sites = {"swiglu_grad_scale": fp8.grad_scaling == "delayed"}
+        # delayed scaling sites (megacoat.fp8.delayed_scaling): SwiGLU's and the [q|k|v] output's gradients; the two
+        # norms' and SwiGLU's outputs
+        sites = dict.fromkeys(("swiglu_grad_scale", "qkv_grad_scale"), fp8.grad_scaling == "delayed")
         sites.update(dict.fromkeys(("qkv_norm_out_scale", "mlp_norm_out_scale", "swiglu_out_scale"),
                                    fp8.activation_scaling == "delayed"))
         for name, delayed in sites.items():
@@ -82,7 +83,7 @@ class CoatTransformerBlock(nn.Module):
         out = coat_norm_qkv(region.enter(x), region.replicated(self.attention_norm.weight),
                             (a.wq.weight, a.wk.weight, a.wv.weight), self.qkv_cache, self.attention_norm.eps,
                             self.group_size, self.grad_dtype, cos, sin, a.head_dim, self.fast_accum,
-                            self.qkv_norm_out_scale, residual=fused)
+                            self.qkv_norm_out_scale, residual=fused, grad_scale=self.qkv_grad_scale)
         core = causal_attention(*out[:3])
         mlp = (region.replicated(self.ffn_norm.weight), ff.w1.weight, ff.w3.weight, ff.w2.weight, self.w13_cache,
                self.w2_cache, self.ffn_norm.eps, self.group_size, self.grad_dtype, self.fast_accum,

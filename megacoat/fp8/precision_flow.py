@@ -13,7 +13,8 @@ backward pass, which reads the pair anyway). Gradients between the layers are FP
 SwiGLU's backward writes da1|da3 straight into the layouts of the two GEMMs that consume it (with delayed scaling,
 megacoat.fp8.delayed_scaling, in one pass instead of two), and attention's dq,
 dk, dv go through RoPE's backward straight into the joined [q|k|v] gradient, its amax folded in, then one cast into
-the layouts of the [q|k|v] GEMMs (megacoat.ops.rope_grad_cast).
+the layouts of the [q|k|v] GEMMs (megacoat.ops.rope_grad_cast; with delayed scaling RoPE's backward writes the FP8
+gradient itself, and its transpose is a byte copy).
 
 With delayed activation scaling (megacoat.fp8.delayed_scaling) the norm and SwiGLU write their FP8 output in the
 kernel that reads their input, with a scale from the amaxes of earlier forwards, instead of in a second launch.
@@ -29,7 +30,7 @@ from megacoat.fp8.delayed_scaling import DelayedScale
 from megacoat.fp8.linear import Fp8WeightCache, check_gemm_dims, fp8_weight_t, quantize_grad, scaled_mm
 from megacoat.ops.rmsnorm import rmsnorm_fp8_bwd, rmsnorm_fp8_fwd, rmsnorm_fp8_fwd_delayed, rmsnorm_fp8_out
 from megacoat.ops.rope import rope_rotate
-from megacoat.ops.rope_grad_cast import rope_qkv_grad_fp8
+from megacoat.ops.rope_grad_cast import rope_qkv_grad_fp8, rope_qkv_grad_fp8_delayed
 from megacoat.ops.swiglu import swiglu_fp8_bwd_delayed, swiglu_fp8_bwd_out_t, swiglu_fp8_fwd, swiglu_fp8_fwd_delayed
 
 
@@ -64,7 +65,7 @@ class CoatNormQKVFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, norm_weight, w8, w8t, w_scale, eps, group_size, grad_dtype, fast_accum, cos, sin, batch,
-                head_dim, norm_history, norm_bootstrap, residual, *weights):
+                head_dim, norm_history, norm_bootstrap, grad_history, bootstrap, residual, *weights):
         x8, xs, rstd, y_scale, y8 = _norm_fwd(x, norm_weight, eps, group_size, norm_history, norm_bootstrap)
         qkv = scaled_mm(y8, w8.t(), y_scale, w_scale, x.dtype, fast_accum)
         sizes = [w.shape[0] for w in weights]
@@ -75,19 +76,24 @@ class CoatNormQKVFunction(torch.autograd.Function):
         ctx.tables = (cos, sin)  # constants of the model, not activations
         ctx.sizes, ctx.w_dtype = sizes, weights[0].dtype
         ctx.weights = weights if w8t is None else None  # to remake W8^T in backward (no persistent cache)
+        ctx.grad_history, ctx.bootstrap = grad_history, bootstrap  # state (written by backward), not an activation
         return (q, k, v, x.view_as(x)) if residual else (q, k, v)
 
     @staticmethod
     def backward(ctx, dq, dk, dv, dres=None):
         x8, xs, rstd, y_scale, norm_weight = ctx.saved_tensors
         dq, dk, dv = (t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv))
-        g8, g8t, g_scale = rope_qkv_grad_fp8(dq, dk, dv, *ctx.tables, ctx.grad_dtype)
+        if ctx.grad_history is None:
+            g8, g8t, g_scale = rope_qkv_grad_fp8(dq, dk, dv, *ctx.tables, ctx.grad_dtype)
+        else:  # delayed scaling: RoPE's pass writes the FP8 gradient itself, the history rolled
+            g8, g8t, g_scale = rope_qkv_grad_fp8_delayed(dq, dk, dv, *ctx.tables, ctx.grad_dtype, ctx.grad_history,
+                                                         bootstrap=ctx.bootstrap)
         w8t = fp8_weight_t(ctx.w8t, ctx.weights)
         dy = scaled_mm(g8, w8t.t(), g_scale, ctx.w_scale, dq.dtype)
         y8t = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, ctx.group_size, transpose=True)
         dw = scaled_mm(g8t, y8t.t(), g_scale, y_scale, ctx.w_dtype)
         dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, ctx.group_size, residual_grad=dres)
-        return (dx, dnorm.to(norm_weight.dtype), *(None,) * 14, *_split_rows(dw, ctx.sizes))
+        return (dx, dnorm.to(norm_weight.dtype), *(None,) * 16, *_split_rows(dw, ctx.sizes))
 
 
 class CoatMLPFunction(torch.autograd.Function):
@@ -155,16 +161,18 @@ def _history(scale: DelayedScale | None) -> tuple[torch.Tensor | None, bool]:
 
 def coat_norm_qkv(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, group_size: int,
                   grad_dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
-                  fast_accum: bool = False, norm_scale: DelayedScale | None = None, residual: bool = False):
+                  fast_accum: bool = False, norm_scale: DelayedScale | None = None, residual: bool = False,
+                  grad_scale: DelayedScale | None = None):
     """x [batch, seq, H] → q, k, v [batch, seq, heads, head_dim] (q and k rotated); weights (wq, wk, wv).
     norm_scale: the norm's FP8 output with delayed scaling from that history (None: current scaling).
-    residual: also return x, for the residual branch (its gradient joins x's in the norm's backward kernel)."""
+    residual: also return x, for the residual branch (its gradient joins x's in the norm's backward kernel).
+    grad_scale: the [q|k|v] output gradient with delayed scaling from that history (None: current scaling)."""
     if torch.is_grad_enabled():
         check_gemm_dims(tokens_per_micro_batch=x.shape[0] * x.shape[1])  # wgrad contracts over the tokens
     w8, w8t, w_scale = cache.get(weights)
     out = CoatNormQKVFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w8, w8t, w_scale, eps, group_size,
                                     grad_dtype, fast_accum, cos, sin, x.shape[0], head_dim, *_history(norm_scale),
-                                    residual, *weights)
+                                    *_history(grad_scale), residual, *weights)
     return (*out[:3], out[3].view(x.shape)) if residual else out
 
 

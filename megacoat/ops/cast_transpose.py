@@ -20,11 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.numerics import (AMAX_FLOOR, RESCALE, RESCALE_BELOW, cast_with_scale, fp8_operator, launcher,
-                                   pick, scale_from_amax, traced_body)
-from megacoat.ops.tensor_scale import cast_scale
-
-RESCALE, RESCALE_BELOW = tl.constexpr(RESCALE), tl.constexpr(RESCALE_BELOW)
+from megacoat.ops.numerics import (AMAX_FLOOR, cast_with_scale, fp8_operator, launcher, pick, scale_from_amax,
+                                   traced_body)
+from megacoat.ops.tensor_scale import cast_scale, scaled_codes
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -60,14 +58,11 @@ def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, N, 
     # transpose: refresh writes each part of a joined weight straight into its place)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     scale = cast_scale(scale_ptr, amax_ptr, fmax, amax_floor, FROM_AMAX)
-    # once per program: the element loop multiplies; a scale from the amax floor is rescaled first (numerics)
-    c = tl.where(scale < RESCALE_BELOW, RESCALE, 1.0)
-    inv = tl.div_rn(1.0, scale * c)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = tl.clamp((x * c) * inv, -fmax, fmax)
+    q = scaled_codes(x, scale, fmax)  # the reciprocal once per program, the element loop multiplies
     if ROWWISE:
         tl.store(out_ptr + rm[:, None] * N + rn[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
     if TRANSPOSE:
@@ -106,6 +101,33 @@ def _launch(x, amax, scale, out_dtype, rowwise, transpose, out=None, outt=None):
                                  FROM_AMAX=amax is not None, ROWWISE=rowwise, TRANSPOSE=transpose,
                                  BM=bm, BN=bn, num_warps=_WARPS)
     return (out if rowwise else None), (outt if transpose else None)
+
+
+@triton.jit
+def _transpose_bytes_kernel(q_ptr, qt_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    q = tl.load(q_ptr + rm[:, None] * N + rn[None, :], mask=mask)
+    tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+
+
+def transpose_fp8_ref(q: torch.Tensor) -> torch.Tensor:
+    _check2d(q)
+    return q.t().contiguous()
+
+
+def transpose_fp8_triton(q: torch.Tensor) -> torch.Tensor:
+    """q^T [N, M] contiguous of an FP8 q [M, N], its bytes moved as they are (uint8: no conversion), with the cast's
+    tile: an FP8 operand written row-major by a kernel that cannot transpose (one token per program) gets its
+    wgrad layout for 2 bytes per element, against a cast pass's 4 from a BF16 copy."""
+    _check2d(q)
+    q = q.contiguous()
+    m, n = q.shape
+    qt = torch.empty((n, m), dtype=q.dtype, device=q.device)
+    launcher(_transpose_bytes_kernel)[(triton.cdiv(m, _BM), triton.cdiv(n, _BN))](
+        q.view(torch.uint8), qt.view(torch.uint8), m, n, BM=_BM, BN=_BN, num_warps=_WARPS)
+    return qt
 
 
 def cast_transpose_triton(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.numerics import dispatch, fp8_operator, launcher, traced_body
-from megacoat.ops.tensor_scale import record_program_amax
+from megacoat.ops.numerics import AMAX_FLOOR, dispatch, fp8_operator, launcher, traced_body
+from megacoat.ops.tensor_scale import history_max, record_program_amax, scale_from_total, scaled_codes
 
 
 def check_rope_input(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -42,10 +42,16 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: boo
 # (128-bit accesses), split into its even/odd lanes in registers, and the token's cos/sin row is loaded once for
 # all its heads. The same kernel writes the backward's rotated gradients (and v's, copied) straight into their
 # columns of the joined [q|k|v] gradient (row stride ld_out) with the amax folded in: megacoat.ops.rope_grad_cast.
+#
+# With an amax history (HIST > 0: the backward's delayed scaling, megacoat.fp8.delayed_scaling) the kernel also casts:
+# each value is rounded to x's dtype, as the BF16 joined gradient would hold it, then stored as FP8 (out's dtype)
+# with the scale from the history's maximum, which the first program writes to scale_ptr. The amax folded in is that
+# of the rounded values, for the history's roll.
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, amax_ptr, S, NH, stride_b, stride_s, stride_h, ld_out,
-                 HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, ROTATE: tl.constexpr,
-                 INVERSE: tl.constexpr, AMAX: tl.constexpr):
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, amax_ptr, hist_ptr, scale_ptr, S, NH, stride_b, stride_s,
+                 stride_h, ld_out, hist_len, fmax, amax_floor, HALF: tl.constexpr, BH: tl.constexpr,
+                 BD: tl.constexpr, ROTATE: tl.constexpr, INVERSE: tl.constexpr, AMAX: tl.constexpr,
+                 HIST: tl.constexpr):
     t = tl.program_id(0)  # token = (batch, position)
     pos = t % S
     src = x_ptr + (t // S).to(tl.int64) * stride_b + pos.to(tl.int64) * stride_s
@@ -53,7 +59,10 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, amax_ptr, S, NH, stride_b, st
     d = tl.arange(0, 2 * BD)
     mask = (h < NH)[:, None] & (d < 2 * HALF)[None, :]
     x = tl.load(src + h[:, None].to(tl.int64) * stride_h + d[None, :], mask=mask, other=0.0)
-    ty = out_ptr.dtype.element_ty
+    if HIST > 0:
+        ty = x_ptr.dtype.element_ty  # the joined gradient's dtype: rounded to it before the cast
+    else:
+        ty = out_ptr.dtype.element_ty
     if ROTATE:
         x0, x1 = tl.split(tl.reshape(x.to(tl.float32), (BH, BD, 2)))
         i = tl.arange(0, BD)
@@ -64,22 +73,36 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, amax_ptr, S, NH, stride_b, st
         y = tl.reshape(tl.join(x0 * c - x1 * s, x0 * s + x1 * c), (BH, 2 * BD)).to(ty)
     else:
         y = x.to(ty)
-    tl.store(out_ptr + t.to(tl.int64) * ld_out + h[:, None] * (2 * HALF) + d[None, :], y, mask=mask)
-    if AMAX:  # of what was stored; masked lanes are 0, and |y| >= 0
+    dst = out_ptr + t.to(tl.int64) * ld_out + h[:, None] * (2 * HALF) + d[None, :]
+    if HIST > 0:
+        scale = scale_from_total(history_max(hist_ptr, hist_len, HIST), fmax, amax_floor)
+        if (t == 0) & (tl.program_id(1) == 0):
+            tl.store(scale_ptr, scale)
+        tl.store(dst, scaled_codes(y.to(tl.float32), scale, fmax).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dst, y, mask=mask)
+    if AMAX:  # of the stored (or, cast, the rounded) values; masked lanes are 0, and |y| >= 0
         record_program_amax(tl.max(tl.max(tl.abs(y.to(tl.float32)), axis=1), axis=0), amax_ptr)
 
 
 def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, ld_out: int,
-                rotate: bool = True, inverse: bool = False, amax: torch.Tensor | None = None) -> None:
+                rotate: bool = True, inverse: bool = False, amax: torch.Tensor | None = None,
+                history: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> None:
     """Write x [batch, seq, heads, head_dim] (any strides, unit last stride), rotated by the angle (or its
     negative, inverse) or copied (rotate=False), into out: token t's heads at out[t * ld_out:], contiguous. With
-    amax (float32 [1], zero or a running max), fold max|stored value| into it."""
+    amax (float32 [1], zero or a running max), fold max|stored value| into it. With history (an amax history,
+    float32 [L]) and scale (float32 [1], written): out is FP8, each value rounded to x's dtype and cast with the scale
+    from the history's maximum (amax then folds the rounded values' max)."""
     b, s, nh, d = x.shape
     bd = triton.next_power_of_2(d // 2)
     bh = min(triton.next_power_of_2(nh), max(1, 4096 // (2 * bd)))  # up to 4096 elements per program
+    hist_len = 0 if history is None else history.numel()
+    fmax = torch.finfo(out.dtype).max if history is not None else 0.0
     launcher(_rope_kernel)[(b * s, triton.cdiv(nh, bh))](
-        x, cos, sin, out, out if amax is None else amax, s, nh, x.stride(0), x.stride(1), x.stride(2), ld_out,
-        HALF=d // 2, BH=bh, BD=bd, ROTATE=rotate, INVERSE=inverse, AMAX=amax is not None, num_warps=4)
+        x, cos, sin, out, out if amax is None else amax, out if history is None else history,
+        out if scale is None else scale, s, nh, x.stride(0), x.stride(1), x.stride(2), ld_out, hist_len, fmax,
+        AMAX_FLOOR, HALF=d // 2, BH=bh, BD=bd, ROTATE=rotate, INVERSE=inverse, AMAX=amax is not None,
+        HIST=triton.next_power_of_2(hist_len) if hist_len else 0, num_warps=4)
 
 
 def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

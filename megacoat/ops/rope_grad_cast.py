@@ -11,6 +11,12 @@ the unfused path's ~13 (separate rotations, a torch.cat, a separate amax pass).
 (Casting from dq, dk, dv in place, without the joined tensor, moves fewer bytes but its tiles of 64 tokens x 64
 columns ran 3.3x slower than this on the H100: benchmarks/results/bench_e2e_notes.md.)
 
+With delayed scaling (`rope_qkv_grad_fp8_delayed`, --fp8-grad-scaling delayed) the scale is known before the pass,
+so RoPE's kernel, keeping its one-token programs, writes the FP8 codes row-major itself, rounding each value to the
+gradients' dtype first as the joined tensor would hold it; g8^T is then a byte transpose with the cast's tile
+(megacoat.ops.cast_transpose.transpose_fp8_triton). About 5 bytes per element instead of 8, and the same bytes as
+the current path whenever the history's maximum is this call's amax.
+
 The arithmetic is the unfused path's: the rotation in fp32 rounded to the gradients' dtype, then the per-tensor
 cast of quantize_transpose (same scale, same reciprocal, same clamp). The reference is that path itself; on CUDA,
 fp32 FMA contraction may move a rotated value by an ulp before its rounding.
@@ -19,9 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from megacoat.ops.cast_transpose import cast_from_amax_triton, quantize_transpose_ref
-from megacoat.ops.numerics import dispatch, fp8_operator, traced_body
+from megacoat.ops.cast_transpose import (cast_from_amax_triton, cast_transpose_ref, quantize_transpose_ref,
+                                         tensor_amax, transpose_fp8_triton)
+from megacoat.ops.numerics import dispatch, fp8_operator, scale_from_amax, traced_body
 from megacoat.ops.rope import check_rope_input, rope_launch, rope_ref
+from megacoat.ops.tensor_scale import amax_workspace, record_amax, roll_history
 
 
 def _check(dq, dk, dv, cos, sin) -> None:
@@ -34,27 +42,75 @@ def _check(dq, dk, dv, cos, sin) -> None:
                              f"{t.stride()}")
 
 
-def rope_qkv_grad_fp8_ref(dq, dk, dv, cos, sin, grad_dtype: torch.dtype):
-    """Reference, the unfused path itself: RoPE's backward of dq and dk, the join with dv, quantize_transpose."""
+def _joined_ref(dq, dk, dv, cos, sin) -> torch.Tensor:
+    """The joined [q|k|v] gradient [M, N] in dq's dtype: RoPE's backward of dq and dk, the join with dv."""
     _check(dq, dk, dv, cos, sin)
     m = dq.shape[0] * dq.shape[1]
-    g = torch.cat([rope_ref(dq, cos, sin, inverse=True).reshape(m, -1),
-                   rope_ref(dk, cos, sin, inverse=True).reshape(m, -1), dv.reshape(m, -1)], dim=1)
-    return quantize_transpose_ref(g, grad_dtype)
+    return torch.cat([rope_ref(dq, cos, sin, inverse=True).reshape(m, -1),
+                      rope_ref(dk, cos, sin, inverse=True).reshape(m, -1), dv.reshape(m, -1)], dim=1)
+
+
+def rope_qkv_grad_fp8_ref(dq, dk, dv, cos, sin, grad_dtype: torch.dtype):
+    """Reference, the unfused path itself: RoPE's backward of dq and dk, the join with dv, quantize_transpose."""
+    return quantize_transpose_ref(_joined_ref(dq, dk, dv, cos, sin), grad_dtype)
 
 
 def rope_qkv_grad_fp8_triton(dq, dk, dv, cos, sin, grad_dtype: torch.dtype):
+    return _current(dq, dk, dv, cos, sin, grad_dtype)[:3]
+
+
+def _current(dq, dk, dv, cos, sin, grad_dtype: torch.dtype):
+    """→ (g8, g8t, scale, amax): the joined gradient in dq's dtype with its amax folded in, then one cast."""
     _check(dq, dk, dv, cos, sin)
     m = dq.shape[0] * dq.shape[1]
     widths = [t.shape[2] * t.shape[3] for t in (dq, dk, dv)]
     g = torch.empty((m, sum(widths)), dtype=dq.dtype, device=dq.device)
-    amax = torch.zeros((1,), dtype=torch.float32, device=dq.device)  # |g| >= 0: zero is the neutral start
+    amax = amax_workspace(dq.device)
     cos, sin = cos.contiguous(), sin.contiguous()
     col = 0
     for t, width, rotate in zip((dq, dk, dv), widths, (True, True, False)):
         rope_launch(t, cos, sin, g[:, col:], g.shape[1], rotate=rotate, inverse=True, amax=amax)
         col += width
-    return cast_from_amax_triton(g, amax, grad_dtype, True, True)
+    return (*cast_from_amax_triton(g, amax, grad_dtype, True, True), amax)
+
+
+def rope_qkv_grad_fp8_delayed_ref(dq, dk, dv, cos, sin, grad_dtype: torch.dtype, history: torch.Tensor,
+                                  bootstrap: bool = False):
+    """rope_qkv_grad_fp8 with delayed scaling: the scale comes from max(history), the amaxes of earlier calls
+    (bootstrap: from this call's own amax, as rope_qkv_grad_fp8); values beyond it saturate. history [L] (float32,
+    most recent first) is rolled in place, this call's amax in front."""
+    g = _joined_ref(dq, dk, dv, cos, sin)
+    amax = tensor_amax(g).float()
+    scale = scale_from_amax(amax if bootstrap else history.amax().reshape(1), grad_dtype)
+    q, qt = cast_transpose_ref(g, scale, grad_dtype)
+    record_amax(history, amax)
+    return q, qt, scale
+
+
+def rope_qkv_grad_fp8_delayed_triton(dq, dk, dv, cos, sin, grad_dtype: torch.dtype, history: torch.Tensor,
+                                     bootstrap: bool = False):
+    """Delayed scaling: RoPE's kernel casts as it writes, so the joined gradient exists only in FP8 (row-major),
+    and its transpose is a byte copy: per element 2 bytes read and 1 written, then 1 and 1, against the current
+    path's 2 + 2 (the BF16 joined gradient) and 2 + 2 (its cast). Then the one-program roll of the history.
+    bootstrap: the current path (this call's own amax), then the roll."""
+    if bootstrap:
+        g8, g8t, scale, amax = _current(dq, dk, dv, cos, sin, grad_dtype)
+    else:
+        _check(dq, dk, dv, cos, sin)
+        m = dq.shape[0] * dq.shape[1]
+        widths = [t.shape[2] * t.shape[3] for t in (dq, dk, dv)]
+        g8 = torch.empty((m, sum(widths)), dtype=grad_dtype, device=dq.device)
+        amax = amax_workspace(dq.device)
+        scale = torch.empty((1,), dtype=torch.float32, device=dq.device)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        col = 0
+        for t, width, rotate in zip((dq, dk, dv), widths, (True, True, False)):
+            rope_launch(t, cos, sin, g8[:, col:], g8.shape[1], rotate=rotate, inverse=True, amax=amax,
+                        history=history, scale=scale)
+            col += width
+        g8t = transpose_fp8_triton(g8)
+    roll_history(history, amax)
+    return g8, g8t, scale
 
 
 def rope_qkv_grad_fp8(dq, dk, dv, cos, sin, grad_dtype: torch.dtype):
@@ -64,7 +120,23 @@ def rope_qkv_grad_fp8(dq, dk, dv, cos, sin, grad_dtype: torch.dtype):
     return dispatch(_op, dq, rope_qkv_grad_fp8_triton, rope_qkv_grad_fp8_ref, dq, dk, dv, cos, sin, grad_dtype)
 
 
+def rope_qkv_grad_fp8_delayed(dq, dk, dv, cos, sin, grad_dtype: torch.dtype, history: torch.Tensor,
+                              bootstrap: bool = False):
+    """rope_qkv_grad_fp8 with delayed scaling (rope_qkv_grad_fp8_delayed_ref): the cast in RoPE's pass, no BF16
+    joined gradient; `history` rolled in place."""
+    return dispatch(_delayed_op, dq, rope_qkv_grad_fp8_delayed_triton, rope_qkv_grad_fp8_delayed_ref,
+                    dq, dk, dv, cos, sin, grad_dtype, history, bootstrap)
+
+
 @fp8_operator("megacoat::rope_qkv_grad_fp8")
 def _op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         grad_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return traced_body(dq, rope_qkv_grad_fp8_triton, rope_qkv_grad_fp8_ref, dq, dk, dv, cos, sin, grad_dtype)
+
+
+@fp8_operator("megacoat::rope_qkv_grad_fp8_delayed", mutates_args=("history",))
+def _delayed_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                grad_dtype: torch.dtype, history: torch.Tensor,
+                bootstrap: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return traced_body(dq, rope_qkv_grad_fp8_delayed_triton, rope_qkv_grad_fp8_delayed_ref, dq, dk, dv, cos, sin,
+                       grad_dtype, history, bootstrap)

@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.numerics import launcher
+from megacoat.ops.numerics import RESCALE, RESCALE_BELOW, launcher
+
+RESCALE, RESCALE_BELOW = tl.constexpr(RESCALE), tl.constexpr(RESCALE_BELOW)
 
 
 def amax_workspace(device) -> torch.Tensor:
@@ -35,6 +37,16 @@ def record_program_amax(amax, amax_ptr):
 def scale_from_total(amax, fmax, amax_floor):
     """The dequantization scale of a per-tensor amax: IEEE max(amax, floor) / fmax (numerics.scale_from_amax)."""
     return tl.math.div_rn(tl.maximum(amax, amax_floor), fmax)
+
+
+@triton.jit
+def scaled_codes(x, scale, fmax):
+    """x (float32) in units of a per-tensor dequantization scale, clamped to the format's range, for the store's
+    cast to FP8: numerics.cast_with_scale's float32 arithmetic (one IEEE reciprocal; a scale from the amax floor
+    rescaled by a power of two first, so that 0 stays 0)."""
+    c = tl.where(scale < RESCALE_BELOW, RESCALE, 1.0)
+    inv = tl.div_rn(1.0, scale * c)
+    return tl.clamp((x * c) * inv, -fmax, fmax)
 
 
 @triton.jit

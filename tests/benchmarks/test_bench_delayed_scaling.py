@@ -17,9 +17,9 @@ def test_cpu_smoke_writes_its_json(tmp_path):
     result = json.loads(out.read_text())
     assert result["complete"] is True
     rows = result["results"]
-    assert [r["op"] for r in rows] == ["swiglu_bwd"] * 2 + ["swiglu_fwd"] * 2 + ["rmsnorm_fwd"] * 2
+    assert [r["op"] for r in rows] == ["swiglu_bwd"] * 2 + ["swiglu_fwd"] * 2 + ["rmsnorm_fwd"] * 2 + ["rope_qkv_bwd"]
     assert all(r["same_bytes"] is True for r in rows)
-    assert [r["kernel_setting"]["library"] for r in rows] == [True, False] * 3
+    assert [r["kernel_setting"]["library"] for r in rows] == [True, False] * 3 + [True]
     assert rows[1]["kernel_setting"] == {"BM": 128, "warps": 8, "library": False}
     assert rows[3]["kernel_setting"] == {"BM": 64, "warps": 8, "library": False}
     assert rows[5]["kernel_setting"] == {"per_warp": 128, "library": False}

@@ -19,7 +19,7 @@ from tests.fp8.test_blocks import CFG, _run
 from tests.parallel.dist_helpers import run_ranks
 
 # the block's delayed-scaling modules per site
-SITES = {"grad": ("swiglu_grad_scale",),
+SITES = {"grad": ("swiglu_grad_scale", "qkv_grad_scale"),
          "activation": ("qkv_norm_out_scale", "mlp_norm_out_scale", "swiglu_out_scale")}
 
 

@@ -79,6 +79,20 @@ def test_bad_inputs_are_named():
         C.quantize_transpose(torch.empty(0, 16, device=DEV), E4)
 
 
+@pytest.mark.parametrize("shape", [(48, 80), (130, 33), (1, 7)])
+@pytest.mark.parametrize("dtype", [E4, E5])
+def test_transpose_fp8_moves_the_bytes_as_they_are(shape, dtype):
+    """Every byte pattern (NaN and inf codes included) lands in its transposed place, unchanged; tiles cut short at
+    both edges."""
+    _kernels_usable()
+    raw = torch.randint(0, 256, shape, dtype=torch.uint8, device=DEV)
+    q = raw.view(dtype)
+    qt = C.transpose_fp8_triton(q)
+    assert qt.dtype == dtype and qt.shape == shape[::-1] and qt.is_contiguous()
+    assert torch.equal(qt.view(torch.uint8), raw.t().contiguous())
+    assert torch.equal(C.transpose_fp8_ref(q).view(torch.uint8), raw.t().contiguous())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dtype", [E4, E5])
