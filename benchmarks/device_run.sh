@@ -18,7 +18,8 @@
 #   suite-sweep (~9.5 min, 1 GPU) every GPU test, then kernel-sweep's two sweeps (fewer tiles and repeats) in the
 #               call's remaining time: a kernel change's check and the tiles to try next, on one machine start  issue 17
 #   suite-speed MB (~9.5 min, 1 GPU) every GPU test, then e2e MB speed without a profile in the call's remaining
-#               time: a kernel change's check and its speed point on one machine start                  issue 17
+#               time: a kernel change's check and its speed point on one machine start (MODES=... to choose;
+#               "bf16+compile coat-delayed-all+cudagraph", the default alone, fits micro-batch 12)      issue 17
 #   optimizer   (~6 min, 1 GPU) CoatAdamW's GPU tests (the CUDA kernel), bench_optimizer          issues 5, 16
 #   layers      (~8 min, 1 GPU) bench_layer: new vs legacy fp8-linear (--ab), then compiled FP8 modes    issue 6
 #   mlp         (~6 min, 1 GPU) bench_mlp_block, with the last measured kernels (739ce90) beside the new
@@ -137,7 +138,7 @@ suite-speed)
     step gpu_tests_all 300 python3 -m pytest -m gpu -q --no-header -p no:cacheprovider tests -rfE
     cp "$LOGS/gpu_tests_all.txt" "$OUT/gpu_tests_all.txt"
     step "e2e_speed_mb$MB" $((585 - SECONDS)) $E2E --micro-batch-size $MB \
-        --modes bf16+compile coat+cudagraph coat-delayed-all+cudagraph --out "$OUT/bench_e2e_speed_speed_mb$MB.json"
+        --modes ${MODES:-bf16+compile coat+cudagraph coat-delayed-all+cudagraph} --out "$OUT/bench_e2e_speed_speed_mb$MB.json"
     ;;
 optimizer)
     # The extension builds once (~1 min); the tests then run the kernel against the reference.

@@ -114,10 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "model on an H100); backward GEMMs always promote")
     g.add_argument("--fp8-grad-scaling", choices=(AUTO, *GRAD_SCALINGS), default=AUTO,
                    help="auto (default): delayed in coat mode without pipeline parallelism, current otherwise; "
-                        "current: every FP8 gradient scaled by its own amax; delayed (coat mode): SwiGLU's gradient "
-                        "scaled by the largest amax of its last --fp8-amax-history-len backward calls, recording its "
-                        "own in the same pass (TransformerEngine's delayed scaling: one pass of SwiGLU's backward "
-                        "instead of two; values beyond the history's amax saturate)")
+                        "current: every FP8 gradient scaled by its own amax; delayed (coat mode): SwiGLU's and the "
+                        "[q|k|v] output's gradients scaled by the largest amax of their last --fp8-amax-history-len "
+                        "backward calls, recording their own in the same pass (TransformerEngine's delayed scaling: "
+                        "one pass of SwiGLU's backward instead of two, and RoPE's backward writes the FP8 [q|k|v] "
+                        "gradient without a BF16 copy; values beyond the history's amax saturate)")
     g.add_argument("--fp8-activation-scaling", choices=(AUTO, *ACTIVATION_SCALINGS), default=AUTO,
                    help="auto (default): delayed in coat mode without pipeline parallelism, current otherwise; "
                         "current: every FP8 activation scaled by its own amax; delayed (coat mode): the FP8 outputs of "

@@ -13,8 +13,9 @@ FP8_DTYPES = ("e4m3", "e5m2")
 # parameter). rowwise: only W8 lives; backward transposes its bytes (+1 B, one FP8 transpose per use, the same
 # bytes as step's W8^T). none: made per use and dropped (no persistent bytes, ~3 extra weight reads per micro-batch).
 WEIGHT_CACHES = ("step", "rowwise", "none")
-# current: each FP8 gradient scaled by its own amax. delayed: SwiGLU's gradient in coat mode by the amaxes its
-# earlier calls recorded (megacoat.fp8.delayed_scaling: one pass of its backward instead of two).
+# current: each FP8 gradient scaled by its own amax. delayed: SwiGLU's and the [q|k|v] output's gradients in coat mode
+# by the amaxes their earlier calls recorded (megacoat.fp8.delayed_scaling: one pass of SwiGLU's backward instead of
+# two; RoPE's backward writes the FP8 [q|k|v] gradient itself, no BF16 copy).
 GRAD_SCALINGS = ("current", "delayed")
 # current: each FP8 activation scaled by its own amax. delayed: in coat mode the FP8 outputs of RMSNorm and SwiGLU by
 # the amaxes their earlier forwards recorded (one launch each instead of two).

@@ -4,13 +4,15 @@ Just-in-time ("current") scaling needs a tensor's whole amax before its first FP
 tensor made by a fused kernel is a second pass: SwiGLU's backward reads ds and the saved pair twice (4.8 ms of a
 218 ms step for the 1.3 B model at micro-batch 4 on an H100, benchmarks/results/bench_e2e_kernels_mb4.json), and
 the forwards of RMSNorm and SwiGLU compute their output's amax in one kernel and write the output in another
-(`_out_kernel`, which reads their FP8 input again). With delayed scaling, TransformerEngine's default recipe, the
+(`_out_kernel`, which reads their FP8 input again), and the [q|k|v] output gradient is written by RoPE's backward in
+BF16 only for a cast pass to read it again. With delayed scaling, TransformerEngine's default recipe, the
 cast takes its scale from the amaxes that earlier calls recorded and records its own in the same pass, so one
 pass does the work of two. A value beyond the recorded amaxes saturates at the format's largest value (never inf).
 
-Two switches use it (megacoat.fp8.config): --fp8-grad-scaling delayed (SwiGLU's E5M2 gradient, one history per
-block, one entry per backward call) and --fp8-activation-scaling delayed (the E4M3 outputs of the two RMSNorms and
-of SwiGLU, three histories per block, one entry per forward call with gradients).
+Two switches use it (megacoat.fp8.config): --fp8-grad-scaling delayed (the E5M2 gradients of SwiGLU and of the
+[q|k|v] output, two histories per block, one entry per backward call; RoPE's backward then writes the FP8 [q|k|v]
+gradient itself, megacoat.ops.rope_grad_cast) and --fp8-activation-scaling delayed (the E4M3 outputs of the two
+RMSNorms and of SwiGLU, three histories per block, one entry per forward call with gradients).
 
 `DelayedScale` holds one history [L] (float32, most recent first; the scale is the history's maximum,
 TransformerEngine's "max" rule). It is a buffer, so it is saved in checkpoints and an exact resume continues from
@@ -21,10 +23,10 @@ the next forward with gradients, which the trainer's micro-batch loop gives; Dee
 not, so --pipeline-model-parallel-size > 1 refuses --fp8-grad-scaling delayed. A forward without gradients (evaluation)
 scales just in time and leaves every history alone, so evaluating never changes training.
 
-The other FP8 tensors keep current scaling, where their amax costs little or no pass of its own: the joined
-[q|k|v] gradient's is folded into RoPE's backward kernel, the residual stream's gradient's is a torch reduction
-that Inductor fuses into the add making it, the MLP's incoming gradient's is a reduction of ~0.6 ms a step (same
-table), and wo's input (attention's output) is cast by a reduction Inductor fuses into its transposed copy.
+The other FP8 tensors keep current scaling, where their amax costs little or no pass of its own: the gradient of
+wo's output is folded into the MLP norm's backward kernel that writes it (megacoat.fp8.linear's carrier), the
+block output's gradient (w2's) is a reduction of ~2 ms a step at micro-batch 12, and wo's input (attention's
+output) is cast by a reduction Inductor fuses into its transposed copy.
 """
 from __future__ import annotations
 
@@ -93,7 +95,7 @@ class AmaxHistorySync:
     drift apart, and a checkpoint (which saves data-parallel rank 0's model state) would resume the other ranks
     with histories they never had. Entry i is the i-th most recent call on every replica (they run the same number
     of calls), so the maximum is the history of the group's amaxes. One all-reduce of all histories a step
-    (24 layers x 4 sites x 16 float32 = 6 KiB for the 1.3 B model); nothing with one replica."""
+    (24 layers x 5 sites x 16 float32 = 7.5 KiB for the 1.3 B model); nothing with one replica."""
 
     def __init__(self, module: nn.Module, group=None, size: int = 1):
         self.sites = [m for m in module.modules() if isinstance(m, DelayedScale)]

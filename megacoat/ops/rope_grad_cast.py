@@ -61,17 +61,25 @@ def rope_qkv_grad_fp8_triton(dq, dk, dv, cos, sin, grad_dtype: torch.dtype):
 
 def _current(dq, dk, dv, cos, sin, grad_dtype: torch.dtype):
     """→ (g8, g8t, scale, amax): the joined gradient in dq's dtype with its amax folded in, then one cast."""
+    g, amax = _joined_triton(dq, dk, dv, cos, sin, dq.dtype)
+    return (*cast_from_amax_triton(g, amax, grad_dtype, True, True), amax)
+
+
+def _joined_triton(dq, dk, dv, cos, sin, dtype: torch.dtype, history=None, scale=None):
+    """→ (the joined gradient [M, N] in dtype, its amax): RoPE's kernel per part, straight into its columns. dtype
+    FP8 with history and scale: the codes, cast with the history's scale (rope_launch)."""
     _check(dq, dk, dv, cos, sin)
     m = dq.shape[0] * dq.shape[1]
     widths = [t.shape[2] * t.shape[3] for t in (dq, dk, dv)]
-    g = torch.empty((m, sum(widths)), dtype=dq.dtype, device=dq.device)
+    g = torch.empty((m, sum(widths)), dtype=dtype, device=dq.device)
     amax = amax_workspace(dq.device)
     cos, sin = cos.contiguous(), sin.contiguous()
     col = 0
     for t, width, rotate in zip((dq, dk, dv), widths, (True, True, False)):
-        rope_launch(t, cos, sin, g[:, col:], g.shape[1], rotate=rotate, inverse=True, amax=amax)
+        rope_launch(t, cos, sin, g[:, col:], g.shape[1], rotate=rotate, inverse=True, amax=amax, history=history,
+                    scale=scale)
         col += width
-    return (*cast_from_amax_triton(g, amax, grad_dtype, True, True), amax)
+    return g, amax
 
 
 def rope_qkv_grad_fp8_delayed_ref(dq, dk, dv, cos, sin, grad_dtype: torch.dtype, history: torch.Tensor,
@@ -96,18 +104,8 @@ def rope_qkv_grad_fp8_delayed_triton(dq, dk, dv, cos, sin, grad_dtype: torch.dty
     if bootstrap:
         g8, g8t, scale, amax = _current(dq, dk, dv, cos, sin, grad_dtype)
     else:
-        _check(dq, dk, dv, cos, sin)
-        m = dq.shape[0] * dq.shape[1]
-        widths = [t.shape[2] * t.shape[3] for t in (dq, dk, dv)]
-        g8 = torch.empty((m, sum(widths)), dtype=grad_dtype, device=dq.device)
-        amax = amax_workspace(dq.device)
         scale = torch.empty((1,), dtype=torch.float32, device=dq.device)
-        cos, sin = cos.contiguous(), sin.contiguous()
-        col = 0
-        for t, width, rotate in zip((dq, dk, dv), widths, (True, True, False)):
-            rope_launch(t, cos, sin, g8[:, col:], g8.shape[1], rotate=rotate, inverse=True, amax=amax,
-                        history=history, scale=scale)
-            col += width
+        g8, amax = _joined_triton(dq, dk, dv, cos, sin, grad_dtype, history, scale)
         g8t = transpose_fp8_triton(g8)
     roll_history(history, amax)
     return g8, g8t, scale

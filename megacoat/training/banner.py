@@ -22,7 +22,7 @@ def _fp8(cfg: MegacoatConfig, bf16: bool) -> str:
     gemms = f"FP8 GEMMs (E4M3 inputs and weights, per-tensor scales; gradients {f.grad_dtype.upper()}{accum})"
     if f.mode == "fp8-linear":
         return f"fp8-linear: {gemms}; norms, SwiGLU and attention in high precision"
-    sites = [what for what, on in (("SwiGLU's gradient", f.grad_scaling == "delayed"),
+    sites = [what for what, on in (("SwiGLU's and the [q|k|v] output's gradients", f.grad_scaling == "delayed"),
                                    ("RMSNorm's and SwiGLU's outputs", f.activation_scaling == "delayed")) if on]
     delayed = (f"; {' and '.join(sites)} with delayed scaling (history of {f.amax_history_len}, "
                f"--fp8-grad-scaling / --fp8-activation-scaling)" if sites else "")

@@ -85,13 +85,17 @@ cos, sin = torch.randn(128, 64), torch.randn(128, 64)
 rope.rope_triton(dq, cos, sin)
 for fmt in (e4, e5):
     G.rope_qkv_grad_fp8_triton(dq, dq[:, :, :2], dq[:, :, :2], cos, sin, fmt)
+    # delayed scaling: RoPE's kernel casting with the history's scale, then the byte transpose
+    G.rope_qkv_grad_fp8_delayed_triton(dq, dq[:, :, :2], dq[:, :, :2], cos, sin, fmt, torch.ones(4))
+R.rmsnorm_fp8_bwd_triton(torch.randn(m, h, dtype=bf), x8, xs, rstd, w, g, torch.randn(m, h, dtype=bf),
+                         dx_amax=True)  # + dx's amax (wo's carrier)
 print("compiled:", " ".join(sorted(compiled)))
 """
 
 KERNELS = {"cast_transpose._cast_transpose_kernel", "cast_transpose._amax_kernel", "rmsnorm._fwd_kernel",
            "rmsnorm._out_kernel", "rmsnorm._bwd_kernel", "rmsnorm._column_sum_kernel", "swiglu._fwd_kernel",
            "swiglu._out_kernel", "swiglu._bwd_amax_kernel", "swiglu._bwd_cast_kernel", "rope._rope_kernel",
-           "tensor_scale._roll_kernel"}
+           "tensor_scale._roll_kernel", "cast_transpose._transpose_bytes_kernel"}
 
 
 @pytest.mark.slow

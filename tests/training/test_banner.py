@@ -43,9 +43,9 @@ def test_plain_run_on_cpu():
     assert "gradients E5M2; forward GEMMs with fast accumulation (--fp8-fast-accum))" in fast
     delayed = startup_banner(parse_config(["--coat-fp8", "--fp8-activation-scaling", "current"]), ParallelState(),
                              1, 2, bf16=True, on_cuda=True)
-    assert "SwiGLU's gradient with delayed scaling (history of 16, --fp8-grad-scaling" in delayed
+    assert "SwiGLU's and the [q|k|v] output's gradients with delayed scaling (history of 16, --fp8-grad-sca" in delayed
     both = startup_banner(parse_config(["--coat-fp8"]), ParallelState(), 1, 2, bf16=True, on_cuda=True)
-    assert "SwiGLU's gradient and RMSNorm's and SwiGLU's outputs with delayed scaling" in both  # the default
+    assert "gradients and RMSNorm's and SwiGLU's outputs with delayed scaling" in both  # the default
     assert "delayed" not in startup_banner(parse_config(["--coat-fp8", "--fp8-grad-scaling", "current",
                                                          "--fp8-activation-scaling", "current"]), ParallelState(),
                                            1, 2, bf16=True, on_cuda=True)
