@@ -7,9 +7,9 @@ It adopts the original block's submodules (`attention_norm`, `attention.wq/wk/wv
     out = h + coat_mlp(h)
 On one rank the MLP norm's forward kernel makes h itself (coat_mlp's add), and both norms' backward kernels add
 the residual branches' gradients; the MLP norm's also folds in the amax of h's gradient, which wo's backward casts
-(wo's carrier, megacoat.fp8.linear.Fp8LinearFunction). The residual stream itself stays in the activation dtype (adds save nothing
-for backward); attention's core
-stays BF16 (flash SDPA on GPU) and what it saves is counted in the measurements.
+(wo's carrier, megacoat.fp8.linear.Fp8LinearFunction). The residual stream itself stays in the activation dtype
+(adds save nothing for backward); attention's core stays BF16 (flash SDPA on GPU) and what it saves is counted in
+the measurements.
 
 Tensor parallelism: the block runs inside a TP region, `self.region`, which is the identity (`NO_REGION`) on
 one rank; megacoat.parallel.apply_tp shards the linears and sets a real region. COAT fuses each norm into

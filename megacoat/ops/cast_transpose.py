@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.numerics import (AMAX_FLOOR, cast_with_scale, fp8_operator, launcher, pick, scale_from_amax,
-                                   traced_body)
+from megacoat.ops.numerics import (AMAX_FLOOR, cast_with_scale, dispatch, fp8_operator, launcher, pick,
+                                   scale_from_amax, traced_body)
 from megacoat.ops.tensor_scale import cast_scale, scaled_codes
 
 
@@ -177,10 +177,9 @@ def cast_from_amax(x: torch.Tensor, amax: torch.Tensor, out_dtype: torch.dtype, 
                    transpose: bool = True):
     """quantize_transpose given x's amax (float32 [1], or x's dtype), folded into the kernel that wrote x: one
     launch, no pass over x for its amax. Its bytes are quantize_transpose's whenever amax is max|x|."""
-    if not torch.compiler.is_compiling():
-        return pick(x, cast_from_amax_triton, cast_from_amax_ref)(x, amax, out_dtype, rowwise, transpose)
-    q, qt, scale = _cast_transpose_from_amax_op(x, amax, out_dtype, rowwise, transpose)
-    return (q if rowwise else None), (qt if transpose else None), scale
+    q, qt, scale = dispatch(_cast_transpose_from_amax_op, x, cast_from_amax_triton, cast_from_amax_ref, x, amax,
+                            out_dtype, rowwise, transpose)
+    return (q if rowwise else None), (qt if transpose else None), scale  # the operator returns both layouts
 
 
 def cast_from_amax_ref(x, amax, out_dtype, rowwise, transpose):
