@@ -10,6 +10,7 @@
 #   kernels     (~8 min, 1 GPU) GPU tests (pytest -m gpu) but CoatAdamW's, bench_quant         issues 6, 16
 #   gpu-suite   (~4 min, 1 GPU) every GPU test (pytest -m gpu), then bench_delayed_scaling (SwiGLU's
 #               backward and the norm's and SwiGLU's forward per call, current vs delayed scaling)   issue 17
+#   gpu-tests   (~4 min, 1 GPU) every GPU test (pytest -m gpu) alone: a kernel change's check   issue 17
 #   graph-loss  (~4 min, 1 GPU) graph_loss_agreement.py: 200 steps of the default model in coat (its default
 #               scaling) eager, compiled and CUDA-graphed, and a second seed: do they learn the same   issue 17
 #   kernel-sweep (~7 min, 1 GPU) bench_cast_transpose (every linear operand's FP8 cast) with other tiles, then
@@ -54,8 +55,10 @@
 #   e2e-eager   (~8 min, 1 GPU) the same, FP8 modes eager (compiled bf16 as the baseline)       issue 10 (a)
 #   e2e-search  (~9 min, 1 GPU) the largest micro-batch of the modes named after it (default: bf16 coat;
 #               a second call with fp8-linear)                                                  issue 10 (b)
-#   fidelity PRESET NAME MODE:SEED... (<= 9.5 min, 1 GPU) benchmarks/fidelity.py: the named runs of one preset
-#               (125m, 350m, ablation) at once on the GPU, within the call's time; GRADS=1 keeps the first run's
+#   fidelity PRESET NAME MODE:SEED... (<= 9.5 min, 1 GPU or more) benchmarks/fidelity.py: the named runs of one
+#               preset (125m, 350m, 350m-long, ablation) at once, within the call's time; on a multi-GPU kind
+#               (e.g. nvidia-h100-x4) they spread over its GPUs, each run on the one holding the fewest, so four
+#               pairs take a call that one pair takes on one GPU; GRADS=1 keeps the first run's
 #               checkpoint (make it a bf16 run) and measures gradient agreement and moment error on it. The text
 #               (benchmarks/fidelity_data.py) and the CoatAdamW build are cached under .cache/ while the machine
 #               stays warm (~2-3 min on a fresh one). FLAGS adds fidelity.py run options (FLAGS=--cuda-graph:
@@ -114,6 +117,10 @@ gpu-suite)
     step gpu_tests_all 420 python3 -m pytest -m gpu -q --no-header -p no:cacheprovider tests -rfE
     cp "$LOGS/gpu_tests_all.txt" "$OUT/gpu_tests_all.txt"
     step bench_delayed_scaling 150 python3 benchmarks/bench_delayed_scaling.py --out "$OUT/bench_delayed_scaling.json"
+    ;;
+gpu-tests)
+    step gpu_tests_all 420 python3 -m pytest -m gpu -q --no-header -p no:cacheprovider tests -rfE
+    cp "$LOGS/gpu_tests_all.txt" "$OUT/gpu_tests_all.txt"
     ;;
 graph-loss)
     step graph_loss 560 python3 benchmarks/graph_loss_agreement.py --out "$OUT/graph_loss_agreement.json"

@@ -10,8 +10,9 @@ with a 95% confidence interval from seed-paired differences.
     python benchmarks/fidelity.py report benchmarks/results/fidelity_125m_s*.json fidelity_125m_grads.json \\
         --out benchmarks/results/fidelity_125m.json                                     # + .png
 
-`run`: every (mode, seed) is its own `pretrain_gpt.py` process, `--parallel N` of them at once on one GPU (on the
-CPU, each with 1/N of the cores' threads), each with its own MASTER_PORT and folder. The seed sets both the initial
+`run`: every (mode, seed) is its own `pretrain_gpt.py` process, `--parallel N` of them at once (on the CPU, each with
+1/N of the cores' threads; on a host with several GPUs, each run on the visible GPU that holds the fewest runs, so
+N = 2 x GPUs runs two a GPU), each with its own MASTER_PORT and folder. The seed sets both the initial
 weights and the training data order, so the same seed in two modes is a pair. The validation range is exactly the
 held-out files (the data manifest's `--split`) and the trainer's validation samples do not depend on the seed, so
 every run is evaluated on the same samples: the whole held-out set, rounded down to whole global batches.
@@ -215,12 +216,16 @@ class Run:
         log = parse_log(self.log) if resuming else None
         self.resumed_from = log["train_loss"][-1][0] if log and log["train_loss"] else 0
         self.finished_before = log is not None and final_val_loss(log, train_iters) is not None
-        self.proc, self.started, self.wall = None, None, None
+        self.proc, self.started, self.wall, self.gpu = None, None, None, None
 
-    def launch(self, stop_after_s: float, cpu_threads: int | None = None) -> None:
-        """Start the process; `cpu_threads` caps its intra-op threads (CPU runs sharing the cores)."""
+    def launch(self, stop_after_s: float, cpu_threads: int | None = None, gpu: str | None = None) -> None:
+        """Start the process; `cpu_threads` caps its intra-op threads (CPU runs sharing the cores); `gpu` (a
+        CUDA_VISIBLE_DEVICES entry) is the one GPU it sees."""
         env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port))
+        self.gpu = gpu
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
         if cpu_threads and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(cpu_threads)
         argv = self.argv + ["--exit-duration-in-mins", f"{max(stop_after_s, 30) / 60:.3f}"]
@@ -228,7 +233,8 @@ class Run:
         self.started = time.time()
         self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv], cwd=ROOT,
                                      env=env, stdout=self.stdout, stderr=subprocess.STDOUT)
-        print(f"[{time.strftime('%H:%M:%S')}] start {self.mode} seed {self.seed} (port {self.port})", flush=True)
+        on = "" if gpu is None else f", GPU {gpu}"
+        print(f"[{time.strftime('%H:%M:%S')}] start {self.mode} seed {self.seed} (port {self.port}{on})", flush=True)
 
     def poll(self, kill_at: float) -> bool:
         if self.proc.poll() is None and time.time() > kill_at:
@@ -241,7 +247,8 @@ class Run:
 
     def result(self, train_iters: int) -> dict:
         out = {"mode": self.mode, "seed": self.seed, "flags": MODES[self.mode], "argv": self.argv,
-               "folder": self.folder, "wall_s": self.wall, "resumed_from_iteration": self.resumed_from}
+               "folder": self.folder, "wall_s": self.wall, "resumed_from_iteration": self.resumed_from,
+               "gpu": self.gpu}
         if self.proc is None and not self.finished_before:
             return dict(out, status="not_started", final_val_loss=None)
         out.update(parse_log(self.log))
@@ -259,6 +266,24 @@ class Run:
         if self.checkpoint and out["status"] == "ok":
             out["checkpoint"] = self.checkpoint
         return out
+
+
+def visible_gpus(count: int, env: dict) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES entries of the `count` GPUs this process sees (its own list where one is set)."""
+    listed = [g.strip() for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return listed[:count] if listed else [str(i) for i in range(count)]
+
+
+def least_loaded_gpu(gpus: list[str], running: list) -> str | None:
+    """The GPU that holds the fewest running runs (the first of them on a tie); None without GPUs. Several runs
+    share a GPU as independent processes; spreading them keeps each GPU's share equal."""
+    if not gpus:
+        return None
+    load = {g: 0 for g in gpus}
+    for r in running:
+        if r.gpu in load:
+            load[r.gpu] += 1
+    return min(gpus, key=lambda g: load[g])
 
 
 def parse_run(item: str, flag: str) -> tuple[str, int]:
@@ -281,6 +306,9 @@ def run(args) -> dict:
     # On the CPU every run would otherwise start a thread per core: N runs then oversubscribe the cores and spin
     # against each other (4 tiny runs on 2 cores took several times their serial time).
     cpu_threads = None if on_cuda else max((os.cpu_count() or 1) // args.parallel, 1)
+    # one GPU: every run sees it as the process does (no CUDA_VISIBLE_DEVICES of its own)
+    gpus = visible_gpus(torch.cuda.device_count(), os.environ) if on_cuda else []
+    gpus = gpus if len(gpus) > 1 else []
     # seed-major: the runs of one seed (a pair) start together
     pairs = ([parse_run(item, "--runs") for item in args.runs] if args.runs
              else [(m, s) for s in args.seeds for m in args.modes])
@@ -301,7 +329,7 @@ def run(args) -> dict:
             if left < args.min_run_s or longest > left:
                 break
             r = queue.pop(0)
-            r.launch(left - args.stop_margin_s, cpu_threads)
+            r.launch(left - args.stop_margin_s, cpu_threads, least_loaded_gpu(gpus, running))
             running.append(r)
         if not running:
             break
@@ -314,7 +342,7 @@ def run(args) -> dict:
                   f"{res['final_val_loss']}, {r.wall:.0f} s", flush=True)
     return {"kind": "fidelity_runs", "environment": environment(), "plan": plan, "common_flags": flags,
             "data": {k: manifest[k] for k in ("data_id", "split", "vocab_size", "train", "valid", "sources")},
-            "parallel": args.parallel, "time_budget_s": args.time_budget, "wall_s": time.time() - start,
+            "parallel": args.parallel, "gpus": len(gpus) or int(on_cuda), "time_budget_s": args.time_budget, "wall_s": time.time() - start,
             "runs": [r.result(plan["train_iters"]) for r in runs]}
 
 
@@ -472,7 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--runs", nargs="+", default=None, metavar="MODE:SEED",
                    help="exactly these runs instead of --modes x --seeds (to split a plan over device calls)")
     r.add_argument("--data", required=True, help="folder written by benchmarks/fidelity_data.py")
-    r.add_argument("--parallel", type=int, default=2, help="runs at once on the GPU")
+    r.add_argument("--parallel", type=int, default=2,
+                   help="runs at once, spread over the visible GPUs (each run on the one holding the fewest)")
     r.add_argument("--time-budget", type=float, default=540, help="seconds for this whole invocation")
     r.add_argument("--min-run-s", type=float, default=60, help="start no run with less time than this left")
     r.add_argument("--stop-margin-s", type=float, default=45, help="runs are told to stop this long before the end")

@@ -180,3 +180,24 @@ def test_stop_every_without_resume_is_one_error_line(tiny_data, tmp_path):
                       "--out", str(tmp_path / "x.json"))
     assert proc.returncode == 1 and proc.stderr.startswith("error:") and "--stop-every" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_runs_spread_over_the_visible_gpus():
+    fidelity = load_benchmark("fidelity")
+    assert fidelity.visible_gpus(4, {}) == ["0", "1", "2", "3"]
+    assert fidelity.visible_gpus(2, {"CUDA_VISIBLE_DEVICES": "3, 5"}) == ["3", "5"]  # the caller's own choice
+
+    class Running:
+        def __init__(self, gpu):
+            self.gpu = gpu
+
+    gpus = ["0", "1", "2", "3"]
+    running, placed = [], []
+    for _ in range(8):  # 4 pairs on 4 GPUs: two runs a GPU, each new run on the emptiest
+        gpu = fidelity.least_loaded_gpu(gpus, running)
+        running.append(Running(gpu))
+        placed.append(gpu)
+    assert placed == ["0", "1", "2", "3"] * 2
+    running.pop(1)  # a run on GPU 1 ends: the next run goes there, not to GPU 0
+    assert fidelity.least_loaded_gpu(gpus, running) == "1"
+    assert fidelity.least_loaded_gpu([], running) is None  # one GPU or the CPU: runs see what the process sees
