@@ -36,7 +36,9 @@
 #               (--fp8-grad-scaling delayed's speed); PART delayedall: bf16+compile coat-delayed+cudagraph
 #               coat-delayed-all+cudagraph (--fp8-activation-scaling delayed on top); PART speed: bf16+compile
 #               coat+cudagraph coat-delayed-all+cudagraph (the default and the fastest); PART default: bf16+compile
-#               coat-delayed-all+cudagraph alone (the trainer's default, two modes: a larger micro-batch fits); PART workspace: bf16+compile
+#               coat-delayed-all+cudagraph alone (the trainer's default, two modes: a larger micro-batch fits); PART peers:
+#               bf16+compile coat-delayed-all+cudagraph torchao-float8 (the default against torchao); PART fp8linear:
+#               bf16+compile fp8-linear+cudagraph (fp8-linear's speed and memory); PART workspace: bf16+compile
 #               and coat+cudagraph each with and without a cuBLAS workspace (--cublas-workspace). Each holds bf16+compile:
 #               ratios stay within one call                                                         issue 17
 #   e2e-memory  (~7 min, 1 GPU) peak memory and speed at micro-batch 4 and 8: bf16+compile, coat,
@@ -174,8 +176,10 @@ e2e)
     delayedall) MODES="bf16+compile coat-delayed+cudagraph coat-delayed-all+cudagraph" ;;
     speed) MODES="bf16+compile coat+cudagraph coat-delayed-all+cudagraph" ;;
     default) MODES="bf16+compile coat-delayed-all+cudagraph" ;;
+    peers) MODES="bf16+compile coat-delayed-all+cudagraph torchao-float8" ;;
+    fp8linear) MODES="bf16+compile fp8-linear+cudagraph" ;;
     workspace) MODES="bf16+compile bf16-no-workspace+compile coat+cudagraph coat-workspace+cudagraph" ;;
-    *) echo "e2e: part must be baseline, fp8, cudagraph, fastaccum, delayed, delayedall, speed, default or workspace (see the header of $0)"; exit 2 ;;
+    *) echo "e2e: part must be baseline, fp8, cudagraph, fastaccum, delayed, delayedall, speed, default, peers, fp8linear or workspace (see the header of $0)"; exit 2 ;;
     esac
     # MB may be a comma list (e.g. 1,2: both in one call); PROFILE=0 skips the profiled iteration per mode
     PROF=(--profile); [ "${PROFILE:-1}" = 0 ] && PROF=()
