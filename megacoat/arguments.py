@@ -122,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-activation-scaling", choices=(AUTO, *ACTIVATION_SCALINGS), default=AUTO,
                    help="auto (default): delayed in coat mode without pipeline parallelism, current otherwise; "
                         "current: every FP8 activation scaled by its own amax; delayed (coat mode): the FP8 outputs of "
-                        "RMSNorm and SwiGLU scaled by the largest amax of their last --fp8-amax-history-len forwards "
-                        "with gradients, each written in the kernel that reads its input (one launch instead of two; "
-                        "values beyond the history's amax saturate; evaluation scales just in time)")
+                        "RMSNorm and SwiGLU and wo's input (attention's output) scaled by the largest amax of their "
+                        "last --fp8-amax-history-len forwards with gradients, each cast in one pass that also records "
+                        "its amax (one launch instead of two; values beyond the history's amax saturate; evaluation "
+                        "scales just in time)")
     g.add_argument("--fp8-amax-history-len", type=int, default=FP8Config().amax_history_len,
                    help="delayed scaling: how many calls (micro-batches) of amaxes set the scale")
 

@@ -17,8 +17,8 @@ WEIGHT_CACHES = ("step", "rowwise", "none")
 # by the amaxes their earlier calls recorded (megacoat.fp8.delayed_scaling: one pass of SwiGLU's backward instead of
 # two; RoPE's backward writes the FP8 [q|k|v] gradient itself, no BF16 copy).
 GRAD_SCALINGS = ("current", "delayed")
-# current: each FP8 activation scaled by its own amax. delayed: in coat mode the FP8 outputs of RMSNorm and SwiGLU by
-# the amaxes their earlier forwards recorded (one launch each instead of two).
+# current: each FP8 activation scaled by its own amax. delayed: in coat mode the FP8 outputs of RMSNorm and SwiGLU
+# and wo's input by the amaxes their earlier forwards recorded (one launch each instead of two).
 ACTIVATION_SCALINGS = ("current", "delayed")
 # The trainer's flags also take auto (their default): see resolve_scaling.
 AUTO = "auto"

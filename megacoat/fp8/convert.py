@@ -6,7 +6,8 @@ and an optimizer built before or after see the same parameters:
   * `fp8-linear`: every nn.Linear inside the transformer blocks becomes an Fp8Linear (FP8 GEMMs, the FP8
                   input saved); norms, SwiGLU and attention stay in the activation dtype. The linears of a
                   block share one Fp8InputCache, so wq/wk/wv (and w1/w3) quantize and save their input once.
-  * `coat`:       each TransformerBlock becomes a CoatTransformerBlock (the full FP8 precision flow).
+  * `coat`:       each TransformerBlock becomes a CoatTransformerBlock (the full FP8 precision flow), and the
+                  blocks run through run_coat_layers (each block's output addition made by the next one's norm).
 The embedding and the output head stay in high precision in every mode (as in COAT and TransformerEngine):
 the vocabulary need not meet FP8 GEMM alignment, and the logits feed a softmax over ~1e4-1e5 classes.
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from megacoat.fp8.blocks import CoatTransformerBlock
+from megacoat.fp8.blocks import CoatTransformerBlock, run_coat_layers
 from megacoat.fp8.config import FP8Config
 from megacoat.fp8.linear import Fp8InputCache, Fp8Linear
 
@@ -60,4 +61,6 @@ def convert_to_fp8(model: nn.Module, fp8: FP8Config) -> nn.Module:
                                 Fp8Linear(child, fp8.grad_dtype, shared, fp8.weight_cache, fp8.fast_accum))
         else:
             raise ValueError(f"unknown FP8 activation mode {fp8.mode!r}")
+    if fp8.mode == "coat":
+        model.run_layers = run_coat_layers  # each block's output addition made by the next block's norm
     return model

@@ -12,7 +12,9 @@ pass does the work of two. A value beyond the recorded amaxes saturates at the f
 Two switches use it (megacoat.fp8.config): --fp8-grad-scaling delayed (the E5M2 gradients of SwiGLU and of the
 [q|k|v] output, two histories per block, one entry per backward call; RoPE's backward then writes the FP8 [q|k|v]
 gradient itself, megacoat.ops.rope_grad_cast) and --fp8-activation-scaling delayed (the E4M3 outputs of the two
-RMSNorms and of SwiGLU, three histories per block, one entry per forward call with gradients).
+RMSNorms and of SwiGLU, and wo's input, attention's output, cast in one launch that records its amax instead of a
+reduction and a cast, megacoat.ops.cast_transpose.cast_transpose_delayed: four histories per block, one entry per
+forward call with gradients).
 
 `DelayedScale` holds one history [L] (float32, most recent first; the scale is the history's maximum,
 TransformerEngine's "max" rule). It is a buffer, so it is saved in checkpoints and an exact resume continues from
@@ -23,10 +25,10 @@ the next forward with gradients, which the trainer's micro-batch loop gives; Dee
 not, so --pipeline-model-parallel-size > 1 refuses --fp8-grad-scaling delayed. A forward without gradients (evaluation)
 scales just in time and leaves every history alone, so evaluating never changes training.
 
-The other FP8 tensors keep current scaling, where their amax costs little or no pass of its own: the gradient of
-wo's output is folded into the MLP norm's backward kernel that writes it (megacoat.fp8.linear's carrier), the
-block output's gradient (w2's) is a reduction of ~2 ms a step at micro-batch 12, and wo's input (attention's
-output) is cast by a reduction Inductor fuses into its transposed copy.
+The other FP8 tensors keep current scaling, where their amax costs no pass of its own: the gradient of wo's
+output is folded into the MLP norm's backward kernel that writes it (megacoat.fp8.linear's carrier), and the
+block output's gradient (w2's) into the next block's attention norm's (megacoat.fp8.blocks.run_coat_layers); only
+the last block's, whose consumer is the model's final norm, is a reduction of its own.
 """
 from __future__ import annotations
 
@@ -95,7 +97,7 @@ class AmaxHistorySync:
     drift apart, and a checkpoint (which saves data-parallel rank 0's model state) would resume the other ranks
     with histories they never had. Entry i is the i-th most recent call on every replica (they run the same number
     of calls), so the maximum is the history of the group's amaxes. One all-reduce of all histories a step
-    (24 layers x 5 sites x 16 float32 = 7.5 KiB for the 1.3 B model); nothing with one replica."""
+    (24 layers x 6 sites x 16 float32 = 9 KiB for the 1.3 B model); nothing with one replica."""
 
     def __init__(self, module: nn.Module, group=None, size: int = 1):
         self.sites = [m for m in module.modules() if isinstance(m, DelayedScale)]

@@ -30,7 +30,9 @@ from torch import nn
 
 from megacoat.fp8.config import WEIGHT_CACHES
 from megacoat.fp8.formats import E4M3, get_format
-from megacoat.ops.cast_transpose import cast_from_amax, quantize_transpose, quantize_transpose_into
+from megacoat.fp8.delayed_scaling import DelayedScale
+from megacoat.ops.cast_transpose import (cast_from_amax, cast_transpose_delayed, quantize_transpose,
+                                         quantize_transpose_into)
 
 _generation = 0  # bumped by invalidate_fp8_weight_caches(); every cache compares it with its own
 
@@ -198,9 +200,14 @@ class Fp8InputCache:
         return self._value
 
 
-def quantize_x(x: torch.Tensor, transpose: bool):
-    """A linear's input [..., K] → (x8 [M, K], x8^T [K, M] or None, scale), E4M3."""
-    return quantize_transpose(x.detach().reshape(-1, x.shape[-1]), E4M3.dtype, transpose=transpose)
+def quantize_x(x: torch.Tensor, transpose: bool, delayed: DelayedScale | None = None):
+    """A linear's input [..., K] → (x8 [M, K], x8^T [K, M] or None, scale), E4M3. delayed: with the scale from that
+    site's amax history, rolled with x's amax (one launch, megacoat.fp8.delayed_scaling)."""
+    x = x.detach().reshape(-1, x.shape[-1])
+    if delayed is None:
+        return quantize_transpose(x, E4M3.dtype, transpose=transpose)
+    return cast_transpose_delayed(x, delayed.amax_history, E4M3.dtype, transpose=transpose,
+                                  bootstrap=delayed.bootstrap())
 
 
 def check_gemm_dims(**dims: int) -> None:
@@ -269,17 +276,24 @@ class Fp8LinearFunction(torch.autograd.Function):
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | None = None,
                grad_dtype: str | torch.dtype = "e5m2", input_cache: Fp8InputCache | None = None,
-               fast_accum: bool = False, carry_amax: bool = False):
+               fast_accum: bool = False, carry_amax: bool = False, input_scale: DelayedScale | None = None):
     """FP8 x @ weight^T over any leading dims. `cache` keeps the weight's FP8 copies across micro-batches
     (None: quantize the weight on every call); `input_cache` shares x's FP8 copy with sibling linears that
     read the same x (None: quantize x here); `fast_accum`: the forward GEMM's (FP8Config.fast_accum). A
-    tensor-parallel layer passes its shard. carry_amax: → (y, carrier), see Fp8LinearFunction."""
+    tensor-parallel layer passes its shard. carry_amax: → (y, carrier), see Fp8LinearFunction. input_scale: x
+    cast with delayed scaling from that site's history in a forward with gradients (without: current scaling,
+    and the history left alone, as every delayed site does in evaluation)."""
+    if input_scale is not None and input_cache is not None:
+        raise ValueError("fp8_linear: input_scale and input_cache are two ways to quantize x; pass one")
     lead = x.shape[:-1]
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if grad:
         check_gemm_dims(tokens_per_micro_batch=lead.numel())  # wgrad contracts over the tokens
     transpose = grad and weight.requires_grad  # x^T only feeds wgrad
-    x8, x8t, x_scale = input_cache.get(x, transpose) if input_cache is not None else quantize_x(x, transpose)
+    if input_cache is not None:
+        x8, x8t, x_scale = input_cache.get(x, transpose)
+    else:
+        x8, x8t, x_scale = quantize_x(x, transpose, input_scale if grad else None)
     if cache is None:  # no cache: both layouts made here, for this call only
         with torch.no_grad():
             w8, w8t, w_scale = quantize_transpose(weight.detach(), E4M3.dtype)
@@ -311,10 +325,10 @@ class Fp8Linear(nn.Linear):
         self.input_cache = input_cache
         self.fast_accum = fast_accum
 
-    def forward(self, x: torch.Tensor, carry_amax: bool = False):
-        """carry_amax: → (y, carrier), see Fp8LinearFunction."""
+    def forward(self, x: torch.Tensor, carry_amax: bool = False, input_scale: DelayedScale | None = None):
+        """carry_amax: → (y, carrier), see Fp8LinearFunction; input_scale: x's delayed-scaling site (fp8_linear)."""
         return fp8_linear(x, self.weight, self.fp8_cache, self.grad_dtype, self.input_cache, self.fast_accum,
-                          carry_amax)
+                          carry_amax, input_scale)
 
     def fp8_weight_caches(self):
         """(cache, weights) pairs for refresh_fp8_weights."""

@@ -61,12 +61,17 @@ class CoatNormQKVFunction(torch.autograd.Function):
 
     residual: x is also returned (a view), for the block's residual branch to read; the gradient that branch
     sends back is then added to x's in the norm's backward kernel, instead of by autograd in a pass of its own
-    (one read and one write of [M, H] less per block, and dx is rounded to BF16 once instead of twice)."""
+    (one read and one write of [M, H] less per block, and dx is rounded to BF16 once instead of twice).
+    add, add_carrier (with residual): as CoatMLPFunction's, for the previous block's residual addition (its
+    output h + out made here, and the amax of its gradient carried back to that block's w2)."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, w8, w8t, w_scale, eps, group_size, grad_dtype, fast_accum, cos, sin, batch,
-                head_dim, norm_history, norm_bootstrap, grad_history, bootstrap, residual, *weights):
-        x8, xs, rstd, y_scale, y8 = _norm_fwd(x, norm_weight, eps, group_size, norm_history, norm_bootstrap)
+                head_dim, norm_history, norm_bootstrap, grad_history, bootstrap, residual, add, add_carrier,
+                *weights):
+        x8, xs, rstd, y_scale, y8, *h = _norm_fwd(x, norm_weight, eps, group_size, norm_history, norm_bootstrap,
+                                                  add)
+        ctx.has_add, ctx.carry = add is not None, add_carrier is not None
         qkv = scaled_mm(y8, w8.t(), y_scale, w_scale, x.dtype, fast_accum)
         sizes = [w.shape[0] for w in weights]
         q, k, v = (t.view(batch, -1, n // head_dim, head_dim) for t, n in zip(qkv.split(sizes, dim=1), sizes))
@@ -77,7 +82,7 @@ class CoatNormQKVFunction(torch.autograd.Function):
         ctx.sizes, ctx.w_dtype = sizes, weights[0].dtype
         ctx.weights = weights if w8t is None else None  # to remake W8^T in backward (no persistent cache)
         ctx.grad_history, ctx.bootstrap = grad_history, bootstrap  # state (written by backward), not an activation
-        return (q, k, v, x.view_as(x)) if residual else (q, k, v)
+        return (q, k, v, h[0] if h else x.view_as(x)) if residual else (q, k, v)
 
     @staticmethod
     def backward(ctx, dq, dk, dv, dres=None):
@@ -92,8 +97,10 @@ class CoatNormQKVFunction(torch.autograd.Function):
         dy = scaled_mm(g8, w8t.t(), g_scale, ctx.w_scale, dq.dtype)
         y8t = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, ctx.group_size, transpose=True)
         dw = scaled_mm(g8t, y8t.t(), g_scale, y_scale, ctx.w_dtype)
-        dx, dnorm = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, ctx.group_size, residual_grad=dres)
-        return (dx, dnorm.to(norm_weight.dtype), *(None,) * 16, *_split_rows(dw, ctx.sizes))
+        dx, dnorm, *amax = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, ctx.group_size, residual_grad=dres,
+                                           dx_amax=ctx.carry)
+        return (dx, dnorm.to(norm_weight.dtype), *(None,) * 16, dx if ctx.has_add else None,
+                amax[0] if ctx.carry else None, *_split_rows(dw, ctx.sizes))
 
 
 class CoatMLPFunction(torch.autograd.Function):
@@ -103,12 +110,15 @@ class CoatMLPFunction(torch.autograd.Function):
     the norm's backward kernel (as CoatNormQKVFunction's). add (with residual): the input is h = x + add, the
     block's residual addition, made by the norm's forward kernel; h is returned instead of x, and x and add both
     receive h's gradient. add_carrier (with add): the carrier of add's producer (Fp8LinearFunction, carry_amax),
-    whose gradient is returned as h's gradient's amax, folded into the norm's backward kernel."""
+    whose gradient is returned as h's gradient's amax, folded into the norm's backward kernel.
+    carry_amax: also return a carrier for out (Fp8LinearFunction's, for w2): the consumer of out that writes its
+    gradient in a kernel of its own (the next block's attention norm, given out as its add) returns that gradient's
+    amax as the carrier's gradient, and backward casts grad_out from it instead of reducing it once more."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, w1, w3, w2, w13_8, w13_8t, w13_scale, w2_8, w2_8t, w2_scale, eps, group_size,
                 grad_dtype, fast_accum, grad_history, bootstrap, norm_history, norm_bootstrap, swiglu_history,
-                swiglu_bootstrap, residual, add, add_carrier):
+                swiglu_bootstrap, residual, add, add_carrier, carry_amax):
         x8, xs, rstd, y_scale, y8, *h = _norm_fwd(x, norm_weight, eps, group_size, norm_history, norm_bootstrap, add)
         ctx.has_add, ctx.carry = add is not None, add_carrier is not None
         a13 = scaled_mm(y8, w13_8.t(), y_scale, w13_scale, x.dtype, fast_accum)  # [M, 2F]: gate | up
@@ -121,13 +131,23 @@ class CoatMLPFunction(torch.autograd.Function):
         ctx.w2 = (w2,) if w2_8t is None else None
         ctx.group_size, ctx.grad_dtype, ctx.w_dtype, ctx.ffn = group_size, grad_dtype, w1.dtype, w1.shape[0]
         ctx.grad_history, ctx.bootstrap = grad_history, bootstrap  # state (written by backward), not an activation
-        return (out, h[0] if h else x.view_as(x)) if residual else out  # h: a new tensor, x: an input (a view)
+        outs = (out, h[0] if h else x.view_as(x)) if residual else (out,)  # h: a new tensor, x: an input (a view)
+        ctx.residual, ctx.carry_out = residual, carry_amax
+        if not carry_amax:
+            return outs if residual else out
+        ctx.set_materialize_grads(False)  # an unused carrier must arrive as None, not as a zero amax
+        ctx.out_meta = (out.shape, out.dtype)
+        return *outs, x.new_zeros(1, dtype=torch.float32)
 
     @staticmethod
-    def backward(ctx, grad_out, dres=None):
+    def backward(ctx, grad_out, *rest):
+        dres = rest[0] if ctx.residual else None
+        grad_amax = rest[-1] if ctx.carry_out else None
         x8, xs, rstd, y_scale, a1_8, s1, a3_8, s3, s_scale, norm_weight = ctx.saved_tensors
+        if grad_out is None:  # (with a carrier, no gradient materialized) out unused: a zero gradient
+            grad_out, grad_amax = torch.zeros(ctx.out_meta[0], dtype=ctx.out_meta[1], device=x8.device), None
         g = ctx.group_size
-        g8, g8t, g_scale = quantize_grad(grad_out, ctx.grad_dtype)
+        g8, g8t, g_scale = quantize_grad(grad_out, ctx.grad_dtype, amax=grad_amax)
         w2_8t = fp8_weight_t(ctx.w2_8t, ctx.w2)
         ds = scaled_mm(g8, w2_8t.t(), g_scale, ctx.w2_scale, grad_out.dtype)  # [M, F]
         del w2_8t
@@ -148,7 +168,7 @@ class CoatMLPFunction(torch.autograd.Function):
         dx, dnorm, *amax = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, g, residual_grad=dres, dx_amax=ctx.carry)
         dw1, dw3 = _split_rows(dw13, [ctx.ffn, ctx.ffn])
         return (dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, *(None,) * 17, dx if ctx.has_add else None,
-                amax[0] if ctx.carry else None)
+                amax[0] if ctx.carry else None, None)
 
 
 def _history(scale: DelayedScale | None) -> tuple[torch.Tensor | None, bool]:
@@ -162,39 +182,54 @@ def _history(scale: DelayedScale | None) -> tuple[torch.Tensor | None, bool]:
 def coat_norm_qkv(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, group_size: int,
                   grad_dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
                   fast_accum: bool = False, norm_scale: DelayedScale | None = None, residual: bool = False,
-                  grad_scale: DelayedScale | None = None):
+                  grad_scale: DelayedScale | None = None, add: torch.Tensor | None = None,
+                  add_carrier: torch.Tensor | None = None):
     """x [batch, seq, H] → q, k, v [batch, seq, heads, head_dim] (q and k rotated); weights (wq, wk, wv).
     norm_scale: the norm's FP8 output with delayed scaling from that history (None: current scaling).
     residual: also return x, for the residual branch (its gradient joins x's in the norm's backward kernel).
-    grad_scale: the [q|k|v] output gradient with delayed scaling from that history (None: current scaling)."""
+    grad_scale: the [q|k|v] output gradient with delayed scaling from that history (None: current scaling).
+    add, add_carrier (with residual): the norm of h = x + add, made in the norm's kernel, and h returned instead
+    of x; add's producer may pass its carrier (coat_mlp's carry_amax), as for coat_mlp."""
+    _check_add(residual, add, add_carrier)
     if torch.is_grad_enabled():
         check_gemm_dims(tokens_per_micro_batch=x.shape[0] * x.shape[1])  # wgrad contracts over the tokens
     w8, w8t, w_scale = cache.get(weights)
     out = CoatNormQKVFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w8, w8t, w_scale, eps, group_size,
                                     grad_dtype, fast_accum, cos, sin, x.shape[0], head_dim, *_history(norm_scale),
-                                    *_history(grad_scale), residual, *weights)
+                                    *_history(grad_scale), residual, _rows(add), add_carrier, *weights)
     return (*out[:3], out[3].view(x.shape)) if residual else out
+
+
+def _check_add(residual: bool, add, add_carrier) -> None:
+    if add is not None and not residual:
+        raise ValueError("add needs residual=True (h = x + add is returned for the residual branch)")
+    if add_carrier is not None and add is None:
+        raise ValueError("add_carrier needs add (it carries the amax of add's gradient)")
+
+
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.reshape(-1, t.shape[-1])
 
 
 def coat_mlp(x, norm_weight, w1, w3, w2, cache13: Fp8WeightCache, cache2: Fp8WeightCache, eps: float,
              group_size: int, grad_dtype: torch.dtype, fast_accum: bool = False,
              grad_scale: DelayedScale | None = None, norm_scale: DelayedScale | None = None,
              swiglu_scale: DelayedScale | None = None, residual: bool = False, add: torch.Tensor | None = None,
-             add_carrier: torch.Tensor | None = None):
+             add_carrier: torch.Tensor | None = None, carry_amax: bool = False):
     """grad_scale: SwiGLU's gradient with delayed scaling from that history; norm_scale, swiglu_scale: the norm's and
     SwiGLU's FP8 outputs (None: current scaling). residual: → (out, x), x for the residual branch (its gradient
     joins x's in the norm's backward kernel). add (with residual): the MLP of h = x + add, the addition made in the
     norm's forward kernel, → (out, h). add_carrier: the carrier of the FP8 linear that made add (fp8_linear's
     carry_amax), whose backward then receives h's gradient's amax from the norm's backward kernel; add must then
-    have no other use (its gradient is exactly h's)."""
-    if add is not None and not residual:
-        raise ValueError("coat_mlp: add needs residual=True (h = x + add is returned for the residual branch)")
-    if add_carrier is not None and add is None:
-        raise ValueError("coat_mlp: add_carrier needs add (it carries the amax of add's gradient)")
+    have no other use (its gradient is exactly h's). carry_amax: also return out's carrier, last (see
+    CoatMLPFunction); out must then be its consumer's add, with no other use."""
+    _check_add(residual, add, add_carrier)
     if torch.is_grad_enabled():
         check_gemm_dims(tokens_per_micro_batch=x[..., 0].numel())
     out = CoatMLPFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w1, w3, w2, *cache13.get((w1, w3)),
                                 *cache2.get((w2,)), eps, group_size, grad_dtype, fast_accum, *_history(grad_scale),
-                                *_history(norm_scale), *_history(swiglu_scale), residual,
-                                None if add is None else add.reshape(-1, add.shape[-1]), add_carrier)
-    return (out[0].view(x.shape), out[1].view(x.shape)) if residual else out.view(x.shape)
+                                *_history(norm_scale), *_history(swiglu_scale), residual, _rows(add), add_carrier,
+                                carry_amax)
+    if not (residual or carry_amax):
+        return out.view(x.shape)
+    return (*(t.view(x.shape) for t in out[:1 + residual]), *out[1 + residual:])

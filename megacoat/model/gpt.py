@@ -126,6 +126,7 @@ class GPT(nn.Module):
         # logits (an all-gather over the vocabulary under tensor parallelism, where the head is split).
         self.loss_fn = cross_entropy_loss
         self.gather_logits = full_logits
+        self.run_layers = run_layers  # how the blocks run in sequence (FP8 blocks may fuse across them)
         self.reset_parameters()
 
     def _rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,12 +157,17 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds --seq-length {self.cfg.seq_length}")
         h = self.tok_embeddings(tokens)
         cos, sin = self._rope(h.device)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        h = self.run_layers(self.layers, h, cos, sin)
         logits = self.output(self.norm(h))
         if labels is None:
             return self.gather_logits(logits)
         return self.loss_fn(logits, labels)
+
+
+def run_layers(layers: nn.ModuleList, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        h = layer(h, cos, sin)
+    return h
 
 
 def full_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,8 @@ import triton.language as tl
 
 from megacoat.ops.numerics import (AMAX_FLOOR, cast_with_scale, dispatch, fp8_operator, launcher, pick,
                                    scale_from_amax, traced_body)
-from megacoat.ops.tensor_scale import cast_scale, scaled_codes
+from megacoat.ops.tensor_scale import (amax_workspace, cast_scale, history_max, record_amax, record_program_amax,
+                                       roll_history, scale_from_total, scaled_codes)
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -51,17 +52,25 @@ def cast_transpose_ref(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dt
 
 
 @triton.jit
-def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, N, ldt, fmax, amax_floor,
-                           FROM_AMAX: tl.constexpr, ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr,
-                           BM: tl.constexpr, BN: tl.constexpr):
+def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, hist_ptr, M, N, ldt, fmax, amax_floor,
+                           hist_len, FROM_AMAX: tl.constexpr, ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr,
+                           HIST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     # out is [M, N] row-major; outt [N, M] with row stride ldt (M, or more when it is a column block of a wider
-    # transpose: refresh writes each part of a joined weight straight into its place)
+    # transpose: refresh writes each part of a joined weight straight into its place). HIST > 0 (delayed scaling):
+    # the scale from the amax history's maximum, written by the first program, and max|x| folded into amax_ptr.
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    scale = cast_scale(scale_ptr, amax_ptr, fmax, amax_floor, FROM_AMAX)
+    if HIST > 0:
+        scale = scale_from_total(history_max(hist_ptr, hist_len, HIST), fmax, amax_floor)
+        if (pid_m == 0) & (pid_n == 0):
+            tl.store(scale_ptr, scale)
+    else:
+        scale = cast_scale(scale_ptr, amax_ptr, fmax, amax_floor, FROM_AMAX)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HIST > 0:  # masked lanes are 0, and |x| >= 0
+        record_program_amax(tl.max(tl.max(tl.abs(x), axis=1), axis=0), amax_ptr)
     q = scaled_codes(x, scale, fmax)  # the reciprocal once per program, the element loop multiplies
     if ROWWISE:
         tl.store(out_ptr + rm[:, None] * N + rn[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
@@ -73,16 +82,17 @@ def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, M, N, 
 _BM, _BN, _WARPS = 64, 64, 4  # the cast's tile (benchmarks/bench_cast_transpose.py --sweep times others)
 
 
-def _launch(x, amax, scale, out_dtype, rowwise, transpose, out=None, outt=None):
+def _launch(x, amax, scale, out_dtype, rowwise, transpose, out=None, outt=None, history=None):
     """Cast x into out [M, N] and/or outt [N, M] (allocated when not given; a given outt may be a column block of
-    a wider row-major tensor)."""
+    a wider row-major tensor). history (delayed scaling): the scale from its maximum, written to scale, and max|x|
+    folded into amax (a zeroed float32 [1])."""
     _check2d(x)
     x = x.contiguous()
     if transpose and x.dtype == torch.float32 and x.is_cuda:
         # Triton 3.6 on sm_90 writes wrong codes (some NaN) into the transposed store of a tile loaded as float32,
         # however the transpose is spelled (tests/ops/test_cast_transpose.py, GPU); the row-major store is exact.
         # float32 activations are the --fp32 and test path, not the bf16 hot path: transpose the FP8 bytes in torch.
-        q, _ = _launch(x, amax, scale, out_dtype, True, False, out)
+        q, _ = _launch(x, amax, scale, out_dtype, True, False, out, history=history)
         if outt is None:
             return (q if rowwise else None), q.t().contiguous()
         outt.copy_(q.t())
@@ -95,10 +105,12 @@ def _launch(x, amax, scale, out_dtype, rowwise, transpose, out=None, outt=None):
     dummy = out if rowwise else outt
     bm, bn = _BM, _BN
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    hist_len = 0 if history is None else history.numel()
     launcher(_cast_transpose_kernel)[grid](x, amax if amax is not None else scale, scale, out if rowwise else dummy,
-                                 outt if transpose else dummy, m, n, outt.stride(0) if transpose else m,
-                                 torch.finfo(out_dtype).max, AMAX_FLOOR,
-                                 FROM_AMAX=amax is not None, ROWWISE=rowwise, TRANSPOSE=transpose,
+                                 outt if transpose else dummy, scale if history is None else history, m, n,
+                                 outt.stride(0) if transpose else m, torch.finfo(out_dtype).max, AMAX_FLOOR,
+                                 hist_len, FROM_AMAX=amax is not None and history is None, ROWWISE=rowwise,
+                                 TRANSPOSE=transpose, HIST=triton.next_power_of_2(hist_len) if hist_len else 0,
                                  BM=bm, BN=bn, num_warps=_WARPS)
     return (out if rowwise else None), (outt if transpose else None)
 
@@ -202,6 +214,53 @@ def _cast_transpose_from_amax_op(x: torch.Tensor, amax: torch.Tensor, out_dtype:
     asked for is empty)."""
     q, qt, scale = traced_body(x, cast_from_amax_triton, cast_from_amax_ref, x, amax, out_dtype, rowwise,
                                transpose)
+    return (x.new_empty(0, dtype=out_dtype) if q is None else q,
+            x.new_empty(0, dtype=out_dtype) if qt is None else qt, scale)
+
+
+def cast_transpose_delayed_ref(x: torch.Tensor, history: torch.Tensor, out_dtype: torch.dtype, rowwise: bool = True,
+                               transpose: bool = True, bootstrap: bool = False):
+    """Reference of delayed scaling (megacoat.fp8.delayed_scaling): (q or None, q^T or None, scale) with the scale
+    from max(history), the amaxes of earlier calls (bootstrap: from x's own amax, as quantize_transpose); values
+    beyond it saturate. history [L] (float32, most recent first) is rolled in place, x's amax in front."""
+    _check2d(x)
+    amax = tensor_amax(x).float()
+    scale = scale_from_amax(amax if bootstrap else history.amax().reshape(1), out_dtype).reshape(1)
+    q, qt = cast_transpose_ref(x, scale, out_dtype, rowwise, transpose)
+    record_amax(history, amax)
+    return q, qt, scale
+
+
+def cast_transpose_delayed_triton(x: torch.Tensor, history: torch.Tensor, out_dtype: torch.dtype,
+                                  rowwise: bool = True, transpose: bool = True, bootstrap: bool = False):
+    """One cast launch that also folds x's amax (no pass over x for it), then the one-program roll of the history.
+    bootstrap: quantize_transpose's two launches (x's own amax), then the roll."""
+    _check2d(x)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)  # written by the cast kernel
+    if bootstrap:
+        amax = tensor_amax(x).float()
+        q, qt = _launch(x, amax, scale, out_dtype, rowwise, transpose)
+    else:
+        amax = amax_workspace(x.device)
+        q, qt = _launch(x, amax, scale, out_dtype, rowwise, transpose, history=history)
+    roll_history(history, amax)
+    return q, qt, scale
+
+
+def cast_transpose_delayed(x: torch.Tensor, history: torch.Tensor, out_dtype: torch.dtype, rowwise: bool = True,
+                           transpose: bool = True, bootstrap: bool = False):
+    """quantize_transpose with delayed scaling (cast_transpose_delayed_ref): one launch reads x, where current
+    scaling needs a reduction over x first; `history` rolled in place."""
+    q, qt, scale = dispatch(_cast_transpose_delayed_op, x, cast_transpose_delayed_triton, cast_transpose_delayed_ref,
+                            x, history, out_dtype, rowwise, transpose, bootstrap)
+    return (q if rowwise else None), (qt if transpose else None), scale
+
+
+@fp8_operator("megacoat::cast_transpose_delayed", mutates_args=("history",))
+def _cast_transpose_delayed_op(x: torch.Tensor, history: torch.Tensor, out_dtype: torch.dtype, rowwise: bool,
+                               transpose: bool, bootstrap: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, qt, scale = traced_body(x, cast_transpose_delayed_triton, cast_transpose_delayed_ref, x, history, out_dtype,
+                               rowwise, transpose, bootstrap)
     return (x.new_empty(0, dtype=out_dtype) if q is None else q,
             x.new_empty(0, dtype=out_dtype) if qt is None else qt, scale)
 

@@ -79,10 +79,11 @@ class _ShardedLinear(nn.Module):
             self.input_cache = linear.input_cache  # wq/wk/wv (w1/w3) shards read one input: quantized once
             self.fast_accum = linear.fast_accum
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor, input_scale=None) -> torch.Tensor:
         if self.fp8_grad_dtype is None:
             return F.linear(x, self.weight)
-        return fp8_linear(x, self.weight, self.fp8_cache, self.fp8_grad_dtype, self.input_cache, self.fast_accum)
+        return fp8_linear(x, self.weight, self.fp8_cache, self.fp8_grad_dtype, self.input_cache, self.fast_accum,
+                          input_scale=input_scale)
 
     def fp8_weight_caches(self):
         """(cache, weights) pairs for megacoat.fp8.linear.refresh_fp8_weights."""
@@ -113,8 +114,9 @@ class RowParallelLinear(_ShardedLinear):
         super().__init__(linear, _shard(linear.weight, 1, region, name))
         self.region = region
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.region.exit(self._matmul(x))
+    def forward(self, x: torch.Tensor, input_scale=None) -> torch.Tensor:
+        """input_scale: x's delayed-scaling site (this rank's shard of x; megacoat.fp8.linear.fp8_linear)."""
+        return self.region.exit(self._matmul(x, input_scale))
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -23,7 +23,8 @@ def _fp8(cfg: MegacoatConfig, bf16: bool) -> str:
     if f.mode == "fp8-linear":
         return f"fp8-linear: {gemms}; norms, SwiGLU and attention in high precision"
     sites = [what for what, on in (("SwiGLU's and the [q|k|v] output's gradients", f.grad_scaling == "delayed"),
-                                   ("RMSNorm's and SwiGLU's outputs", f.activation_scaling == "delayed")) if on]
+                                   ("RMSNorm's and SwiGLU's outputs and wo's input",
+                                    f.activation_scaling == "delayed")) if on]
     delayed = (f"; {' and '.join(sites)} with delayed scaling (history of {f.amax_history_len}, "
                f"--fp8-grad-scaling / --fp8-activation-scaling)" if sites else "")
     return (f"coat: {gemms}; RMSNorm and SwiGLU in E4M3 with 1x{f.group_size} group scales, FP8 tensors saved "

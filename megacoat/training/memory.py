@@ -39,8 +39,9 @@ partitioner, tests/tools/test_memory_estimator.py):
     fp8-linear:  15 h + 5 f + 4 a   (the same bf16 tensors where a pointwise op's backward needs them, the GEMM
                                      inputs for the weight gradients as E4M3, w2's instead of the SwiGLU product)
     coat:        as eager          (its autograd functions decide what is saved, FP8 throughout)
-and the compiled loss keeps the bf16 logits only: the head is 8 h + 2 V (a tensor-parallel model keeps its
-vocab-parallel loss, eager).
+and the compiled final norm keeps its bf16 input (2 h, eager's fp32 copies 6 h) and the compiled loss the bf16
+logits only: the head is 4 h + 2 V (a tensor-parallel model keeps its parallel norm and vocab-parallel loss,
+eager).
 
 Peak = weights + gradients + optimizer + the larger of: the activations of the micro-batches in flight (1; with
 1F1B pipelining the first stage holds `pp` micro-batches) + the head, or the step's gradient copy. The GPU test in
@@ -156,7 +157,8 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
     in_flight = pp  # 1F1B: the first stage keeps pp micro-batches' activations
     per_layer = activation_bytes_per_token_per_layer(cfg, mode, compiled) / tp
     logit_bytes = 2 if compiled and tp == 1 else 10  # the compiled loss keeps bf16 logits only
-    head = (8 * cfg.hidden_size + logit_bytes * cfg.vocab_size / tp) * tokens
+    norm_bytes = 4 if compiled and tp == 1 else 8  # the final norm's saved input (2 compiled, 6 eager) + the head's 2
+    head = (norm_bytes * cfg.hidden_size + logit_bytes * cfg.vocab_size / tp) * tokens
     activations = per_layer * tokens * layers_per_stage * in_flight + (head if pp == 1 else 0)
     if pp > 1:  # the last stage: one micro-batch of its layers plus the head, if that is the larger
         activations = max(activations, per_layer * tokens * layers_per_stage + head)

@@ -81,6 +81,50 @@ def test_inductor_block_matches_eager(mode):
         torch.testing.assert_close(compiled[2][name], g, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
 
 
+def _model_grads(model, tokens):
+    model.zero_grad(set_to_none=True)
+    loss = model(tokens, tokens)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_deferred_block_outputs_give_the_bytes_of_the_blocks_one_by_one(dtype, compiled):
+    """run_coat_layers (the coat model's block sequence): each block's output addition is made by the next block's
+    norm and w2's output gradient is cast from the amax that norm's backward folds in. Loss and every gradient are
+    the bytes of the blocks run one by one (the sum rounded as torch's addition; a max in any order is the same
+    max), eager and compiled (each block fullgraph, aot_eager: three graphs, first, middle and last)."""
+    from megacoat.fp8.blocks import run_coat_layers
+    from megacoat.model.gpt import run_layers
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{**CFG, "num_layers": 3})
+    model = convert_to_fp8(GPT(cfg), FP8Config(mode="coat", group_size=32)).to(dtype)
+    assert model.run_layers is run_coat_layers
+    refresh_fp8_weights(model)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+    if compiled:
+        for block in model.layers:
+            block.compile(fullgraph=True, backend="aot_eager")
+    deferred = _model_grads(model, tokens)
+    model.run_layers = run_layers
+    one_by_one = _model_grads(model, tokens)
+    assert torch.equal(deferred[0], one_by_one[0])
+    for name, g in one_by_one[1].items():
+        assert torch.equal(deferred[1][name], g), name
+
+
+def test_a_deferred_output_needs_the_one_rank_block():
+    block, x, cos, sin = _block("coat")
+    block.region = type("Region", (), {"enter": lambda s, t: t, "exit": lambda s, t: t,
+                                       "replicated": lambda s, w: w})()
+    assert not block.takes_deferred_output()
+    with pytest.raises(ValueError, match="one-rank block"):
+        block(x, cos, sin, defer=True)
+
+
 def _aot_op_counts(block, x, cos, sin):
     """aten op counts of the forward and backward graphs AOTAutograd hands to the backend."""
     graphs = []

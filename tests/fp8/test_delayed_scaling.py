@@ -1,6 +1,7 @@
 """Delayed scaling (megacoat/fp8/delayed_scaling.py) in a coat block, at both of its sites: SwiGLU's gradient scaled by
 the amax history of earlier backward calls (--fp8-grad-scaling delayed), and the FP8 outputs of the two RMSNorms and
-SwiGLU scaled by the histories of earlier forwards (--fp8-activation-scaling delayed).
+SwiGLU and wo's input (attention's output) scaled by the histories of earlier forwards (--fp8-activation-scaling
+delayed).
 
 The tests use what makes the two scalings meet exactly: the first call scales by its own amax (bootstrap), and a
 call on the same input as the previous one has the same amax as the one recorded, so its delayed scale is the
@@ -20,7 +21,7 @@ from tests.parallel.dist_helpers import run_ranks
 
 # the block's delayed-scaling modules per site
 SITES = {"grad": ("swiglu_grad_scale", "qkv_grad_scale"),
-         "activation": ("qkv_norm_out_scale", "mlp_norm_out_scale", "swiglu_out_scale")}
+         "activation": ("qkv_norm_out_scale", "mlp_norm_out_scale", "swiglu_out_scale", "wo_in_scale")}
 
 
 def _model(scaling, history_len=4, dtype=torch.float32, device="cpu", site="grad"):
@@ -54,6 +55,14 @@ def _larger(x, site):
     return y
 
 
+def _enlarge_attention_output(block, site):
+    """wo's input, attention's output, mixes v's rows, which the outlier of _larger does not enlarge (RMSNorm
+    spreads it): wv scaled 8x does, for the activation site (an in-place update: the FP8 weight copies follow)."""
+    if site == "activation":
+        with torch.no_grad():
+            block.attention.wv.weight.mul_(8)
+
+
 def _histories(block, site):
     return [getattr(block, name).amax_history for name in SITES[site]]
 
@@ -82,6 +91,8 @@ def test_history_meets_current_scaling_exactly_where_the_amax_repeats(site):
     assert _equal(_step(db, db, x, cos, sin), _step(cb, cb, x, cos, sin))
     assert all(h[:2].tolist() == [f, f] for h, f in zip(_histories(db, site), first))
     # 3rd, a larger amax: the scale is the history's, values beyond it saturate, results differ
+    for block in (cb, db):
+        _enlarge_attention_output(block, site)
     big = _step(db, db, _larger(x, site), cos, sin)
     assert not _equal(big, _step(cb, cb, _larger(x, site), cos, sin))
     assert all(h[0].item() > f and h[1:3].tolist() == [f, f] for h, f in zip(_histories(db, site), first))

@@ -72,6 +72,47 @@ def test_nonfinite_input_gives_a_nan_scale_not_a_silent_result():
     assert torch.isinf(C.quantize_transpose(x, E4)[2]).all()
 
 
+@pytest.mark.parametrize("backend", ["ref", "triton"])
+@pytest.mark.parametrize("transpose", [True, False])
+def test_delayed_meets_current_where_the_amax_repeats(backend, transpose):
+    """Delayed scaling: the first call (bootstrap) is quantize_transpose and records its amax; a call whose history
+    holds its own amax writes quantize_transpose's bytes (the layouts asked for, the scale) in one launch; a larger
+    tensor saturates at the recorded scale, and the history rolls with each call's amax in front."""
+    if backend == "triton":
+        _kernels_usable()
+    delayed = getattr(C, f"cast_transpose_delayed_{backend}")
+    x = (torch.randn(130, 48, device=DEV) * 3).to(torch.bfloat16)
+    cur = C.quantize_transpose_ref(x, E5, transpose=transpose)
+    history = torch.zeros(4, device=DEV)
+    first = delayed(x, history, E5, transpose=transpose, bootstrap=True)
+    amax = x.float().abs().max().item()
+    assert history.tolist() == [amax, 0.0, 0.0, 0.0]
+    again = delayed(x, history, E5, transpose=transpose)
+    for got in (first, again):
+        assert torch.equal(got[2], cur[2])
+        assert_fp8_close(got[0], cur[0])
+        assert (got[1] is None) == (not transpose) and (not transpose or torch.equal(got[1], got[0].t().contiguous()))
+    assert history.tolist() == [amax, amax, 0.0, 0.0]
+    big = delayed(4 * x, history, E5, transpose=transpose)
+    assert torch.equal(big[2], cur[2])  # the recorded scale, not this call's
+    assert big[0].float().abs().max().item() == torch.finfo(E5).max  # beyond it: saturated, never inf
+    assert history.tolist() == [4 * amax, amax, amax, 0.0]
+
+
+def test_delayed_triton_matches_the_reference_with_a_history():
+    """A history from other calls (a scale unrelated to this call's amax): the kernel's codes are the reference's,
+    and both roll the same amax in (an exact max, in any order)."""
+    _kernels_usable()
+    x = (torch.randn(70, 96, device=DEV) * 2).to(torch.bfloat16)
+    hists = [torch.tensor([0.0, 3.0, 1.5], device=DEV) for _ in range(2)]
+    t8, t8t, tscale = C.cast_transpose_delayed_triton(x, hists[0], E4)
+    r8, r8t, rscale = C.cast_transpose_delayed_ref(x, hists[1], E4)
+    assert torch.equal(tscale, rscale) and torch.equal(hists[0], hists[1])
+    assert_fp8_close(t8, r8)
+    assert torch.equal(t8t, t8.t().contiguous())
+    assert hists[0][1:].tolist() == [0.0, 3.0]
+
+
 def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="2-D"):
         C.quantize_transpose(torch.randn(2, 3, 4, device=DEV), E4)
@@ -105,6 +146,13 @@ def test_gpu_bit_exact_with_reference(dtype, x_dtype):
     assert torch.equal(scale, rscale)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
     assert torch.equal(qt.view(torch.uint8), rqt.view(torch.uint8))
+    # delayed scaling: with the history holding this tensor's amax, the one launch writes the same bytes
+    history = torch.zeros(16, device="cuda")
+    C.cast_transpose_delayed(x, history, dtype, bootstrap=True)
+    dq, dqt, dscale = C.cast_transpose_delayed(x, history, dtype)
+    assert torch.equal(dscale, scale) and torch.equal(history[:2], x.float().abs().amax().repeat(2))
+    assert torch.equal(dq.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(dqt.view(torch.uint8), qt.view(torch.uint8))
 
 
 @pytest.mark.parametrize("fn", ["ref", "triton"])

@@ -67,7 +67,7 @@ def _tp_case(model_kw: dict, sequence_parallel: bool, fp8_mode: str | None, scal
             m(*_batch(cfg, seed=8)).backward()
             m.zero_grad(set_to_none=True)
             histories = [s.amax_history for s in m.modules() if isinstance(s, DelayedScale)]
-            assert len(histories) == 5 * cfg.num_layers and all(h[0] > 0 for h in histories)  # 5 sites a block
+            assert len(histories) == 6 * cfg.num_layers and all(h[0] > 0 for h in histories)  # 6 sites a block
     ref_loss = ref(tokens, labels)
     ref_loss.backward()
     loss = model(tokens, labels)

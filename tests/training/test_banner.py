@@ -45,7 +45,7 @@ def test_plain_run_on_cpu():
                              1, 2, bf16=True, on_cuda=True)
     assert "SwiGLU's and the [q|k|v] output's gradients with delayed scaling (history of 16, --fp8-grad-sca" in delayed
     both = startup_banner(parse_config(["--coat-fp8"]), ParallelState(), 1, 2, bf16=True, on_cuda=True)
-    assert "gradients and RMSNorm's and SwiGLU's outputs with delayed scaling" in both  # the default
+    assert "gradients and RMSNorm's and SwiGLU's outputs and wo's input with delayed scaling" in both  # the default
     assert "delayed" not in startup_banner(parse_config(["--coat-fp8", "--fp8-grad-scaling", "current",
                                                          "--fp8-activation-scaling", "current"]), ParallelState(),
                                            1, 2, bf16=True, on_cuda=True)

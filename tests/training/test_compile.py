@@ -12,7 +12,7 @@ from megacoat.fp8.convert import convert_to_fp8
 from megacoat.fp8.linear import refresh_fp8_weights
 from megacoat.fp8.saved_memory import saved_activation_bytes
 from megacoat.model.config import ModelConfig
-from megacoat.model.gpt import GPT, cross_entropy_loss
+from megacoat.model.gpt import GPT, RMSNorm, cross_entropy_loss
 from megacoat.training.model_builder import apply_compile
 
 CFG = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
@@ -29,6 +29,7 @@ def test_compiled_blocks_match_eager(mode):
     apply_compile(compiled)
     refresh_fp8_weights(compiled)  # what the trainer does before the first step
     assert compiled.loss_fn is not cross_entropy_loss and eager.loss_fn is cross_entropy_loss
+    assert compiled.norm._compiled_call_impl is not None and eager.norm._compiled_call_impl is None
     tokens = torch.randint(0, CFG["vocab_size"], (2, CFG["seq_length"] + 1))
     losses, grads = [], []
     for model in (eager, compiled):
@@ -59,3 +60,23 @@ def test_compiled_loss_keeps_only_the_bf16_logits():
     (g_eager,) = torch.autograd.grad(cross_entropy_loss(logits, labels), logits)
     (g_compiled,) = torch.autograd.grad(compiled(logits, labels), logits)
     torch.testing.assert_close(g_compiled, g_eager)  # bf16 gradients: equal to bf16 rounding
+
+
+@pytest.mark.slow
+def test_compiled_final_norm_keeps_no_fp32_copy():
+    """Eager RMSNorm keeps x.float() (4 bytes per element) and more for backward; compiled (apply_compile compiles
+    the final norm) it keeps at most the bf16 input and per-token statistics, and gives the same output and
+    gradients to bf16 rounding."""
+    torch._dynamo.reset()
+    norm = RMSNorm(256, 1e-5).bfloat16()
+    x = torch.randn(4, 64, 256, dtype=torch.bfloat16, requires_grad=True)
+    compiled = copy.deepcopy(norm)
+    compiled.compile()
+    eager_bytes, _ = saved_activation_bytes(lambda: norm(x), list(norm.parameters()))
+    compiled_bytes, _ = saved_activation_bytes(lambda: compiled(x), list(compiled.parameters()))
+    assert eager_bytes >= 4 * x.numel() and compiled_bytes <= 2 * x.numel() + 4 * 4 * 64, (eager_bytes, compiled_bytes)
+    dy = torch.randn_like(x)
+    (g_eager,) = torch.autograd.grad(norm(x), x, dy)
+    (g_compiled,) = torch.autograd.grad(compiled(x), x, dy)
+    torch.testing.assert_close(compiled(x), norm(x))
+    torch.testing.assert_close(g_compiled, g_eager)
