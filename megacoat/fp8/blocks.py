@@ -9,9 +9,8 @@ On one rank the MLP norm's forward kernel makes h itself (coat_mlp's add), and b
 the residual branches' gradients; the MLP norm's also folds in the amax of h's gradient, which wo's backward casts
 (wo's carrier, megacoat.fp8.linear.Fp8LinearFunction). In a model, run_coat_layers defers each block's own output
 addition h + out in the same way to the next block's attention norm, with w2's carrier. The residual stream itself
-stays in the activation dtype
-(adds save nothing for backward); attention's core stays BF16 (flash SDPA on GPU) and what it saves is counted in
-the measurements.
+stays in the activation dtype (adds save nothing for backward); attention's core stays BF16 (flash SDPA on GPU) and
+what it saves is counted in the measurements.
 
 Tensor parallelism: the block runs inside a TP region, `self.region`, which is the identity (`NO_REGION`) on
 one rank; megacoat.parallel.apply_tp shards the linears and sets a real region. COAT fuses each norm into
