@@ -22,8 +22,8 @@ import triton.language as tl
 
 from megacoat.ops.numerics import (AMAX_FLOOR, cast_with_scale, dispatch, fp8_operator, launcher, pick,
                                    scale_from_amax, traced_body)
-from megacoat.ops.tensor_scale import (amax_workspace, cast_scale, history_max, record_amax, record_program_amax,
-                                       roll_history, scale_from_total, scaled_codes)
+from megacoat.ops.tensor_scale import (amax_workspace, cast_scale, delayed_scale, history_max, record_amax,
+                                       record_program_amax, roll_history, scale_from_total, scaled_codes)
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -225,7 +225,7 @@ def cast_transpose_delayed_ref(x: torch.Tensor, history: torch.Tensor, out_dtype
     beyond it saturate. history [L] (float32, most recent first) is rolled in place, x's amax in front."""
     _check2d(x)
     amax = tensor_amax(x).float()
-    scale = scale_from_amax(amax if bootstrap else history.amax().reshape(1), out_dtype).reshape(1)
+    scale = delayed_scale(amax, history, out_dtype, bootstrap)
     q, qt = cast_transpose_ref(x, scale, out_dtype, rowwise, transpose)
     record_amax(history, amax)
     return q, qt, scale

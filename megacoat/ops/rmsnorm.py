@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.tensor_scale import (amax_workspace, cast_scale, history_max, record_amax, record_program_amax,
-                                       roll_history, scale_from_total)
+from megacoat.ops.tensor_scale import (amax_workspace, cast_scale, delayed_scale, history_max, record_amax,
+                                       record_program_amax, roll_history, scale_from_total)
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, div_cast, group_dequantize,
                                    group_quantize, fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate
@@ -99,7 +99,7 @@ def rmsnorm_fp8_fwd_delayed_ref(x, weight, history, eps: float, group_size: int,
     h = _added(x, weight, group_size, add)
     x8, xs, xd, rstd = _saved_and_rstd(h, weight, eps, group_size)
     amax = _y_amax(xd, rstd, weight)
-    y_scale = scale_from_amax(amax if bootstrap else history.amax(), out_dtype).reshape(1)
+    y_scale = delayed_scale(amax, history, out_dtype, bootstrap)
     y8 = _cast_y(xd, rstd, weight, y_scale, out_dtype)
     record_amax(history, amax)
     return (x8, xs, rstd, y_scale, y8) + _h_out(h, add)

@@ -27,9 +27,9 @@ import torch
 
 from megacoat.ops.cast_transpose import (cast_from_amax_triton, cast_transpose_ref, quantize_transpose_ref,
                                          tensor_amax, transpose_fp8_triton)
-from megacoat.ops.numerics import dispatch, fp8_operator, scale_from_amax, traced_body
+from megacoat.ops.numerics import dispatch, fp8_operator, traced_body
 from megacoat.ops.rope import check_rope_input, rope_launch, rope_ref
-from megacoat.ops.tensor_scale import amax_workspace, record_amax, roll_history
+from megacoat.ops.tensor_scale import amax_workspace, delayed_scale, record_amax, roll_history
 
 
 def _check(dq, dk, dv, cos, sin) -> None:
@@ -89,7 +89,7 @@ def rope_qkv_grad_fp8_delayed_ref(dq, dk, dv, cos, sin, grad_dtype: torch.dtype,
     most recent first) is rolled in place, this call's amax in front."""
     g = _joined_ref(dq, dk, dv, cos, sin)
     amax = tensor_amax(g).float()
-    scale = scale_from_amax(amax if bootstrap else history.amax().reshape(1), grad_dtype)
+    scale = delayed_scale(amax, history, grad_dtype, bootstrap)
     q, qt = cast_transpose_ref(g, scale, grad_dtype)
     record_amax(history, amax)
     return q, qt, scale

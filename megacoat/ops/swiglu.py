@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.tensor_scale import (amax_workspace, cast_scale, history_max, record_amax, record_program_amax,
-                                       roll_history, scale_from_total)
+from megacoat.ops.tensor_scale import (amax_workspace, cast_scale, delayed_scale, history_max, record_amax,
+                                       record_program_amax, roll_history, scale_from_total)
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, div_cast, group_dequantize,
                                    group_quantize, fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate, sigmoid
@@ -72,7 +72,7 @@ def swiglu_fp8_fwd_delayed_ref(a13, history, group_size: int, out_dtype=E4M3, bo
     call's amax in front (zero for a non-finite one). s is made once (the CPU path's peak: one fp32 [M, F])."""
     *pair, s = _pair_and_s(a13, group_size)
     amax = s.abs().amax()
-    s_scale = _scale(amax if bootstrap else history.amax(), out_dtype)
+    s_scale = delayed_scale(amax, history, out_dtype, bootstrap)
     s8 = div_cast(s, s_scale, out_dtype)
     record_amax(history, amax)
     return (*pair, s_scale, s8)
@@ -123,7 +123,7 @@ def swiglu_fp8_bwd_delayed_ref(ds, a1_8, s1, a3_8, s3, s_scale, history, group_s
     non-finite one: that step is refused anyway, and later calls should not inherit it)."""
     da = _da_ref(ds, a1_8, s1, a3_8, s3, group_size)
     amax = da.abs().amax().reshape(1)
-    q, qt, scale = _cast_ref(da, _scale(amax if bootstrap else history.amax().reshape(1), grad_dtype), grad_dtype)
+    q, qt, scale = _cast_ref(da, delayed_scale(amax, history, grad_dtype, bootstrap), grad_dtype)
     del da  # float32 [M, 2F]: gone before s^T is made, as in swiglu_fp8_bwd_out_t_ref
     st = swiglu_fp8_out_ref(a1_8, s1, a3_8, s3, s_scale, group_size, True, out_dtype)
     record_amax(history, amax)

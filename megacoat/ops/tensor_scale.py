@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.numerics import RESCALE, RESCALE_BELOW, launcher
+from megacoat.ops.numerics import RESCALE, RESCALE_BELOW, launcher, scale_from_amax
 
 RESCALE, RESCALE_BELOW = tl.constexpr(RESCALE), tl.constexpr(RESCALE_BELOW)
 
@@ -97,3 +97,9 @@ def record_amax(history: torch.Tensor, amax: torch.Tensor) -> None:
     amax = amax.reshape(1)
     amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
     history.copy_(torch.cat((amax.to(history.dtype), history[:-1])))
+
+
+def delayed_scale(amax: torch.Tensor, history: torch.Tensor, fp8_dtype: torch.dtype, bootstrap: bool) -> torch.Tensor:
+    """The references' delayed-scaling scale, float32 [1]: from max(history), the amaxes of earlier calls, or
+    (bootstrap, nothing recorded yet) from this call's own amax."""
+    return scale_from_amax((amax if bootstrap else history.amax()).reshape(1), fp8_dtype).reshape(1)
