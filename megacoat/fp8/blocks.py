@@ -128,12 +128,8 @@ def run_coat_layers(layers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     for i, layer in enumerate(layers):
         nxt = layers[i + 1] if i + 1 < len(layers) else None
         defer = _takes(layer) and _takes(nxt)
-        out = layer(h, cos, sin, **pending, defer=True) if defer else layer(h, cos, sin, **pending)
-        if defer:
-            h, add, carrier = out
-            pending = {"add": add, "add_carrier": carrier}
-        else:
-            h, pending = out, {}
+        out = layer(h, cos, sin, **pending, defer=defer)
+        h, pending = (out[0], {"add": out[1], "add_carrier": out[2]}) if defer else (out, {})
     return h
 
 

@@ -235,13 +235,13 @@ def cast_transpose_delayed_triton(x: torch.Tensor, history: torch.Tensor, out_dt
                                   rowwise: bool = True, transpose: bool = True, bootstrap: bool = False):
     """One cast launch that also folds x's amax (no pass over x for it), then the one-program roll of the history.
     bootstrap: quantize_transpose's two launches (x's own amax), then the roll."""
-    _check2d(x)
-    scale = torch.empty(1, dtype=torch.float32, device=x.device)  # written by the cast kernel
     if bootstrap:
         amax = tensor_amax(x).float()
-        q, qt = _launch(x, amax, scale, out_dtype, rowwise, transpose)
+        q, qt, scale = cast_from_amax_triton(x, amax, out_dtype, rowwise, transpose)
     else:
+        _check2d(x)
         amax = amax_workspace(x.device)
+        scale = torch.empty(1, dtype=torch.float32, device=x.device)  # written by the cast kernel
         q, qt = _launch(x, amax, scale, out_dtype, rowwise, transpose, history=history)
     roll_history(history, amax)
     return q, qt, scale
