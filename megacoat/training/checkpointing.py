@@ -18,14 +18,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
+
+from megacoat.checkpoint.layout_free import is_layout_free
+from megacoat.training import reshard
+from megacoat.training.rng_state import get_rng_state, set_rng_state
 
 TAG_PREFIX = "iter_"
 TMP_PREFIX = ".tmp-"
@@ -88,22 +90,6 @@ def file_identity(path: str | None) -> dict | None:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return {"path": os.path.abspath(path), "sha256": h.hexdigest()}
-
-
-# --- RNG states ---------------------------------------------------------------------------------------------
-def get_rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _rng_file(rank: int) -> str:
@@ -292,12 +278,9 @@ def scaling_changes(meta: dict, config_dict: dict) -> list[str]:
 
 def optimizer_changes_of(meta: dict, config_dict: dict, finetune: bool) -> list[str]:
     """What differs between the optimizer state the checkpoint holds and this run's (empty when none is loaded)."""
-    from megacoat.checkpoint.layout_free import is_layout_free
-    from megacoat.training.reshard import optimizer_changes
-
     if finetune or (is_layout_free(meta) and not meta.get("optimizer")):
         return []
-    return optimizer_changes(meta["megacoat_config"].get("optim", {}), config_dict.get("optim", {}))
+    return reshard.optimizer_changes(meta["megacoat_config"].get("optim", {}), config_dict.get("optim", {}))
 
 
 def load_checkpoint(engine, directory: str, config_dict: dict, layout: Layout, tokenizer: dict | None = None,
@@ -312,9 +295,6 @@ def load_checkpoint(engine, directory: str, config_dict: dict, layout: Layout, t
     slices of the layout-free form (training/reshard.py). Another optimizer (AdamW <-> CoatAdamW, other
     CoatAdamW formats or group size) needs `convert_optimizer` (--override-optimizer-state convert).
     `finetune` (--finetune): weights only; iteration, data position, optimizer and LR schedule start at zero."""
-    from megacoat.checkpoint.layout_free import is_layout_free
-    from megacoat.training import reshard
-
     if tag is None:
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"--load {directory}: no such directory")

@@ -9,13 +9,16 @@ naming the command that converts the checkpoint elsewhere.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
 import torch.distributed as dist
 
+from megacoat.checkpoint.from_deepspeed import to_layout_free
 from megacoat.checkpoint.into_engine import load_into_engine
 from megacoat.checkpoint.layout_free import META_FILE, LayoutFreeCheckpoint
+from megacoat.training.rng_state import set_rng_state
 
 LAYOUT_FREE_DIR = "layout_free"
 # CoatAdamW settings that give its stored state a meaning (OptimizerConfig names)
@@ -40,13 +43,9 @@ def convert_command(path: str) -> str:
 def ensure_layout_free(path: str, need_state: bool) -> str:
     """The layout-free form of the DeepSpeed checkpoint at `path` (collective): made by rank 0 if absent, with
     the optimizer state (weights only where that cannot be read and `need_state` is false)."""
-    import json
-
     target = os.path.join(path, LAYOUT_FREE_DIR)
     error = [None]
     if dist.get_rank() == 0:
-        from megacoat.checkpoint.from_deepspeed import to_layout_free
-
         meta = None
         if os.path.isfile(os.path.join(target, META_FILE)):
             with open(os.path.join(target, META_FILE)) as f:
@@ -81,16 +80,12 @@ def load_layout_free(engine, path: str, tp_rank: int, num_layers: int, tp_size: 
             engine.lr_scheduler.load_state_dict(sched)
         rng = ckpt.rng_file(dist.get_rank())
         if rng is not None:
-            from megacoat.training.checkpointing import set_rng_state
-
             set_rng_state(torch.load(rng, weights_only=False))
     return ckpt.meta
 
 
 def describe_resume(path: str, config_dict: dict, layout, finetune: bool = False) -> list[str]:
     """Log lines for what a resume changes: the parallel layout, the optimizer, the global batch."""
-    import json
-
     with open(os.path.join(path, META_FILE)) as f:
         meta = json.load(f)
     lines = []
