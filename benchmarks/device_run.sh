@@ -38,8 +38,10 @@
 #               coat+cudagraph coat-delayed-all+cudagraph (the default and the fastest); PART default: bf16+compile
 #               coat-delayed-all+cudagraph alone (the trainer's default, two modes: a larger micro-batch fits); PART peers:
 #               bf16+compile coat-delayed-all+cudagraph torchao-float8 (the default against torchao); PART fp8linear:
-#               bf16+compile fp8-linear+cudagraph (fp8-linear's speed and memory); PART workspace: bf16+compile
-#               and coat+cudagraph each with and without a cuBLAS workspace (--cublas-workspace). Each holds bf16+compile:
+#               bf16+compile fp8-linear+cudagraph (fp8-linear's speed and memory); PART largest: coat-delayed-all+cudagraph
+#               alone, at micro-batches bf16 cannot fit (24, 32; issue 18's largest-micro-batch throughput, against
+#               bf16's own largest, 16, from `e2e 16 default` on the same warm machine); PART workspace: bf16+compile
+#               and coat+cudagraph each with and without a cuBLAS workspace (--cublas-workspace). Each but largest holds bf16+compile:
 #               ratios stay within one call                                                         issue 17
 #   e2e-memory  (~7 min, 1 GPU) peak memory and speed at micro-batch 4 and 8: bf16+compile, coat,
 #               coat-fp32-master and coat-rowwise with CUDA graphs, one repeat (memory is
@@ -178,8 +180,9 @@ e2e)
     default) MODES="bf16+compile coat-delayed-all+cudagraph" ;;
     peers) MODES="bf16+compile coat-delayed-all+cudagraph torchao-float8" ;;
     fp8linear) MODES="bf16+compile fp8-linear+cudagraph" ;;
+    largest) MODES="coat-delayed-all+cudagraph" ;;
     workspace) MODES="bf16+compile bf16-no-workspace+compile coat+cudagraph coat-workspace+cudagraph" ;;
-    *) echo "e2e: part must be baseline, fp8, cudagraph, fastaccum, delayed, delayedall, speed, default, peers, fp8linear or workspace (see the header of $0)"; exit 2 ;;
+    *) echo "e2e: part must be baseline, fp8, cudagraph, fastaccum, delayed, delayedall, speed, default, peers, fp8linear, largest or workspace (see the header of $0)"; exit 2 ;;
     esac
     # MB may be a comma list (e.g. 1,2: both in one call); PROFILE=0 skips the profiled iteration per mode
     PROF=(--profile); [ "${PROFILE:-1}" = 0 ] && PROF=()
