@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="activations of compiled blocks and loss (--compile / --enable-cuda-graph runs)")
     p.add_argument("--graphed-accumulation", action="store_true",
-                   help="--enable-cuda-graph runs with more than one micro-batch a step (their gradients lie flat: "
-                        "ZeRO-1 on one rank reads them in place)")
+                   help="--enable-cuda-graph runs with more than one micro-batch a step (their gradients are copied out "
+                        "of the graph pool after the first micro-batch and lie flat: ZeRO-1 on one rank reads them "
+                        "in place)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 

@@ -12,6 +12,10 @@ in a bf16 run (ZeRO-1 divides what is marked /D1 by D, ZeRO-2 also /D2):
         with bf16-remainder. With one data-parallel rank there is no reduced buffer (zero_single_rank.py): the
         step reads param.grad in place where it lies flat (CUDA graphs with gradient accumulation copy it so,
         own_graph_gradients) and flattens it otherwise (2 more)
+    gradients, CUDA graphs with gradient accumulation: after a step's first micro-batch own_graph_gradients copies
+        them out of the graph pool, so the pool's gradients and their copy are alive at once (2 more), and so is
+        ZeRO-1's reduction bucket (DeepSpeed allocates reduce_bucket_size elements of bf16 at the step's first
+        gradient hook, 5e8 by default, and releases them at the accumulation boundary, even on one rank)
     gradients, --main-grads-dtype fp32: ZeRO-1 (DeepSpeed's BF16_Optimizer) bf16 2 + a whole fp32 accumulation
         buffer 4; ZeRO-2 an fp32 partition 4 /D2; the optimizer reads them as they are
     master weights: fp32 4 /D1, or with --main-params-dtype bf16-remainder CoatAdamW's int16 remainders 2 /D1 (the
@@ -63,6 +67,8 @@ ACTIVATION_BYTES = {  # per token per layer: (per h, per f, per head)
     "fp8-linear": (23, 7, 0),
     "coat": (11, 2, 18),
 }
+# DeepSpeed 0.19.8's reduce_bucket_size, which megacoat's generated config leaves at its default (elements)
+DEEPSPEED_REDUCE_BUCKET = 500_000_000
 COMPILED_ACTIVATION_BYTES = {  # the same for a compiled block (Inductor's min-cut partition)
     "bf16": (16, 6, 4),
     "fp8-linear": (15, 5, 4),
@@ -72,8 +78,9 @@ COMPILED_ACTIVATION_BYTES = {  # the same for a compiled block (Inductor's min-c
 
 @dataclass
 class MemoryEstimate:
-    """`gradients` live through forward and backward (the accumulated sums); `step_gradients` is the copy made
-    only inside the optimizer step, when the activations are gone. The peak is the larger of the two phases."""
+    """`gradients` live through forward and backward (the accumulated sums); `step_gradients` are the copies
+    made while the activations are gone: inside the optimizer step, or, with CUDA graphs and gradient accumulation,
+    the copy out of the graph pool after the first micro-batch. The peak is the larger of the two phases."""
     weights: int
     gradients: int
     optimizer: int
@@ -145,6 +152,9 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
             flat = 0 if zero_stage == 1 and (dp > 1 or graphed_accumulation) else 2
             step_gradients = (flat + (0 if remainders else 4)) * params / zero_div_master
         optimizer = ((2 if remainders else 4) + moments) * params / zero_div_master
+        if graphed_accumulation:  # the copy out of the graph pool: both copies, and ZeRO-1's reduction bucket
+            bucket = 2 * DEEPSPEED_REDUCE_BUCKET if zero_stage == 1 else 0
+            step_gradients = max(step_gradients, 2 * params + bucket)
     else:
         weights = 4 * params
         gradients, step_gradients = 4 * params / zero_div_grad, 0.0
