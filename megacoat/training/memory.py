@@ -62,13 +62,13 @@ from megacoat.model.config import ModelConfig
 MODES = ("bf16", "fp8-linear", "coat")
 MAIN_GRADS_DTYPES = ("fp32", "bf16")
 MAIN_PARAMS_DTYPES = ("fp32", "bf16-remainder")
+# DeepSpeed 0.19.8's reduce_bucket_size, which megacoat's generated config leaves at its default (elements)
+DEEPSPEED_REDUCE_BUCKET = 500_000_000
 ACTIVATION_BYTES = {  # per token per layer: (per h, per f, per head)
     "bf16": (24, 8, 0),
     "fp8-linear": (23, 7, 0),
     "coat": (11, 2, 18),
 }
-# DeepSpeed 0.19.8's reduce_bucket_size, which megacoat's generated config leaves at its default (elements)
-DEEPSPEED_REDUCE_BUCKET = 500_000_000
 COMPILED_ACTIVATION_BYTES = {  # the same for a compiled block (Inductor's min-cut partition)
     "bf16": (16, 6, 4),
     "fp8-linear": (15, 5, 4),
