@@ -82,6 +82,14 @@ class DelayedScale(nn.Module):
         module.ready = bool(getattr(module, HISTORY_KEY).amax() > 0)  # one host read, at load time only
 
 
+def history_for_call(site: DelayedScale | None, grad: bool) -> tuple[torch.Tensor | None, bool]:
+    """(history, bootstrap) that a site's kernels take for one forward: (None, False), current scaling, without
+    the site or for a forward without gradients (evaluation leaves the history alone)."""
+    if site is None or not grad:
+        return None, False
+    return getattr(site, HISTORY_KEY), site.bootstrap()
+
+
 def drop_saved_history(module: nn.Module, attr: str):
     """A load_state_dict pre-hook for a module without delayed scaling: forget the history a checkpoint saved
     with it (current scaling resumes a delayed run), instead of failing on an unexpected key."""

@@ -30,7 +30,7 @@ from torch import nn
 
 from megacoat.fp8.config import WEIGHT_CACHES
 from megacoat.fp8.formats import E4M3, get_format
-from megacoat.fp8.delayed_scaling import DelayedScale
+from megacoat.fp8.delayed_scaling import DelayedScale, history_for_call
 from megacoat.ops.cast_transpose import (cast_from_amax, cast_transpose_delayed, quantize_transpose,
                                          quantize_transpose_into)
 
@@ -200,14 +200,13 @@ class Fp8InputCache:
         return self._value
 
 
-def quantize_x(x: torch.Tensor, transpose: bool, delayed: DelayedScale | None = None):
-    """A linear's input [..., K] → (x8 [M, K], x8^T [K, M] or None, scale), E4M3. delayed: with the scale from that
-    site's amax history, rolled with x's amax (one launch, megacoat.fp8.delayed_scaling)."""
+def quantize_x(x: torch.Tensor, transpose: bool, history: torch.Tensor | None = None, bootstrap: bool = False):
+    """A linear's input [..., K] → (x8 [M, K], x8^T [K, M] or None, scale), E4M3. history: a delayed site's
+    (delayed_scaling.history_for_call), whose scale the cast takes and which it rolls with x's amax, in one launch."""
     x = x.detach().reshape(-1, x.shape[-1])
-    if delayed is None:
+    if history is None:
         return quantize_transpose(x, E4M3.dtype, transpose=transpose)
-    return cast_transpose_delayed(x, delayed.amax_history, E4M3.dtype, transpose=transpose,
-                                  bootstrap=delayed.bootstrap())
+    return cast_transpose_delayed(x, history, E4M3.dtype, transpose=transpose, bootstrap=bootstrap)
 
 
 def check_gemm_dims(**dims: int) -> None:
@@ -293,7 +292,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | No
     if input_cache is not None:
         x8, x8t, x_scale = input_cache.get(x, transpose)
     else:
-        x8, x8t, x_scale = quantize_x(x, transpose, input_scale if grad else None)
+        x8, x8t, x_scale = quantize_x(x, transpose, *history_for_call(input_scale, grad))
     if cache is None:  # no cache: both layouts made here, for this call only
         with torch.no_grad():
             w8, w8t, w_scale = quantize_transpose(weight.detach(), E4M3.dtype)

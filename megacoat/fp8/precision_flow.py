@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from megacoat.fp8.delayed_scaling import DelayedScale
+from megacoat.fp8.delayed_scaling import DelayedScale, history_for_call
 from megacoat.fp8.linear import Fp8WeightCache, check_gemm_dims, fp8_weight_t, quantize_grad, scaled_mm
 from megacoat.ops.rmsnorm import rmsnorm_fp8_bwd, rmsnorm_fp8_fwd, rmsnorm_fp8_fwd_delayed, rmsnorm_fp8_out
 from megacoat.ops.rope import rope_rotate
@@ -171,14 +171,6 @@ class CoatMLPFunction(torch.autograd.Function):
                 amax[0] if ctx.carry else None, None)
 
 
-def _history(scale: DelayedScale | None) -> tuple[torch.Tensor | None, bool]:
-    """(history, bootstrap) of a delayed-scaling site for a forward with gradients; (None, False), current
-    scaling, without the site or without gradients (evaluation leaves the history alone)."""
-    if scale is None or not torch.is_grad_enabled():
-        return None, False
-    return scale.amax_history, scale.bootstrap()
-
-
 def coat_norm_qkv(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, group_size: int,
                   grad_dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
                   fast_accum: bool = False, norm_scale: DelayedScale | None = None, residual: bool = False,
@@ -191,12 +183,14 @@ def coat_norm_qkv(x, norm_weight, weights, cache: Fp8WeightCache, eps: float, gr
     add, add_carrier (with residual): the norm of h = x + add, made in the norm's kernel, and h returned instead
     of x; add's producer may pass its carrier (coat_mlp's carry_amax), as for coat_mlp."""
     _check_add(residual, add, add_carrier)
-    if torch.is_grad_enabled():
+    grad = torch.is_grad_enabled()
+    if grad:
         check_gemm_dims(tokens_per_micro_batch=x.shape[0] * x.shape[1])  # wgrad contracts over the tokens
     w8, w8t, w_scale = cache.get(weights)
     out = CoatNormQKVFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w8, w8t, w_scale, eps, group_size,
-                                    grad_dtype, fast_accum, cos, sin, x.shape[0], head_dim, *_history(norm_scale),
-                                    *_history(grad_scale), residual, _rows(add), add_carrier, *weights)
+                                    grad_dtype, fast_accum, cos, sin, x.shape[0], head_dim,
+                                    *history_for_call(norm_scale, grad), *history_for_call(grad_scale, grad),
+                                    residual, _rows(add), add_carrier, *weights)
     return (*out[:3], out[3].view(x.shape)) if residual else out
 
 
@@ -224,12 +218,13 @@ def coat_mlp(x, norm_weight, w1, w3, w2, cache13: Fp8WeightCache, cache2: Fp8Wei
     have no other use (its gradient is exactly h's). carry_amax: also return out's carrier, last (see
     CoatMLPFunction); out must then be its consumer's add, with no other use."""
     _check_add(residual, add, add_carrier)
-    if torch.is_grad_enabled():
+    grad = torch.is_grad_enabled()
+    if grad:
         check_gemm_dims(tokens_per_micro_batch=x[..., 0].numel())
     out = CoatMLPFunction.apply(x.reshape(-1, x.shape[-1]), norm_weight, w1, w3, w2, *cache13.get((w1, w3)),
-                                *cache2.get((w2,)), eps, group_size, grad_dtype, fast_accum, *_history(grad_scale),
-                                *_history(norm_scale), *_history(swiglu_scale), residual, _rows(add), add_carrier,
-                                carry_amax)
+                                *cache2.get((w2,)), eps, group_size, grad_dtype, fast_accum,
+                                *history_for_call(grad_scale, grad), *history_for_call(norm_scale, grad),
+                                *history_for_call(swiglu_scale, grad), residual, _rows(add), add_carrier, carry_amax)
     if not (residual or carry_amax):
         return out.view(x.shape)
     return (*(t.view(x.shape) for t in out[:1 + residual]), *out[1 + residual:])

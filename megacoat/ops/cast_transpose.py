@@ -22,8 +22,8 @@ import triton.language as tl
 
 from megacoat.ops.numerics import (AMAX_FLOOR, cast_with_scale, dispatch, fp8_operator, launcher, pick,
                                    scale_from_amax, traced_body)
-from megacoat.ops.tensor_scale import (amax_workspace, cast_scale, delayed_scale, history_max, record_amax,
-                                       record_program_amax, roll_history, scale_from_total, scaled_codes)
+from megacoat.ops.tensor_scale import (amax_workspace, cast_scale, delayed_scale, history_scale, record_amax,
+                                       record_program_amax, roll_history, scaled_codes)
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -60,9 +60,7 @@ def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, hist_p
     # the scale from the amax history's maximum, written by the first program, and max|x| folded into amax_ptr.
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if HIST > 0:
-        scale = scale_from_total(history_max(hist_ptr, hist_len, HIST), fmax, amax_floor)
-        if (pid_m == 0) & (pid_n == 0):
-            tl.store(scale_ptr, scale)
+        scale = history_scale(scale_ptr, hist_ptr, hist_len, fmax, amax_floor, HIST)
     else:
         scale = cast_scale(scale_ptr, amax_ptr, fmax, amax_floor, FROM_AMAX)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)

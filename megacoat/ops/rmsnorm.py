@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.tensor_scale import (amax_workspace, cast_scale, delayed_scale, history_max, record_amax,
-                                       record_program_amax, roll_history, scale_from_total)
+from megacoat.ops.tensor_scale import (amax_workspace, cast_scale, delayed_scale, history_scale, record_amax,
+                                       record_program_amax, roll_history)
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, div_cast, group_dequantize,
                                    group_quantize, fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate
@@ -160,9 +160,7 @@ def _fwd_kernel(x_ptr, add_ptr, h_ptr, w_ptr, x8_ptr, xs_ptr, rstd_ptr, amax_ptr
     w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
     amax = rstd * tl.max(tl.max(tl.abs(xd * w), axis=1), axis=0)
     if HIST > 0:
-        scale = scale_from_total(history_max(hist_ptr, hist_len, HIST), fmax_out, amax_floor)
-        if row == 0:
-            tl.store(scale_ptr, scale)
+        scale = history_scale(scale_ptr, hist_ptr, hist_len, fmax_out, amax_floor, HIST)
         yq = div_saturate(xd * rstd * w, scale, fmax_out, FAST)  # _out_kernel's product, in its order
         tl.store(y_ptr + row * H + col, yq.to(y_ptr.dtype.element_ty), mask=mask)
     record_program_amax(amax, amax_ptr)

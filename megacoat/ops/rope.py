@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from megacoat.ops.numerics import AMAX_FLOOR, dispatch, fp8_operator, launcher, traced_body
-from megacoat.ops.tensor_scale import history_max, record_program_amax, scale_from_total, scaled_codes
+from megacoat.ops.tensor_scale import history_scale, record_program_amax, scaled_codes
 
 
 def check_rope_input(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -75,9 +75,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, amax_ptr, hist_ptr, scale_ptr
         y = x.to(ty)
     dst = out_ptr + t.to(tl.int64) * ld_out + h[:, None] * (2 * HALF) + d[None, :]
     if HIST > 0:
-        scale = scale_from_total(history_max(hist_ptr, hist_len, HIST), fmax, amax_floor)
-        if (t == 0) & (tl.program_id(1) == 0):
-            tl.store(scale_ptr, scale)
+        scale = history_scale(scale_ptr, hist_ptr, hist_len, fmax, amax_floor, HIST)
         tl.store(dst, scaled_codes(y.to(tl.float32), scale, fmax).to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(dst, y, mask=mask)

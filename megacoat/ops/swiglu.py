@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.tensor_scale import (amax_workspace, cast_scale, delayed_scale, history_max, record_amax,
-                                       record_program_amax, roll_history, scale_from_total)
+from megacoat.ops.tensor_scale import (amax_workspace, cast_scale, delayed_scale, history_scale, record_amax,
+                                       record_program_amax, roll_history)
 from megacoat.ops.numerics import (AMAX_FLOOR, FAST, check_group_size, dispatch, div_cast, group_dequantize,
                                    group_quantize, fp8_operator, launcher, scale_from_amax, traced_body)
 from megacoat.ops.triton_math import div_saturate, saturate, sigmoid
@@ -173,9 +173,7 @@ def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, y_pt
     s = a1 * sigmoid(a1, FAST) * a3
     amax = tl.max(tl.max(tl.abs(s), axis=1), axis=0)
     if HIST > 0:
-        scale = scale_from_total(history_max(hist_ptr, hist_len, HIST), fmax_out, amax_floor)
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            tl.store(scale_ptr, scale)
+        scale = history_scale(scale_ptr, hist_ptr, hist_len, fmax_out, amax_floor, HIST)
         tl.store(y_ptr + offs, div_saturate(s, scale, fmax_out, FAST).to(y_ptr.dtype.element_ty), mask=mask)
     record_program_amax(amax, amax_ptr)
 
@@ -246,12 +244,9 @@ def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr
     rn = (gi * G + tl.arange(0, G)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < F)
     if HIST > 0:
-        amax_in = history_max(hist_ptr, hist_len, HIST)
-    else:
-        amax_in = tl.load(amax_ptr)
-    scale = scale_from_total(amax_in, fmax_g, amax_floor)  # IEEE, as the reference's torch division
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-        tl.store(scale_ptr, scale)
+        scale = history_scale(scale_ptr, hist_ptr, hist_len, fmax_g, amax_floor, HIST)
+    else:  # IEEE, as the reference's torch division
+        scale = cast_scale(scale_ptr, amax_ptr, fmax_g, amax_floor, True)
     da1, da3, s = _da_tile(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, rm, rn, gi, mask, M, F, NG, FAST)
     if HIST > 0:
         record_program_amax(tl.max(tl.max(tl.maximum(tl.abs(da1), tl.abs(da3)), axis=1), axis=0), amax_out_ptr)

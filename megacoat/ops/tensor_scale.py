@@ -50,14 +50,19 @@ def scaled_codes(x, scale, fmax):
 
 
 @triton.jit
+def _publish_scale(scale_ptr, scale):
+    """Every program derives the same scale; the first one (of a 1-D or 2-D grid) stores it for the GEMM that
+    reads the cast."""
+    tl.store(scale_ptr, scale, mask=(tl.program_id(0) == 0) & (tl.program_id(1) == 0))
+    return scale
+
+
+@triton.jit
 def cast_scale(scale_ptr, amax_ptr, fmax, amax_floor, FROM_AMAX: tl.constexpr):
     """The per-tensor scale a cast launch uses: read from scale_ptr, or (FROM_AMAX) derived by every program from
-    the total amax an earlier launch folded (read as float32), and stored at scale_ptr by the first program (for
-    the GEMM that reads the cast)."""
+    the total amax an earlier launch folded (read as float32), and stored at scale_ptr by the first program."""
     if FROM_AMAX:
-        scale = scale_from_total(tl.load(amax_ptr).to(tl.float32), fmax, amax_floor)
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            tl.store(scale_ptr, scale)
+        scale = _publish_scale(scale_ptr, scale_from_total(tl.load(amax_ptr).to(tl.float32), fmax, amax_floor))
     else:
         scale = tl.load(scale_ptr)
     return scale
@@ -72,6 +77,13 @@ def history_max(hist_ptr, hist_len, HIST: tl.constexpr):
     """The largest amax in the history (HIST: a power of two >= hist_len)."""
     i = tl.arange(0, HIST)
     return tl.max(tl.load(hist_ptr + i, mask=i < hist_len, other=0.0), axis=0)
+
+
+@triton.jit
+def history_scale(scale_ptr, hist_ptr, hist_len, fmax, amax_floor, HIST: tl.constexpr):
+    """Delayed scaling's per-tensor scale, from the history's largest amax; stored at scale_ptr by the first
+    program, as cast_scale does."""
+    return _publish_scale(scale_ptr, scale_from_total(history_max(hist_ptr, hist_len, HIST), fmax, amax_floor))
 
 
 @triton.jit
