@@ -13,8 +13,10 @@ and replays each block's forward and backward as CUDA graphs, `--enable-cuda-gra
     # the issue-17 table: 1.3 B model, 2 repeats of 30 timed iterations each, GPU-busy profile of each mode
     python benchmarks/bench_e2e.py speed --micro-batch-size 2 8 --profile \
         --modes bf16+compile plain-llama torchao-float8 coat coat+compile
-    # the largest micro-batch of each mode
+    # the largest micro-batch of each mode (one run per size, up to the first that runs out of memory)
     python benchmarks/bench_e2e.py speed --micro-batch-size 8 --search 8,12,16,24 --modes bf16+compile coat+compile
+    # each mode at its own largest micro-batch, measured as a point is (repeats interleaved)
+    python benchmarks/bench_e2e.py speed --at-largest bf16+compile@16 coat-delayed-all+cudagraph@32
 
 Speed method: each point (mode, micro-batch) runs --repeats times, each in its own process, repeats interleaved
 with the other modes so that a drift of the machine spreads over all of them. A run trains --warmup iterations
@@ -25,7 +27,7 @@ spread (max - min over median) of its repeats' window throughputs. With --profil
 more iterations under torch.profiler (never timed): the GPU-busy fraction (kernel time over wall time, the
 host-bound indicator), kernels per step and per layer, host waits per step, top operators. Memory is
 torch.cuda.max_memory_allocated. Ratios are against --baseline at the same micro-batch, within this one
-invocation. The JSON (device, versions, command) is rewritten after every run, so a time limit keeps what ran.
+invocation; with --at-largest, against the baseline at its own micro-batch (each mode at the largest it fits). The JSON (device, versions, command) is rewritten after every run, so a time limit keeps what ran.
 """
 from __future__ import annotations
 
@@ -97,6 +99,14 @@ def mode_spec(spec: str) -> str:
         raise argparse.ArgumentTypeError(f"{spec!r}: expected MODE, MODE+compile or MODE+cudagraph, MODE one of "
                                          f"{', '.join(MODES)} (+cudagraph: pretrain_gpt.py modes only)")
     return mode if mode in ALWAYS_COMPILED else spec
+
+
+def sized_mode_spec(spec: str) -> tuple[str, int]:
+    """`MODE[+compile|+cudagraph]@MICRO_BATCH` (argparse type) → (mode label, micro-batch size)."""
+    label, at, size = spec.rpartition("@")
+    if not at or not size.isdigit() or int(size) < 1:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected MODE@MICRO_BATCH, e.g. bf16+compile@16")
+    return mode_spec(label), int(size)
 
 
 def mode_command(spec: str) -> tuple[str, list[str]]:
@@ -317,6 +327,8 @@ def speed(args) -> dict:
                       "statistic": "median of the timed log intervals of all repeats; spread = (max - min) / "
                                    "median of the repeats' window throughputs"},
            "baseline": args.baseline, "points": {}, "largest_micro_batch": {}}
+    if args.at_largest:
+        measure_at_largest(out, common, num_layers, args)
     for mbs in args.micro_batch_size:
         runs = {spec: [] for spec in args.modes}
         for repeat in range(args.repeats):
@@ -340,21 +352,42 @@ def speed(args) -> dict:
             best = dict(summarize([res], num_layers), micro_batch_size=size)
         out["largest_micro_batch"][spec] = best
         save(out, args.path)
-    base = out["largest_micro_batch"].get(args.baseline)
+    ratios_at_largest(out, args.baseline)
+    return out
+
+
+def measure_at_largest(out: dict, common: list[str], num_layers: int, args) -> None:
+    """--at-largest: each mode at its own micro-batch (its largest, from --search or the memory estimator),
+    --repeats runs each, interleaved as a point's are; into out["largest_micro_batch"]."""
+    sizes = dict(args.at_largest)
+    runs = {spec: [] for spec in sizes}
+    for _ in range(args.repeats):
+        for spec, size in sizes.items():
+            runs[spec].append(speed_run(spec, common, size, args, profile=False))
+            out["largest_micro_batch"][spec] = dict(summarize(runs[spec], num_layers), micro_batch_size=size)
+            ratios_at_largest(out, args.baseline)
+            save(out, args.path)
+
+
+def ratios_at_largest(out: dict, baseline: str) -> None:
+    base = out["largest_micro_batch"].get(baseline)
     if base and base.get("ok"):
         for res in out["largest_micro_batch"].values():
             if res and res.get("ok"):
                 res["speedup_vs_baseline_at_its_largest"] = res["tokens_per_s"] / base["tokens_per_s"]
-    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     s = sub.add_parser("speed")
-    s.add_argument("--micro-batch-size", type=int, nargs="+", default=[4], help="one point per size")
+    s.add_argument("--micro-batch-size", type=int, nargs="+", default=None,
+                   help="one point per size (default: 4, or none with --at-largest)")
     s.add_argument("--grad-accum", type=int, default=2)
     s.add_argument("--search", default="", help="comma-separated micro-batch sizes to try, ascending, one run each")
+    s.add_argument("--at-largest", nargs="+", type=sized_mode_spec, default=[], metavar="MODE@MICRO_BATCH",
+                   help="each mode at its own (largest) micro-batch, --repeats runs each, the ratio against "
+                        "--baseline's entry: the throughput each mode reaches at the largest micro-batch it fits")
     s.add_argument("--warmup", type=int, default=5, help="iterations before the timed window (compilation)")
     s.add_argument("--iters", type=int, default=30, help="timed iterations per run")
     s.add_argument("--log-interval", type=int, default=5, help="must divide --warmup and --iters")
@@ -376,10 +409,18 @@ def main() -> None:
         q.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_e2e_<what>.json)")
     args = p.parse_args()
     if args.what == "speed":
+        if args.micro_batch_size is None:
+            args.micro_batch_size = [] if args.at_largest else [4]
+        if args.at_largest and args.search:
+            p.error("--at-largest measures given sizes, --search finds them: pass one")
+        if len({spec for spec, _ in args.at_largest}) < len(args.at_largest):
+            p.error(f"--at-largest names a mode twice: {' '.join(f'{s}@{n}' for s, n in args.at_largest)}")
+        if args.at_largest and args.baseline not in dict(args.at_largest):
+            p.error(f"--at-largest needs the baseline ({args.baseline}) among its modes, for the ratios")
         for name in ("log_interval", "iters", "repeats", "grad_accum"):
             if getattr(args, name) < 1:
                 p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-        if min(args.micro_batch_size) < 1:
+        if args.micro_batch_size and min(args.micro_batch_size) < 1:
             p.error(f"--micro-batch-size must be positive, got {args.micro_batch_size}")
         for name in ("warmup", "iters"):
             if getattr(args, name) % args.log_interval:

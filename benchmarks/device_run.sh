@@ -43,6 +43,9 @@
 #               bf16's own largest, 16, from `e2e 16 default` on the same warm machine); PART workspace: bf16+compile
 #               and coat+cudagraph each with and without a cuBLAS workspace (--cublas-workspace). Each but largest holds bf16+compile:
 #               ratios stay within one call                                                         issue 17
+#   e2e-largest [MB] (~7 min, 1 GPU) compiled bf16 at 16 (the largest it fits on an H100) against the default
+#               (coat-delayed-all+cudagraph) at MB (default 32), 2 repeats each, interleaved, in one run: the
+#               throughput at each mode's largest micro-batch (bench_e2e.py --at-largest)               issue 18
 #   e2e-memory  (~7 min, 1 GPU) peak memory and speed at micro-batch 4 and 8: bf16+compile, coat,
 #               coat-fp32-master and coat-rowwise with CUDA graphs, one repeat (memory is
 #               deterministic)                                                                   issue 18
@@ -188,6 +191,10 @@ e2e)
     PROF=(--profile); [ "${PROFILE:-1}" = 0 ] && PROF=()
     step "e2e_${3}_mb${MB//,/_}" 565 $E2E --micro-batch-size ${MB//,/ } "${PROF[@]}" --modes $MODES \
         --out "$OUT/bench_e2e_speed_${3}_mb${MB//,/_}.json"
+    ;;
+e2e-largest)
+    step e2e_at_largest 565 $E2E --at-largest bf16+compile@16 "coat-delayed-all+cudagraph@${2:-32}" \
+        --out "$OUT/bench_e2e_speed_at_largest_mb${2:-32}.json"
     ;;
 e2e-memory)
     step e2e_memory 585 python3 benchmarks/bench_e2e.py speed --warmup 5 --iters 30 --log-interval 5 --repeats 1 \

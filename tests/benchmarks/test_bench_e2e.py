@@ -115,3 +115,43 @@ def test_every_trainer_mode_parses():
     for mode, (script, flags) in MODES.items():
         if script == "pretrain_gpt.py":
             assert parse_config(MODEL_TINY + list(flags)) is not None, mode
+
+
+def _bench(*args, timeout=60):
+    return subprocess.run([sys.executable, os.path.join(BENCH, "bench_e2e.py"), "speed", *args],
+                          capture_output=True, text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--at-largest", "bf16@x"], "expected MODE@MICRO_BATCH"),
+    (["--at-largest", "bf16"], "expected MODE@MICRO_BATCH"),
+    (["--at-largest", "nope@4"], "expected MODE, MODE+compile or MODE+cudagraph"),
+    (["--at-largest", "bf16@2", "coat@4"], "needs the baseline (bf16+compile) among its modes"),
+    (["--at-largest", "bf16+compile@2", "bf16+compile@4"], "names a mode twice"),
+    (["--at-largest", "bf16+compile@2", "--search", "2,4"], "pass one"),
+])
+def test_at_largest_refuses_what_it_cannot_measure(args, message):
+    proc = _bench("--tiny", *args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_at_largest_runs_each_mode_at_its_own_micro_batch(tmp_path):
+    """The throughput each mode reaches at its own largest micro-batch, repeats interleaved, against the baseline's:
+    what issue 18's last target compares (compiled bf16 at 16 against coat at 24 or 32 on the H100)."""
+    out = tmp_path / "largest.json"
+    proc = _bench("--tiny", "--at-largest", "bf16@2", "fp8-linear@4", "--baseline", "bf16", "--warmup", "2",
+                  "--iters", "2", "--log-interval", "2", "--repeats", "2", "--timeout", "500", "--out", str(out),
+                  timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["points"] == {}  # no --micro-batch-size: only the sized runs
+    for mode, size in (("bf16", 2), ("fp8-linear", 4)):
+        res = result["largest_micro_batch"][mode]
+        assert res["ok"] and res["repeats"] == 2 and res["micro_batch_size"] == size, res
+        for run in res["runs"]:
+            argv = run["argv"]
+            assert argv[argv.index("--micro-batch-size") + 1] == str(size)
+    assert result["largest_micro_batch"]["bf16"]["speedup_vs_baseline_at_its_largest"] == 1
+    assert result["largest_micro_batch"]["fp8-linear"]["speedup_vs_baseline_at_its_largest"] > 0
