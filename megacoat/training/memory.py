@@ -14,8 +14,9 @@ in a bf16 run (ZeRO-1 divides what is marked /D1 by D, ZeRO-2 also /D2):
         own_graph_gradients) and flattens it otherwise (2 more)
     gradients, CUDA graphs with gradient accumulation: after a step's first micro-batch own_graph_gradients copies
         them out of the graph pool, so the pool's gradients and their copy are alive at once (2 more), and so is
-        ZeRO-1's reduction bucket (DeepSpeed allocates reduce_bucket_size elements of bf16 at the step's first
-        gradient hook, 5e8 by default, and releases them at the accumulation boundary, even on one rank)
+        ZeRO-1's reduction bucket with several data-parallel ranks (DeepSpeed allocates reduce_bucket_size elements
+        of bf16 at the step's first gradient hook, 5e8 by default, and releases them at the accumulation boundary;
+        on one rank it holds nothing and zero_single_rank.py makes it empty)
     gradients, --main-grads-dtype fp32: ZeRO-1 (DeepSpeed's BF16_Optimizer) bf16 2 + a whole fp32 accumulation
         buffer 4; ZeRO-2 an fp32 partition 4 /D2; the optimizer reads them as they are
     master weights: fp32 4 /D1, or with --main-params-dtype bf16-remainder CoatAdamW's int16 remainders 2 /D1 (the
@@ -153,7 +154,7 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
             step_gradients = (flat + (0 if remainders else 4)) * params / zero_div_master
         optimizer = ((2 if remainders else 4) + moments) * params / zero_div_master
         if graphed_accumulation:  # the copy out of the graph pool: both copies, and ZeRO-1's reduction bucket
-            bucket = 2 * DEEPSPEED_REDUCE_BUCKET if zero_stage == 1 else 0
+            bucket = 2 * DEEPSPEED_REDUCE_BUCKET if zero_stage == 1 and dp > 1 and main_grads_dtype == "bf16" else 0
             step_gradients = max(step_gradients, 2 * params + bucket)
     else:
         weights = 4 * params

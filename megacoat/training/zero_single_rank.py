@@ -10,6 +10,9 @@ step for 1.3 B parameters on an H100, in every mode (Megatron's DDP does nothing
 `skip_single_rank_reduction` makes the boundary's per-parameter reduction a no-op on such an optimizer. DeepSpeed's
 epilogue then lists param.grad itself as the partition's gradients; the step reads them in place where they lie
 flat in one buffer (zero_flat_grads.py; own_graph_gradients lays them out so) and flattens them once otherwise.
+The reduction buckets then receive nothing, so they are made empty: DeepSpeed allocates each at every backward's
+first gradient hook and holds it to the backward's end (`setup_buckets`; `reduce_bucket_size`, 5e8 elements of
+bf16 by default, 0.93 GiB), and its boundary only narrows it to the 0 elements it holds.
 
 It uses DeepSpeedZeroOptimizer's attributes by name; anything it does not recognise keeps DeepSpeed's own path.
 """
@@ -45,4 +48,14 @@ def skip_single_rank_reduction(zero_optimizer) -> bool:
         return None
 
     zo.reduce_ready_partitions_and_remove_grads = types.MethodType(reduce_nothing, zo)
+    setup = getattr(zo, "setup_buckets", None)
+    if setup is not None:
+        def setup_empty_buckets(self):  # nothing is put in them (above): 0 elements, not reduce_bucket_size
+            size, self.reduce_bucket_size = self.reduce_bucket_size, 0
+            try:
+                setup()
+            finally:
+                self.reduce_bucket_size = size
+
+        zo.setup_buckets = types.MethodType(setup_empty_buckets, zo)
     return True

@@ -93,9 +93,11 @@ def test_compiled_activation_coefficients_match_the_partitioners_choice(mode):
 
 
 def test_estimate_within_10_percent_of_the_h100_peaks():
-    """The committed H100 runs of the current step (3ff0ca4; 1.3 B model, ZeRO-1 on one rank; compiled bf16, and the
-    default coat with CUDA graphs and its bf16-remainder master, micro-batch 1 to 16, two micro-batches a step):
-    the estimate for each run's own flags, with the defaults a CUDA run resolves, against its measured peak."""
+    """The committed H100 runs at 3ff0ca4 (1.3 B model, ZeRO-1 on one rank; compiled bf16, and the default coat with
+    CUDA graphs and its bf16-remainder master, micro-batch 1 to 16, two micro-batches a step): the estimate for each
+    run's own flags, with the defaults a CUDA run resolves, against its measured peak. These runs still held
+    DeepSpeed's one-rank reduction bucket (0.93 GiB), which zero_single_rank.py empties since: at micro-batch 1 and 2,
+    whose peak is the copy out of the graph pool, the estimate is 6% below them (the bucket's share)."""
     from megacoat.arguments import parse_config
     from megacoat.training.deepspeed_config import resolve_main_params
 
@@ -148,8 +150,10 @@ def test_model_state_matches_a_hand_count():
     one = dict(fp8_optimizer=True, zero_stage=1, main_params_dtype="bf16-remainder")
     assert estimate_memory(cfg, "coat", **one).step_gradients == 2 * p
     # Graphed accumulation: the step reads in place, but after the first micro-batch the gradients are copied out of
-    # the graph pool (both copies alive) while ZeRO-1's reduction bucket, held until the boundary, is alive too
-    assert estimate_memory(cfg, "coat", **one, graphed_accumulation=True).step_gradients == (
+    # the graph pool (both copies alive); with several ranks ZeRO-1's reduction bucket, held until the boundary, is
+    # alive too (on one rank zero_single_rank empties it)
+    assert estimate_memory(cfg, "coat", **one, graphed_accumulation=True).step_gradients == 2 * p
+    assert estimate_memory(cfg, "coat", **one, data_parallel_size=2, graphed_accumulation=True).step_gradients == (
         2 * p + 2 * DEEPSPEED_REDUCE_BUCKET)
     assert estimate_memory(cfg, "coat", **{**one, "zero_stage": 2}, graphed_accumulation=True).step_gradients == 2 * p
     linears = 2 * (4 * 128 * 128 + 3 * 128 * 256)

@@ -38,6 +38,13 @@ if remainder:
     share_master_partitions(zo)
 install_flat_grad_partition(zo)
 print("SKIPPED", skip_single_rank_reduction(zo) if mode != "deepspeed" else None)
+buckets = []  # the elements of the ZeRO optimizer's reduction buckets, at each backward's first gradient hook
+setup = getattr(zo, "setup_buckets", None)  # (DeepSpeed's BF16_Optimizer has none)
+def watch_buckets():
+    setup()
+    buckets.append(sum(b.numel() for bucket in zo.ipg_buckets.values() for b in bucket.buffer))
+if setup is not None:
+    zo.setup_buckets = watch_buckets
 views = []
 found = getattr(zo, "_get_preflattened_grad_partition", None)
 if found is not None:
@@ -56,6 +63,7 @@ for step in range(4):
             own_graph_gradients(gradient_groups(engine))  # the trainer's copy out of a CUDA graph's pool
         engine.step()
 print("VIEWS", views)
+print("BUCKETS", sorted(set(buckets)))
 print("NORM", engine.get_global_grad_norm())
 print("RESULT", [p.detach().double().sum().item() for p in model.parameters()], loss.item())
 torch.distributed.destroy_process_group()  # gloo's threads stopped before exit, as the trainer does
@@ -67,7 +75,7 @@ def _run(tmp_path, port, mode, stage, accum, precision):
                           cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in proc.stdout.splitlines()
-            if line.startswith(("SKIPPED", "VIEWS", "NORM", "RESULT"))}
+            if line.startswith(("SKIPPED", "VIEWS", "NORM", "RESULT", "BUCKETS"))}
 
 
 @pytest.mark.slow
@@ -79,6 +87,8 @@ def test_zero1_single_rank_skips_the_reduction_with_the_same_weights(tmp_path, a
     skip = _run(tmp_path, base + 1, "skip", 1, accum, precision)
     assert skip["SKIPPED"] == "True"
     assert (skip["RESULT"], skip["NORM"]) == (ref["RESULT"], ref["NORM"])  # clipping on: the norm matters too
+    # DeepSpeed's own path allocates its bucket (reduce_bucket_size, 5000 here) at every backward; the skip, none
+    assert ref["BUCKETS"] == "[5000]" and skip["BUCKETS"] == "[0]"
     if accum > 1:  # the graphed trainer's copy lays the gradients flat: every step reads them in place
         flat = _run(tmp_path, base + 2, "flat", 1, accum, precision)
         assert (flat["RESULT"], flat["NORM"]) == (ref["RESULT"], ref["NORM"])
@@ -92,3 +102,4 @@ def test_settings_whose_boundary_does_more_keep_deepspeeds_path(tmp_path, stage,
     DeepSpeed's BF16_Optimizer under ZeRO-1, which is not the ZeRO optimizer this changes."""
     out = _run(tmp_path, 29731 + stage, "skip", stage, 2, precision)
     assert out["SKIPPED"] == "False"
+    assert out["BUCKETS"] != "[0]"  # DeepSpeed's buckets, as allocated
