@@ -27,7 +27,8 @@ spread (max - min over median) of its repeats' window throughputs. With --profil
 more iterations under torch.profiler (never timed): the GPU-busy fraction (kernel time over wall time, the
 host-bound indicator), kernels per step and per layer, host waits per step, top operators. Memory is
 torch.cuda.max_memory_allocated. Ratios are against --baseline at the same micro-batch, within this one
-invocation; with --at-largest, against the baseline at its own micro-batch (each mode at the largest it fits). The JSON (device, versions, command) is rewritten after every run, so a time limit keeps what ran.
+invocation; with --at-largest, against the baseline at its own micro-batch (each mode at the largest it fits).
+The JSON (device, versions, command) is rewritten after every run, so a time limit keeps what ran.
 """
 from __future__ import annotations
 
