@@ -51,7 +51,7 @@ eager).
 Peak = weights + gradients + optimizer + the larger of: the activations of the micro-batches in flight (1; with
 1F1B pipelining the first stage holds `pp` micro-batches) + the head, or the step's gradient copy. The GPU test in
 tests/tools/test_memory_estimator.py holds it to torch.cuda.max_memory_allocated within 15%; allocator
-fragmentation and DeepSpeed's communication buckets are not modelled.
+fragmentation is not modelled, nor DeepSpeed's communication buckets outside the copy out of the graph pool.
 """
 from __future__ import annotations
 

@@ -10,9 +10,10 @@ step for 1.3 B parameters on an H100, in every mode (Megatron's DDP does nothing
 `skip_single_rank_reduction` makes the boundary's per-parameter reduction a no-op on such an optimizer. DeepSpeed's
 epilogue then lists param.grad itself as the partition's gradients; the step reads them in place where they lie
 flat in one buffer (zero_flat_grads.py; own_graph_gradients lays them out so) and flattens them once otherwise.
-The reduction buckets then receive nothing, so they are made empty: DeepSpeed allocates each at every backward's
-first gradient hook and holds it to the backward's end (`setup_buckets`; `reduce_bucket_size`, 5e8 elements of
-bf16 by default, 0.93 GiB), and its boundary only narrows it to the 0 elements it holds.
+The reduction buckets then receive nothing, so they are made empty: DeepSpeed allocates each at a step's first
+gradient hook and holds it to the accumulation boundary (`setup_buckets`, `_release_ipg_buffers`;
+`reduce_bucket_size`, 5e8 elements of bf16 by default, 0.93 GiB), and the boundary only narrows it to the 0
+elements it holds.
 
 It uses DeepSpeedZeroOptimizer's attributes by name; anything it does not recognise keeps DeepSpeed's own path.
 """

@@ -1,5 +1,5 @@
 """Checkpoint mechanics without a model: atomic save (a save that dies half-way leaves the previous
-checkpoint as `latest`), --keep-last pruning, RNG round trip, the errors for a checkpoint of another model,
+checkpoint as `latest`), --keep-last pruning, the errors for a checkpoint of another model,
 tokenizer or optimizer (raised before DeepSpeed reads anything), and the detour another layout takes."""
 import json
 import os

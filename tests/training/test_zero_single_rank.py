@@ -38,7 +38,7 @@ if remainder:
     share_master_partitions(zo)
 install_flat_grad_partition(zo)
 print("SKIPPED", skip_single_rank_reduction(zo) if mode != "deepspeed" else None)
-buckets = []  # the elements of the ZeRO optimizer's reduction buckets, at each backward's first gradient hook
+buckets = []  # the elements of the ZeRO optimizer's reduction buckets, after each setup_buckets (every gradient hook)
 setup = getattr(zo, "setup_buckets", None)  # (DeepSpeed's BF16_Optimizer has none)
 def watch_buckets():
     setup()
