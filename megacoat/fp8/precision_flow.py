@@ -56,8 +56,8 @@ def _swiglu_fwd(a13, group_size, history, bootstrap):
 
 class CoatNormQKVFunction(torch.autograd.Function):
     """[q|k|v] = RMSNorm(x) @ cat(wq, wk, wv)^T with the normed x in FP8, then q and k rotated (RoPE); x [M, H]
-    with M = batch x seq → q, k, v [batch, seq, heads, head_dim], each contiguous (v a copy: a view would keep the
-    whole BF16 GEMM output alive as attention's saved v).
+    with M = batch x seq → q, k, v [batch, seq, heads, head_dim], each contiguous: v has a GEMM of its own (a view
+    of a joined output would keep all of it alive as attention's saved v, and a copy costs a pass).
 
     residual: x is also returned (a view), for the block's residual branch to read; the gradient that branch
     sends back is then added to x's in the norm's backward kernel, instead of by autograd in a pass of its own
@@ -72,10 +72,15 @@ class CoatNormQKVFunction(torch.autograd.Function):
         x8, xs, rstd, y_scale, y8, *h = _norm_fwd(x, norm_weight, eps, group_size, norm_history, norm_bootstrap,
                                                   add)
         ctx.has_add, ctx.carry = add is not None, add_carrier is not None
-        qkv = scaled_mm(y8, w8.t(), y_scale, w_scale, x.dtype, fast_accum)
         sizes = [w.shape[0] for w in weights]
-        q, k, v = (t.view(batch, -1, n // head_dim, head_dim) for t, n in zip(qkv.split(sizes, dim=1), sizes))
-        q, k, v = rope_rotate(q, cos, sin), rope_rotate(k, cos, sin), v.contiguous()
+        # two GEMMs over row slices of the joined W8 (one scale): v is born contiguous, as attention saves it,
+        # instead of copied out of a joined [M, 3H] output; q and k are rotated out of theirs into new tensors
+        nqk = sizes[0] + sizes[1]
+        qk = scaled_mm(y8, w8[:nqk].t(), y_scale, w_scale, x.dtype, fast_accum)
+        v = scaled_mm(y8, w8[nqk:].t(), y_scale, w_scale, x.dtype, fast_accum)
+        q, k = (t.view(batch, -1, n // head_dim, head_dim) for t, n in zip(qk.split(sizes[:2], dim=1), sizes))
+        q, k = rope_rotate(q, cos, sin), rope_rotate(k, cos, sin)
+        v = v.view(batch, -1, sizes[2] // head_dim, head_dim)
         ctx.save_for_backward(x8, xs, rstd, y_scale, norm_weight)
         ctx.w8t, ctx.w_scale, ctx.group_size, ctx.grad_dtype = w8t, w_scale, group_size, grad_dtype
         ctx.tables = (cos, sin)  # constants of the model, not activations

@@ -122,6 +122,11 @@ def _transpose_bytes_kernel(q_ptr, qt_ptr, M, N, BM: tl.constexpr, BN: tl.conste
     tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
 
 
+# The byte transpose's own tile: its rows are 1 byte an element, so the cast's 64 x 64 tile moves 64-byte
+# segments each way (benchmarks/bench_transpose_fp8.py --sweep times others).
+_TRANSPOSE_BM, _TRANSPOSE_BN, _TRANSPOSE_WARPS = 64, 64, 4
+
+
 def transpose_fp8_ref(q: torch.Tensor) -> torch.Tensor:
     _check2d(q)
     return q.t().contiguous()
@@ -135,8 +140,9 @@ def transpose_fp8_triton(q: torch.Tensor) -> torch.Tensor:
     q = q.contiguous()
     m, n = q.shape
     qt = torch.empty((n, m), dtype=q.dtype, device=q.device)
-    launcher(_transpose_bytes_kernel)[(triton.cdiv(m, _BM), triton.cdiv(n, _BN))](
-        q.view(torch.uint8), qt.view(torch.uint8), m, n, BM=_BM, BN=_BN, num_warps=_WARPS)
+    bm, bn = _TRANSPOSE_BM, _TRANSPOSE_BN
+    launcher(_transpose_bytes_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        q.view(torch.uint8), qt.view(torch.uint8), m, n, BM=bm, BN=bn, num_warps=_TRANSPOSE_WARPS)
     return qt
 
 
