@@ -26,7 +26,8 @@ sync, the same in every mode). A point reports the median of the timed intervals
 spread (max - min over median) of its repeats' window throughputs. With --profile the first repeat then runs 3
 more iterations under torch.profiler (never timed): the GPU-busy fraction (kernel time over wall time, the
 host-bound indicator), kernels per step and per layer, host waits per step, top operators. Memory is
-torch.cuda.max_memory_allocated. Ratios are against --baseline at the same micro-batch, within this one
+torch.cuda.max_memory_allocated, and max_memory_reserved beside it (the allocated count does not see a CUDA graph's
+replays in its private pool). Ratios are against --baseline at the same micro-batch, within this one
 invocation; with --at-largest, against the baseline at its own micro-batch (each mode at the largest it fits).
 The JSON (device, versions, command) is rewritten after every run, so a time limit keeps what ran.
 """
@@ -166,10 +167,17 @@ def run_pretrain(argv: list[str], timeout: int, profile_steps: tuple[int, int] |
     return {
         "ok": True, "argv": argv, "script": script, "wall_s": time.perf_counter() - t0, "profile": profile,
         "max_memory_gib": max(r["max_memory_bytes"] for r in train) / 2**30,
+        "max_memory_reserved_gib": _max_gib([r.get("max_memory_reserved_bytes") for r in train]),
         "losses": [(r["iteration"], r["loss"]) for r in train],
         "val_losses": [(r["iteration"], r["val_loss"]) for r in records if "val_loss" in r],
         "records": train,
     }
+
+
+def _max_gib(values: list, unit: int = 2**30) -> float | None:
+    """The largest of the values that were recorded (None on a CPU), in GiB given bytes (unit 1: already GiB)."""
+    have = [v for v in values if v is not None]
+    return max(have) / unit if have else None
 
 
 def run_env() -> dict:
@@ -242,7 +250,8 @@ def summarize(runs: list[dict], num_layers: int) -> dict:
     out = {"ok": True, "repeats": len(ok), "tokens_per_s": median,
            "tokens_per_s_repeats": rates, "spread_repeats": (max(rates) - min(rates)) / statistics.median(rates),
            "spread_intervals": (max(intervals) - min(intervals)) / median,
-           "max_memory_gib": max(r["max_memory_gib"] for r in ok)}
+           "max_memory_gib": max(r["max_memory_gib"] for r in ok),
+           "max_memory_reserved_gib": _max_gib([r.get("max_memory_reserved_gib") for r in ok], 1)}
     w = ok[0]["window"]
     out["mfu"] = None if w["mfu"] is None else median * w["mfu"] / w["tokens_per_s"]
     profile = next((r["profile"] for r in ok if r.get("profile")), None)
@@ -311,7 +320,7 @@ def speed_run(spec: str, common: list[str], mbs: int, args, profile: bool) -> di
             res.update(ok=False, error=f"the log does not cover the timed iterations ({args.warmup}, {timed_end}]")
         if script == "pretrain_gpt.py":
             res["memory_model_gib"] = memory_model(argv)
-    print(spec, mbs, {k: res.get(k) for k in ("max_memory_gib", "error")},
+    print(spec, mbs, {k: res.get(k) for k in ("max_memory_gib", "max_memory_reserved_gib", "error")},
           (res.get("window") or {}).get("tokens_per_s"), flush=True)
     return res
 

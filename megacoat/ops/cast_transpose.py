@@ -124,7 +124,7 @@ def _transpose_bytes_kernel(q_ptr, qt_ptr, M, N, BM: tl.constexpr, BN: tl.conste
 
 # The byte transpose's own tile: its rows are 1 byte an element, so the cast's 64 x 64 tile moves 64-byte
 # segments each way (benchmarks/bench_transpose_fp8.py --sweep times others).
-_TRANSPOSE_BM, _TRANSPOSE_BN, _TRANSPOSE_WARPS = 64, 64, 4
+_TRANSPOSE_BM, _TRANSPOSE_BN, _TRANSPOSE_WARPS = 128, 256, 8
 
 
 def transpose_fp8_ref(q: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The training log: one human line per --log-interval on rank 0 and, with --log-json, one JSON object per
 logged iteration (keys: iteration, loss, lr, grad_norm, tokens_per_s, tflops_per_gpu, mfu, max_memory_bytes,
-skipped_steps, plus val_loss lines at evaluations). The same scalars go to TensorBoard (--tensorboard-dir)
+max_memory_reserved_bytes (GPU only, else null), skipped_steps, plus val_loss lines at evaluations). The same scalars go to TensorBoard (--tensorboard-dir)
 and wandb (--wandb-project) when asked for.
 
 A resumed run (--load) keeps the JSON lines up to the checkpoint's iteration and appends after them, so the
@@ -13,7 +13,7 @@ import math
 import os
 
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "max_memory_bytes",
-           "skipped_steps")
+           "max_memory_reserved_bytes", "skipped_steps")
 
 
 def _fmt_count(x: float) -> str:
@@ -110,6 +110,8 @@ class TrainingLogger:
         line = (f"iter {record['iteration']:>6}/{train_iters} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
                 f"grad norm {record['grad_norm']:.3f} | {_fmt_count(record['tokens_per_s'])} tok/s | "
                 f"{tflops} TFLOP/s/GPU | MFU {mfu} | mem {record['max_memory_bytes'] / 2**30:.2f} GiB")
+        if record.get("max_memory_reserved_bytes") is not None:
+            line += f" (reserved {record['max_memory_reserved_bytes'] / 2**30:.2f})"
         if record.get("skipped_steps"):
             line += f" | skipped {record['skipped_steps']}"
         print(line, flush=True)

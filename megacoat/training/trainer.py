@@ -97,6 +97,13 @@ def max_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS on CPU (Linux reports KiB)
 
 
+def max_memory_reserved_bytes(device: torch.device) -> int | None:
+    """The allocator's peak reservation on a GPU (None elsewhere). CUDA graphs replay inside a private pool that the
+    allocated count sees only while a graph is recorded, so with --enable-cuda-graph this is the bound on what
+    the device holds, and max_memory_bytes may fall below it."""
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+
+
 class Trainer:
     def __init__(self, cfg: MegacoatConfig, model_converter: ModelConverter | None = None):
         """model_converter: see `build_model` (how a benchmark trains a model megacoat does not build itself)."""
@@ -335,6 +342,7 @@ class Trainer:
                     "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
                     "mfu": None if self.peak is None else tflops * 1e12 / self.peak,
                     "max_memory_bytes": max_memory_bytes(self.device),
+                    "max_memory_reserved_bytes": max_memory_reserved_bytes(self.device),
                     "skipped_steps": self.guard.pop_since_log()}, t.train_iters)
                 history["loss"].append((it, loss_value))
                 last_time, last_iter = time.perf_counter(), it

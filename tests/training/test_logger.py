@@ -91,3 +91,16 @@ def test_disabled_logger_on_other_ranks_writes_nothing(tmp_path, capsys):
     logger.log_train(_record(1, 5.0), train_iters=1)
     assert not (tmp_path / "log.json").exists() and not (tmp_path / "tb").exists()
     assert capsys.readouterr().out == ""
+
+
+def test_reserved_memory_is_shown_beside_the_allocated_peak_when_recorded(tmp_path, capsys):
+    """A GPU run's line names the allocator's reserved peak too (a CUDA graph's replays are visible only there);
+    a CPU record (None) leaves the line as it was."""
+    logger = TrainingLogger(str(tmp_path / "log.json"), enabled=True)
+    logger.log_train({**_record(1, 5.0), "max_memory_reserved_bytes": 3 * 2**29}, train_iters=2)
+    logger.log_train({**_record(2, 4.5), "max_memory_reserved_bytes": None}, train_iters=2)
+    logger.close()
+    first, second = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iter")]
+    assert first.endswith("mem 0.00 GiB (reserved 1.50)") and second.endswith("mem 0.00 GiB")
+    lines = [json.loads(x) for x in (tmp_path / "log.json").read_text().splitlines()]
+    assert [r["max_memory_reserved_bytes"] for r in lines] == [3 * 2**29, None]
