@@ -29,7 +29,8 @@ import triton  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megacoat.ops import cast_transpose as ct  # noqa: E402
-from benchmarks.sweep_common import best_rows, parse_tile, same_bytes, time_call_ms, write_json  # noqa: E402
+from benchmarks.sweep_common import (best_rows, parse_tile, same_bytes, sweep_device, time_call_ms,  # noqa: E402
+                                     write_json)
 
 E5M2 = torch.float8_e5m2
 # (name, rows, columns): a [tokens, hidden] gradient of the 1.3 B model at micro-batch 4, 8 and 12 (seq 2048), and
@@ -96,9 +97,8 @@ def main() -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    device = "cpu" if args.cpu_smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("error: needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
+    device = sweep_device(args.cpu_smoke)
+    if device is None:
         return 2
     shapes, repeats = (SMOKE, 1) if args.cpu_smoke else (SHAPES, args.repeats)
     library = tiles[0]

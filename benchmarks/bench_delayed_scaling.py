@@ -48,7 +48,8 @@ import triton  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megacoat.model.gpt import rope_tables  # noqa: E402
 from megacoat.ops import cast_transpose, rmsnorm, rope_grad_cast, swiglu  # noqa: E402
-from benchmarks.sweep_common import best_rows, parse_tile, same_bytes, time_call_ms, write_json  # noqa: E402
+from benchmarks.sweep_common import (best_rows, parse_tile, same_bytes, sweep_device, time_call_ms,  # noqa: E402
+                                     write_json)
 
 E5M2 = torch.float8_e5m2
 GROUP = 128
@@ -205,9 +206,8 @@ def main() -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    device = "cpu" if args.cpu_smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("error: needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
+    device = sweep_device(args.cpu_smoke)
+    if device is None:
         return 2
     rows = []
 

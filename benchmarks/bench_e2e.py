@@ -350,6 +350,9 @@ def speed(args) -> dict:
                     if res["ok"] and base.get("ok"):
                         res["speedup_vs_baseline"] = res["tokens_per_s"] / base["tokens_per_s"]
                         res["memory_vs_baseline"] = res["max_memory_gib"] / base["max_memory_gib"]
+                        reserved = res.get("max_memory_reserved_gib"), base.get("max_memory_reserved_gib")
+                        if all(reserved):  # GPU runs (a CUDA graph's replays show here, not in the allocated peak)
+                            res["reserved_vs_baseline"] = reserved[0] / reserved[1]
                 save(out, args.path)
     for spec in args.modes if args.search else []:
         best = None

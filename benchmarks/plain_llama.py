@@ -39,7 +39,7 @@ from megacoat.training.flops import flops_per_token, peak_flops  # noqa: E402
 from megacoat.training.logger import TrainingLogger  # noqa: E402
 from megacoat.training.model_builder import apply_compile  # noqa: E402
 from megacoat.training.profiling import PHASE_PREFIX, StepProfiler  # noqa: E402
-from megacoat.training.trainer import max_memory_bytes  # noqa: E402
+from megacoat.training.trainer import max_memory_bytes, max_memory_reserved_bytes  # noqa: E402
 
 BATCHES = 4  # distinct random batches cycled through: enough that no step reuses the previous one's tokens
 
@@ -145,7 +145,9 @@ def train(cfg: MegacoatConfig) -> None:
             logger.log_train({"iteration": it, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                               "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
                               "mfu": None if peak is None else tflops * 1e12 / peak,
-                              "max_memory_bytes": max_memory_bytes(device), "skipped_steps": 0}, t.train_iters)
+                              "max_memory_bytes": max_memory_bytes(device),
+                              "max_memory_reserved_bytes": max_memory_reserved_bytes(device), "skipped_steps": 0},
+                             t.train_iters)
             last_time, last_iter = time.perf_counter(), it
         if profiler.step(it):
             last_time = time.perf_counter()  # writing the trace is not training time

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import torch
@@ -21,6 +22,16 @@ def time_call_ms(fn, device: str, eager: bool = False) -> float:
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
+
+
+def sweep_device(cpu_smoke: bool) -> str | None:
+    """"cpu" for --cpu-smoke, "cuda" where a GPU is; None after one error line when neither (exit 2)."""
+    if cpu_smoke:
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    print("error: needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
+    return None
 
 
 def same_bytes(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

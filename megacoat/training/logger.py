@@ -1,7 +1,7 @@
 """The training log: one human line per --log-interval on rank 0 and, with --log-json, one JSON object per
 logged iteration (keys: iteration, loss, lr, grad_norm, tokens_per_s, tflops_per_gpu, mfu, max_memory_bytes,
-max_memory_reserved_bytes (GPU only, else null), skipped_steps, plus val_loss lines at evaluations). The same scalars go to TensorBoard (--tensorboard-dir)
-and wandb (--wandb-project) when asked for.
+max_memory_reserved_bytes (GPU only, else null), skipped_steps, plus val_loss lines at evaluations). The same
+scalars go to TensorBoard (--tensorboard-dir) and wandb (--wandb-project) when asked for.
 
 A resumed run (--load) keeps the JSON lines up to the checkpoint's iteration and appends after them, so the
 file of an interrupted-and-resumed run reads like the file of an uninterrupted one.

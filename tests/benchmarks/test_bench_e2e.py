@@ -50,14 +50,18 @@ def test_timed_window_is_tokens_over_time_of_its_intervals_only():
 
 
 def test_a_point_is_the_median_of_all_intervals_with_the_spread_of_its_repeats():
-    runs = [{"ok": True, "max_memory_gib": 10.0, "window": timed_window(_records([1, 90, 110]), 5, 15)},
-            {"ok": True, "max_memory_gib": 11.0, "window": timed_window(_records([1, 100, 120]), 5, 15)},
+    runs = [{"ok": True, "max_memory_gib": 10.0, "max_memory_reserved_gib": 12.5,
+             "window": timed_window(_records([1, 90, 110]), 5, 15)},
+            {"ok": True, "max_memory_gib": 11.0, "max_memory_reserved_gib": None,  # a repeat that recorded none
+             "window": timed_window(_records([1, 100, 120]), 5, 15)},
             {"ok": False, "error": "timeout after 200s"}]
     p = summarize(runs, num_layers=2)
     assert p["ok"] and p["repeats"] == 2 and p["tokens_per_s"] == pytest.approx(105)  # median of 90,100,110,120
     a, b = 2 / (1 / 90 + 1 / 110), 2 / (1 / 100 + 1 / 120)
     assert p["spread_repeats"] == pytest.approx((b - a) / ((a + b) / 2))
     assert p["spread_intervals"] == pytest.approx(30 / 105) and p["max_memory_gib"] == 11.0
+    assert p["max_memory_reserved_gib"] == 12.5  # the largest recorded; a CPU point has none
+    assert summarize(runs[1:2], num_layers=2)["max_memory_reserved_gib"] is None
     assert len(p["runs"]) == 3  # the failed repeat is kept in the JSON
     failed = summarize([{"ok": False, "skipped": "torchao is not installed"}], num_layers=2)
     assert not failed["ok"] and failed["skipped"] == "torchao is not installed"

@@ -3,6 +3,7 @@ the reference transpose's bytes, the library tile first; a bad tile is one line 
 import json
 
 import pytest
+import torch
 
 from tests.benchmarks.conftest import run_script
 
@@ -26,3 +27,10 @@ def test_bad_tile_is_one_line_and_exit_2(tmp_path, tile):
                       "--out", str(tmp_path / "bench.json"))
     assert proc.returncode == 2 and "--sweep" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script runs the real benchmark")
+def test_without_a_gpu_or_cpu_smoke_is_one_line_and_exit_2(tmp_path):
+    proc = run_script("benchmarks/bench_transpose_fp8.py", "--out", str(tmp_path / "bench.json"))
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: needs a CUDA GPU (or --cpu-smoke)"
+    assert not (tmp_path / "bench.json").exists()
