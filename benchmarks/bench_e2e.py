@@ -26,8 +26,8 @@ sync, the same in every mode). A point reports the median of the timed intervals
 spread (max - min over median) of its repeats' window throughputs. With --profile the first repeat then runs 3
 more iterations under torch.profiler (never timed): the GPU-busy fraction (kernel time over wall time, the
 host-bound indicator), kernels per step and per layer, host waits per step, top operators. Memory is
-torch.cuda.max_memory_allocated, and max_memory_reserved beside it (the allocated count does not see a CUDA graph's
-replays in its private pool). Ratios are against --baseline at the same micro-batch, within this one
+torch.cuda.max_memory_allocated, and max_memory_reserved beside it (a CUDA graph's replays do not call the
+allocator, so the allocated count may miss what they use in the graph's private pool). Ratios are against --baseline at the same micro-batch, within this one
 invocation; with --at-largest, against the baseline at its own micro-batch (each mode at the largest it fits).
 The JSON (device, versions, command) is rewritten after every run, so a time limit keeps what ran.
 """
@@ -351,7 +351,7 @@ def speed(args) -> dict:
                         res["speedup_vs_baseline"] = res["tokens_per_s"] / base["tokens_per_s"]
                         res["memory_vs_baseline"] = res["max_memory_gib"] / base["max_memory_gib"]
                         reserved = res.get("max_memory_reserved_gib"), base.get("max_memory_reserved_gib")
-                        if all(reserved):  # GPU runs (a CUDA graph's replays show here, not in the allocated peak)
+                        if all(reserved):  # GPU runs (the reserved peak includes the CUDA graphs' pools)
                             res["reserved_vs_baseline"] = reserved[0] / reserved[1]
                 save(out, args.path)
     for spec in args.modes if args.search else []:
