@@ -58,8 +58,9 @@
 #               graphs' memsets and fills (kernels by launcher)                                    issue 17
 #   gemm-workspace (~2 min, 1 GPU) bench_gemm_workspace.py: a layer's FP8 GEMMs in a CUDA graph, their memsets
 #               and time under cuBLAS(Lt) workspace settings                                     issue 17
-#   e2e-reserved ["MB ..."] (~6 min, 1 GPU) peak memory allocated and reserved at micro-batch 4 and 8 (or MB ...):
-#               compiled bf16, the default with CUDA graphs, and the default compiled only           issue 18
+#   e2e-reserved ["MB ..."] (~7 min, 1 GPU) peak memory allocated and reserved at micro-batch 4 and 8 (or MB ...):
+#               compiled bf16, the default with CUDA graphs and compiled only, and the default with the row-major
+#               weight cache only (with CUDA graphs)                                              issue 18
 #   e2e-equal   (~8 min, 1 GPU) 1.3 B model, the three modes at micro-batch 4, all compiled        issue 10 (a)
 #   e2e-eager   (~8 min, 1 GPU) the same, FP8 modes eager (compiled bf16 as the baseline)       issue 10 (a)
 #   e2e-search  (~9 min, 1 GPU) the largest micro-batch of the modes named after it (default: bf16 coat;
@@ -202,8 +203,8 @@ e2e-reserved)
     # what the device holds under CUDA graphs: the allocated peak misses the graphs' replays in their private pool,
     # the reserved peak does not; the default graphed and compiled only, beside compiled bf16 (memory, not speed)
     step e2e_reserved 585 python3 benchmarks/bench_e2e.py speed --warmup 5 --iters 10 --log-interval 5 --repeats 1 \
-        --timeout 120 --micro-batch-size ${2:-4 8} --modes bf16+compile coat-delayed-all+cudagraph coat-delayed-all+compile \
-        --out "$OUT/bench_e2e_memory_reserved.json"
+        --timeout 100 --micro-batch-size ${2:-4 8} --modes bf16+compile coat-delayed-all+cudagraph coat-delayed-all+compile \
+        coat-delayed-all-rowwise+cudagraph --out "$OUT/bench_e2e_memory_reserved.json"
     ;;
 e2e-memory)
     step e2e_memory 585 python3 benchmarks/bench_e2e.py speed --warmup 5 --iters 30 --log-interval 5 --repeats 1 \

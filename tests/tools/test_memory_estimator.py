@@ -92,22 +92,29 @@ def test_compiled_activation_coefficients_match_the_partitioners_choice(mode):
     assert abs(estimate - saved) <= 0.03 * saved, (mode, estimate, saved)  # as the eager test: scalars dropped
 
 
+H100_RUNS = ("bench_e2e_speed_peers_mb1_2_3ff0ca4.json", "bench_e2e_speed_default_mb4_8_3ff0ca4.json",
+             "bench_e2e_speed_default_mb12_3ff0ca4.json", "bench_e2e_speed_default_mb16_3ff0ca4.json",
+             "bench_e2e_memory_default_mb1_4_8_d2f611c.json", "bench_e2e_memory_bf16_mb4_8_d2f611c.json",
+             "bench_e2e_speed_at_largest_mb32_d2f611c.json")
+
+
 def test_estimate_within_10_percent_of_the_h100_peaks():
-    """The committed H100 runs at 3ff0ca4 (1.3 B model, ZeRO-1 on one rank; compiled bf16, and the default coat with
-    CUDA graphs and its bf16-remainder master, micro-batch 1 to 16, two micro-batches a step): the estimate for each
-    run's own flags, with the defaults a CUDA run resolves, against its measured peak. These runs still held
-    DeepSpeed's one-rank reduction bucket (0.93 GiB), which zero_single_rank.py empties since: at micro-batch 1 and 2,
-    whose peak is the copy out of the graph pool, the estimate is 6% below them (the bucket's share)."""
+    """The committed H100 runs (1.3 B model, ZeRO-1 on one rank, two micro-batches a step; compiled bf16 at micro-batch
+    1 to 16, and the default coat with CUDA graphs and its bf16-remainder master at 1 to 32; at 3ff0ca4, which still
+    held DeepSpeed's one-rank reduction bucket of 0.93 GiB, and after it at d2f611c): the estimate for each run's own
+    flags, with the defaults a CUDA run resolves. Without CUDA graphs torch.cuda.max_memory_allocated is the footprint,
+    and the estimate is within 10% of it. With them (cudagraph trees) a replay's outputs are rebuilt on the graph pool
+    without the allocator, so the count is a lower bound, and the estimate must not fall more than 10% below it."""
     from megacoat.arguments import parse_config
     from megacoat.training.deepspeed_config import resolve_main_params
 
     results = os.path.join(ROOT, "benchmarks", "results")
     checked = set()
-    for name in ("bench_e2e_speed_peers_mb1_2_3ff0ca4.json", "bench_e2e_speed_default_mb4_8_3ff0ca4.json",
-                 "bench_e2e_speed_default_mb12_3ff0ca4.json", "bench_e2e_speed_default_mb16_3ff0ca4.json"):
+    for name in H100_RUNS:
         with open(os.path.join(results, name)) as f:
-            points = json.load(f)["points"]
-        for point in points.values():
+            result = json.load(f)
+        points = list(result["points"].values()) + [result.get("largest_micro_batch") or {}]
+        for point in points:
             for spec, run in point.items():
                 if not run.get("ok") or spec.startswith("torchao"):
                     continue
@@ -122,10 +129,10 @@ def test_estimate_within_10_percent_of_the_h100_peaks():
                                       main_grads_dtype=cfg.optim.main_grads_dtype or "bf16",
                                       main_params_dtype=cfg.optim.main_params_dtype, compiled=t.compile,
                                       graphed_accumulation=graphed and t.global_batch_size > t.micro_batch_size)
-                measured = run["max_memory_gib"] * 2**30
-                assert abs(est.total / measured - 1) <= 0.10, (name, spec, est.total / 2**30, measured / 2**30)
-                checked.add((spec, t.micro_batch_size))
-    assert len(checked) == 12  # two modes at micro-batch 1, 2, 4, 8, 12 and 16
+                ratio = est.total / (run["max_memory_gib"] * 2**30)
+                assert ratio >= 0.90 and (graphed or ratio <= 1.10), (name, spec, t.micro_batch_size, ratio)
+                checked.add((name, spec, t.micro_batch_size))
+    assert len(checked) == 19  # 12 at 3ff0ca4; the default at 1, 4, 8, 32 and bf16 at 4, 8, 16 at d2f611c
 
 
 def test_model_state_matches_a_hand_count():
