@@ -27,9 +27,10 @@ spread (max - min over median) of its repeats' window throughputs. With --profil
 more iterations under torch.profiler (never timed): the GPU-busy fraction (kernel time over wall time, the
 host-bound indicator), kernels per step and per layer, host waits per step, top operators. Memory is
 torch.cuda.max_memory_allocated, and max_memory_reserved beside it (a CUDA graph's replays do not call the
-allocator, so the allocated count may miss what they use in the graph's private pool). Ratios are against --baseline at the same micro-batch, within this one
-invocation; with --at-largest, against the baseline at its own micro-batch (each mode at the largest it fits).
-The JSON (device, versions, command) is rewritten after every run, so a time limit keeps what ran.
+allocator, so the allocated count may miss what they use in the graph's private pool). Ratios are against
+--baseline at the same micro-batch, within this one invocation; with --at-largest, against the baseline at its own
+micro-batch (each mode at the largest it fits). The JSON (device, versions, command) is rewritten after every
+run, so a time limit keeps what ran.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 # Each name keeps the flags it was measured with, whatever the trainer's defaults become: "coat" and its variants
 # pin COAT's just-in-time (current) scaling; "coat-delayed-all" is --coat-fp8's default (delayed at both sites).
 COAT = ["--coat-fp8", "--fp8-grad-scaling", "current", "--fp8-activation-scaling", "current"]
+COAT_DELAYED_ALL = ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling", "delayed"]
 # mode -> (script, flags)
 MODES = {
     "bf16": ("pretrain_gpt.py", []),
@@ -72,12 +74,9 @@ MODES = {
                                          "current"]),
     # the default: the norms' and SwiGLU's FP8 outputs with delayed scaling too (each written in the launch that
     # reads its input)
-    "coat-delayed-all": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling",
-                                             "delayed"]),
+    "coat-delayed-all": ("pretrain_gpt.py", COAT_DELAYED_ALL),
     # the default with only the row-major FP8 weight copy kept (backward transposes its bytes): 1 B/param less
-    "coat-delayed-all-rowwise": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-grad-scaling", "delayed",
-                                                     "--fp8-activation-scaling", "delayed", "--fp8-weight-cache",
-                                                     "rowwise"]),
+    "coat-delayed-all-rowwise": ("pretrain_gpt.py", [*COAT_DELAYED_ALL, "--fp8-weight-cache", "rowwise"]),
     # cuBLAS(Lt)'s workspace against the mode's default (FP8 modes: none, statically scheduled FP8 GEMMs without a
     # memset before each; bf16: torch's workspace)
     "bf16-no-workspace": ("pretrain_gpt.py", ["--cublas-workspace", "none"]),
@@ -171,17 +170,18 @@ def run_pretrain(argv: list[str], timeout: int, profile_steps: tuple[int, int] |
     return {
         "ok": True, "argv": argv, "script": script, "wall_s": time.perf_counter() - t0, "profile": profile,
         "max_memory_gib": max(r["max_memory_bytes"] for r in train) / 2**30,
-        "max_memory_reserved_gib": _max_gib([r.get("max_memory_reserved_bytes") for r in train]),
+        "max_memory_reserved_gib": _largest([r.get("max_memory_reserved_bytes") for r in train], scale=2**-30),
         "losses": [(r["iteration"], r["loss"]) for r in train],
         "val_losses": [(r["iteration"], r["val_loss"]) for r in records if "val_loss" in r],
         "records": train,
     }
 
 
-def _max_gib(values: list, unit: int = 2**30) -> float | None:
-    """The largest of the values that were recorded (None on a CPU), in GiB given bytes (unit 1: already GiB)."""
+def _largest(values: list, scale: float = 1.0) -> float | None:
+    """The largest of the values that were recorded (None where there is none to record, as the reserved peak on a
+    CPU), times scale."""
     have = [v for v in values if v is not None]
-    return max(have) / unit if have else None
+    return max(have) * scale if have else None
 
 
 def run_env() -> dict:
@@ -255,7 +255,7 @@ def summarize(runs: list[dict], num_layers: int) -> dict:
            "tokens_per_s_repeats": rates, "spread_repeats": (max(rates) - min(rates)) / statistics.median(rates),
            "spread_intervals": (max(intervals) - min(intervals)) / median,
            "max_memory_gib": max(r["max_memory_gib"] for r in ok),
-           "max_memory_reserved_gib": _max_gib([r.get("max_memory_reserved_gib") for r in ok], 1)}
+           "max_memory_reserved_gib": _largest([r.get("max_memory_reserved_gib") for r in ok])}
     w = ok[0]["window"]
     out["mfu"] = None if w["mfu"] is None else median * w["mfu"] / w["tokens_per_s"]
     profile = next((r["profile"] for r in ok if r.get("profile")), None)
