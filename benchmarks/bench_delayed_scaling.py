@@ -161,7 +161,7 @@ def _apply(op: str, setting: tuple) -> None:
         swiglu._BM_T, swiglu._WARPS_T = setting
     elif op == "swiglu_fwd":
         swiglu._BM_F, swiglu._WARPS_F = setting
-    elif op == "rope_qkv_bwd":  # the cast's tile, which the byte transpose shares
+    elif op == "rope_qkv_bwd":  # the cast's tile (the delayed path's byte transpose has its own: bench_transpose_fp8)
         cast_transpose._BM, cast_transpose._BN, cast_transpose._WARPS = setting
     else:
         rmsnorm._FWD_PER_WARP, = setting
