@@ -75,8 +75,14 @@ MODES = {
     # the default: the norms' and SwiGLU's FP8 outputs with delayed scaling too (each written in the launch that
     # reads its input)
     "coat-delayed-all": ("pretrain_gpt.py", COAT_DELAYED_ALL),
-    # the default with only the row-major FP8 weight copy kept (backward transposes its bytes): 1 B/param less
+    # the row-major FP8 weight copy only (backward transposes its bytes): the default since it was measured so
     "coat-delayed-all-rowwise": ("pretrain_gpt.py", [*COAT_DELAYED_ALL, "--fp8-weight-cache", "rowwise"]),
+    # the default with both FP8 weight layouts kept from step to step (the default before rowwise): 1 B/param more
+    "coat-delayed-all-step": ("pretrain_gpt.py", [*COAT_DELAYED_ALL, "--fp8-weight-cache", "step"]),
+    # issue 18's speed reference: the default's activations with COAT's optimizer-side state, an fp32 master, fp32
+    # main gradients and both FP8 weight layouts kept
+    "coat-delayed-all-fp32-state": ("pretrain_gpt.py", [*COAT_DELAYED_ALL, "--main-params-dtype", "fp32",
+                                                        "--main-grads-dtype", "fp32", "--fp8-weight-cache", "step"]),
     # cuBLAS(Lt)'s workspace against the mode's default (FP8 modes: none, statically scheduled FP8 GEMMs without a
     # memset before each; bf16: torch's workspace)
     "bf16-no-workspace": ("pretrain_gpt.py", ["--cublas-workspace", "none"]),

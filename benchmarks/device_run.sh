@@ -38,14 +38,19 @@
 #               coat+cudagraph coat-delayed-all+cudagraph (the default and the fastest); PART default: bf16+compile
 #               coat-delayed-all+cudagraph alone (the trainer's default, two modes: a larger micro-batch fits); PART peers:
 #               bf16+compile coat-delayed-all+cudagraph torchao-float8 (the default against torchao); PART fp8linear:
-#               bf16+compile fp8-linear+cudagraph (fp8-linear's speed and memory); PART largest: coat-delayed-all+cudagraph
+#               bf16+compile fp8-linear+cudagraph (fp8-linear's speed and memory); PART state: coat-delayed-all+cudagraph
+#               coat-delayed-all-fp32-state+cudagraph (the default against an fp32 master, fp32 main gradients and
+#               both FP8 weight layouts kept: issue 18's speed reference; no bf16); PART largest: coat-delayed-all+cudagraph
 #               alone, at micro-batches bf16 cannot fit (24, 32; issue 18's largest-micro-batch throughput, against
 #               bf16's own largest, 16, from `e2e 16 default` on the same warm machine); PART workspace: bf16+compile
-#               and coat+cudagraph each with and without a cuBLAS workspace (--cublas-workspace). Each but largest holds bf16+compile:
-#               ratios stay within one call                                                         issue 17
+#               and coat+cudagraph each with and without a cuBLAS workspace (--cublas-workspace). Each but largest
+#               and state holds bf16+compile: ratios stay within one call                            issue 17
 #   e2e-largest [MB] (~7 min, 1 GPU) compiled bf16 at 16 (the largest it fits on an H100) against the default
 #               (coat-delayed-all+cudagraph) at MB (default 32), 2 repeats each, interleaved, in one run: the
 #               throughput at each mode's largest micro-batch (bench_e2e.py --at-largest)               issue 18
+#   suite-memory (~9 min, 1 GPU) every GPU test, then peak memory (allocated and reserved) at micro-batch 4 and 8:
+#               compiled bf16, the default compiled only (its allocated peak is the footprint) and with CUDA
+#               graphs                                                                           issue 18
 #   e2e-memory  (~7 min, 1 GPU) peak memory and speed at micro-batch 4 and 8: bf16+compile, coat,
 #               coat-fp32-master and coat-rowwise with CUDA graphs, one repeat (memory is
 #               deterministic)                                                                   issue 18
@@ -188,7 +193,8 @@ e2e)
     fp8linear) MODES="bf16+compile fp8-linear+cudagraph" ;;
     largest) MODES="coat-delayed-all+cudagraph" ;;
     workspace) MODES="bf16+compile bf16-no-workspace+compile coat+cudagraph coat-workspace+cudagraph" ;;
-    *) echo "e2e: part must be baseline, fp8, cudagraph, fastaccum, delayed, delayedall, speed, default, peers, fp8linear, largest or workspace (see the header of $0)"; exit 2 ;;
+    state) MODES="coat-delayed-all+cudagraph coat-delayed-all-fp32-state+cudagraph" ;;
+    *) echo "e2e: part must be baseline, fp8, cudagraph, fastaccum, delayed, delayedall, speed, default, peers, fp8linear, largest, workspace or state (see the header of $0)"; exit 2 ;;
     esac
     # MB may be a comma list (e.g. 1,2: both in one call); PROFILE=0 skips the profiled iteration per mode
     PROF=(--profile); [ "${PROFILE:-1}" = 0 ] && PROF=()
@@ -205,6 +211,15 @@ e2e-reserved)
     step e2e_reserved 585 python3 benchmarks/bench_e2e.py speed --warmup 5 --iters 10 --log-interval 5 --repeats 1 \
         --timeout 100 --micro-batch-size ${2:-4 8} --modes bf16+compile coat-delayed-all+cudagraph coat-delayed-all+compile \
         coat-delayed-all-rowwise+cudagraph --out "$OUT/bench_e2e_memory_reserved.json"
+    ;;
+suite-memory)
+    # a change's GPU check, then what the default holds at 4 and 8 beside compiled bf16: compiled only, the
+    # allocated peak is the footprint; with CUDA graphs the reserved peak holds the graphs' pools (memory, not speed)
+    step gpu_tests_all 300 python3 -m pytest -m gpu -q --no-header -p no:cacheprovider tests -rfE
+    cp "$LOGS/gpu_tests_all.txt" "$OUT/gpu_tests_all.txt"
+    step e2e_memory_default $((585 - SECONDS)) python3 benchmarks/bench_e2e.py speed --warmup 5 --iters 10 \
+        --log-interval 5 --repeats 1 --timeout 100 --micro-batch-size 4 8 --modes bf16+compile \
+        coat-delayed-all+compile coat-delayed-all+cudagraph --out "$OUT/bench_e2e_memory_default.json"
     ;;
 e2e-memory)
     step e2e_memory 585 python3 benchmarks/bench_e2e.py speed --warmup 5 --iters 30 --log-interval 5 --repeats 1 \

@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megacoat.fp8.config import WEIGHT_CACHES  # noqa: E402
+from megacoat.fp8.config import DEFAULT_WEIGHT_CACHE, WEIGHT_CACHES  # noqa: E402
 from megacoat.model.config import ModelConfig  # noqa: E402
 from megacoat.optim.config import default_main_params_dtype  # noqa: E402
 from megacoat.training.memory import MAIN_GRADS_DTYPES, MAIN_PARAMS_DTYPES, MODES, estimate_memory  # noqa: E402
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2))
     p.add_argument("--fp8-group-size", type=int, default=128)
-    p.add_argument("--fp8-weight-cache", choices=WEIGHT_CACHES, default="step")
+    p.add_argument("--fp8-weight-cache", choices=WEIGHT_CACHES, default=DEFAULT_WEIGHT_CACHE)
     p.add_argument("--mode", choices=MODES, default=None, help="one activation mode (default: all three)")
     p.add_argument("--fp8-optimizer", action="store_true", help="CoatAdamW only (default: AdamW and CoatAdamW)")
     p.add_argument("--main-grads-dtype", choices=MAIN_GRADS_DTYPES, default="bf16")

@@ -13,6 +13,9 @@ FP8_DTYPES = ("e4m3", "e5m2")
 # parameter). rowwise: only W8 lives; backward transposes its bytes (+1 B, one FP8 transpose per use, the same
 # bytes as step's W8^T). none: made per use and dropped (no persistent bytes, ~3 extra weight reads per micro-batch).
 WEIGHT_CACHES = ("step", "rowwise", "none")
+# rowwise by default: the transpose costs ~1 ms a micro-batch for the 1.3 B model on an H100, and keeping both
+# layouts ~1.15 GiB (benchmarks/results/bench_e2e_notes.md)
+DEFAULT_WEIGHT_CACHE = "rowwise"
 # current: each FP8 gradient scaled by its own amax. delayed: SwiGLU's and the [q|k|v] output's gradients in coat mode
 # by the amaxes their earlier calls recorded (megacoat.fp8.delayed_scaling: one pass of SwiGLU's backward instead of
 # two; RoPE's backward writes the FP8 [q|k|v] gradient itself, no BF16 copy).
@@ -40,7 +43,7 @@ class FP8Config:
     mode: str = "bf16"
     grad_dtype: str = "e5m2"  # dtype of output gradients fed to the backward GEMMs
     group_size: int = 128  # 1xG groups for non-linear layers
-    weight_cache: str = "step"
+    weight_cache: str = DEFAULT_WEIGHT_CACHE
     # Forward GEMMs without the fp32 promotion of their accumulators (cuBLASLt's fast FP8 accumulation):
     # TransformerEngine's and torchao's forward default. Backward GEMMs always promote: gradients sum over
     # the tokens, where the tensor cores' limited accumulator precision loses the most.

@@ -6,11 +6,14 @@ it on their shards; `Fp8Linear` is the nn.Linear that `convert_to_fp8` swaps in 
 
 Layouts. _scaled_mm multiplies row-major A [M, K] by column-major B [K, N]:
     forward  y  = x  @ W^T : A = x8 [M, K],  B = W8.t()   (W8 [N, K] row-major)
-    dgrad    dx = g  @ W   : A = g8 [M, N],  B = W8t.t()  (W8t [K, N], the weight's FP8 transpose, cached)
+    dgrad    dx = g  @ W   : A = g8 [M, N],  B = W8t.t()  (W8t [K, N], the weight's FP8 transpose)
     wgrad    dW = g^T @ x  : A = g8t [N, M], B = x8t.t()  (x8t [K, M], saved: the only activation kept)
-so each operand is cast once into both layouts it needs (ops.cast_transpose). All of N, K and, for backward,
-M (tokens per micro-batch) must be multiples of 16: cuBLASLt's FP8 kernels need 16-byte aligned leading
-dimensions. Shapes that break this get a ValueError naming the dimension (no silent fallback to BF16).
+so each operand is cast once into both layouts it needs (ops.cast_transpose). An input that its producer saves
+for its own backward anyway (attention's output, wo's input) is saved as it is instead, and x8t made again from
+it in backward with the forward's scale (save_input): the same bytes, one FP8 copy less to keep. All of N, K
+and, for backward, M (tokens per micro-batch) must be multiples of 16: cuBLASLt's FP8 kernels need 16-byte
+aligned leading dimensions. Shapes that break this get a ValueError naming the dimension (no silent fallback to
+BF16).
 
 The weight's FP8 copies are made once per optimizer step and reused by every micro-batch: see Fp8WeightCache
 and refresh_fp8_weights (in place, so compiled forwards read them without a Python check).
@@ -28,11 +31,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from megacoat.fp8.config import WEIGHT_CACHES
+from megacoat.fp8.config import DEFAULT_WEIGHT_CACHE, WEIGHT_CACHES
 from megacoat.fp8.formats import E4M3, get_format
 from megacoat.fp8.delayed_scaling import DelayedScale, history_for_call
-from megacoat.ops.cast_transpose import (cast_from_amax, cast_transpose_delayed, quantize_transpose,
-                                         quantize_transpose_into)
+from megacoat.ops.cast_transpose import (cast_from_amax, cast_transpose, cast_transpose_delayed, quantize_transpose,
+                                         quantize_transpose_into, transpose_fp8)
 
 _generation = 0  # bumped by invalidate_fp8_weight_caches(); every cache compares it with its own
 
@@ -72,12 +75,12 @@ class Fp8WeightCache:
     """E4M3 copies of one weight, or of several concatenated along the output dim (w1|w3, wq|wk|wv) so that
     they run as one GEMM, in both layouts, with one per-tensor scale.
 
-    policy step (--fp8-weight-cache, the default): both copies are kept from one optimizer step to the next, so
-    micro-batches between two steps reuse them. Costs 2 bytes per block-linear parameter for the whole run
-    (~2.3 GiB for a 1.3 B model). `refresh` rewrites them in place.
-    rowwise: only W8 is kept (1 byte per parameter); `get` hands out W8^T as a transposed view of it, which
-    backward makes contiguous (fp8_weight_t): one FP8 transpose per backward GEMM, and exactly step's bytes (both
-    layouts are casts of the same values with the same scale), so training is bit for bit the same.
+    policy step (--fp8-weight-cache): both copies are kept from one optimizer step to the next, so micro-batches
+    between two steps reuse them. Costs 2 bytes per block-linear parameter for the whole run (~2.3 GiB for a 1.3 B
+    model). `refresh` rewrites them in place.
+    rowwise (the default): only W8 is kept (1 byte per parameter); `get` hands out W8^T as a transposed view of it,
+    which backward makes contiguous (fp8_weight_t): one FP8 transpose per backward GEMM, and exactly step's bytes
+    (both layouts are casts of the same values with the same scale), so training is bit for bit the same.
     An eager forward refreshes the kept copies itself when a weight's version counter or storage changed
     (in-place updates by torch optimizers bump `_version`) or after invalidate_fp8_weight_caches(); a compiled
     forward only reads them (refresh_fp8_weights before it).
@@ -86,7 +89,7 @@ class Fp8WeightCache:
     compiled, these quantizations are part of the graph.
     """
 
-    def __init__(self, policy: str = "step"):
+    def __init__(self, policy: str = DEFAULT_WEIGHT_CACHE):
         if policy not in WEIGHT_CACHES:
             raise ValueError(f"FP8 weight cache policy must be one of {WEIGHT_CACHES}, got {policy!r}")
         self.policy = policy
@@ -136,11 +139,11 @@ def _joined(weights: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def fp8_weight_t(w8t: torch.Tensor | None, weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Backward's FP8 W^T, contiguous (the layout _scaled_mm reads): the cached copy; a transposed view of the
-    cached W8 (policy rowwise) made contiguous; or (non-persistent cache) made again from the weights, which have
-    not changed since forward: the same amax, hence the same scale and bytes as a cached copy."""
+    """Backward's FP8 W^T, contiguous (the layout _scaled_mm reads): the cached copy; the byte transpose of the
+    cached W8 (policy rowwise: w8t is its transposed view); or (non-persistent cache) made again from the weights,
+    which have not changed since forward: the same amax, hence the same scale and bytes as a cached copy."""
     if w8t is not None:
-        return w8t.contiguous()
+        return w8t if w8t.is_contiguous() else transpose_fp8(w8t.t())
     with torch.no_grad():
         return quantize_transpose(_joined(weights), E4M3.dtype, rowwise=False, transpose=True)[1]
 
@@ -243,12 +246,18 @@ class Fp8LinearFunction(torch.autograd.Function):
     of y that writes y's gradient in a kernel of its own (the COAT block's MLP norm, whose backward kernel makes
     dh) passes the carrier in and returns that amax, folded into its kernel, as the carrier's gradient; backward
     then casts grad_out in one launch instead of two. Its bytes are the same: a max in any order is the same max.
-    A carrier that receives no gradient (None: unused) leaves the amax to this backward."""
+    A carrier that receives no gradient (None: unused) leaves the amax to this backward.
+
+    save_input: x itself is saved (x8t None), and backward casts it again with x_scale into x8t: the forward's
+    codes, as one cast of the same values with the same scale gives (fp8_linear's save_input)."""
 
     @staticmethod
-    def forward(ctx, x, weight, w8, w8t, w_scale, x8, x8t, x_scale, grad_dtype, fast_accum, carry_amax=False):
+    def forward(ctx, x, weight, w8, w8t, w_scale, x8, x8t, x_scale, grad_dtype, fast_accum, carry_amax=False,
+                save_input=False):
         out = scaled_mm(x8, w8.t(), x_scale, w_scale, x.dtype, fast_accum)
-        ctx.save_for_backward(x8t, x_scale)  # FP8 input, transposed for wgrad: the only activation saved
+        # the FP8 input transposed for wgrad (the only activation saved), or x, which its producer keeps anyway
+        ctx.save_for_backward(x if save_input else x8t, x_scale)
+        ctx.save_input = save_input
         ctx.w8t, ctx.w_scale, ctx.grad_dtype, ctx.w_dtype = w8t, w_scale, grad_dtype, weight.dtype
         ctx.weights = (weight,) if w8t is None else None  # to remake W8^T in backward (no persistent cache)
         if not carry_amax:
@@ -259,7 +268,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_amax=None):
         if grad_out is None:  # (with a carrier) y unused
-            return (None,) * 11
+            return (None,) * 12
         x8t, x_scale = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[:2]
         g8, g8t, g_scale = quantize_grad(grad_out, ctx.grad_dtype, rowwise=need_dx, transpose=need_dw,
@@ -269,26 +278,35 @@ class Fp8LinearFunction(torch.autograd.Function):
             w8t = fp8_weight_t(ctx.w8t, ctx.weights)
             dx = scaled_mm(g8, w8t.t(), g_scale, ctx.w_scale, grad_out.dtype)
         if need_dw:
+            if ctx.save_input:  # x8t is x here; cast after g's cast, so that a compiled graph casts in backward
+                x8t = cast_transpose(x8t, x_scale, E4M3.dtype, rowwise=False, transpose=True, after=g_scale)[1]
             dw = scaled_mm(g8t, x8t.t(), g_scale, x_scale, ctx.w_dtype)
-        return dx, dw, None, None, None, None, None, None, None, None, None
+        return dx, dw, *(None,) * 10
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | None = None,
                grad_dtype: str | torch.dtype = "e5m2", input_cache: Fp8InputCache | None = None,
-               fast_accum: bool = False, carry_amax: bool = False, input_scale: DelayedScale | None = None):
+               fast_accum: bool = False, carry_amax: bool = False, input_scale: DelayedScale | None = None,
+               save_input: bool = False):
     """FP8 x @ weight^T over any leading dims. `cache` keeps the weight's FP8 copies across micro-batches
     (None: quantize the weight on every call); `input_cache` shares x's FP8 copy with sibling linears that
     read the same x (None: quantize x here); `fast_accum`: the forward GEMM's (FP8Config.fast_accum). A
     tensor-parallel layer passes its shard. carry_amax: → (y, carrier), see Fp8LinearFunction. input_scale: x
     cast with delayed scaling from that site's history in a forward with gradients (without: current scaling,
-    and the history left alone, as every delayed site does in evaluation)."""
+    and the history left alone, as every delayed site does in evaluation). save_input: keep x itself for backward
+    instead of its FP8 transpose, which backward casts again from x with the forward's scale (the same bytes). For
+    an x that its producer saves for backward anyway (attention's output): then this linear keeps nothing of its
+    own, 1 byte per element less, for one more read of x in backward (elsewhere it would keep 2 bytes, not 1)."""
     if input_scale is not None and input_cache is not None:
         raise ValueError("fp8_linear: input_scale and input_cache are two ways to quantize x; pass one")
+    if save_input and input_cache is not None:
+        raise ValueError("fp8_linear: save_input keeps x, input_cache shares x's FP8 copies with siblings; pass one")
     lead = x.shape[:-1]
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if grad:
         check_gemm_dims(tokens_per_micro_batch=lead.numel())  # wgrad contracts over the tokens
-    transpose = grad and weight.requires_grad  # x^T only feeds wgrad
+    save_input = save_input and grad and weight.requires_grad
+    transpose = grad and weight.requires_grad and not save_input  # x^T only feeds wgrad (save_input: made there)
     if input_cache is not None:
         x8, x8t, x_scale = input_cache.get(x, transpose)
     else:
@@ -299,7 +317,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | No
     else:
         w8, w8t, w_scale = cache.get((weight,))
     out = Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, w8, w8t, w_scale, x8, x8t, x_scale,
-                                  get_format(grad_dtype).dtype, fast_accum, carry_amax)
+                                  get_format(grad_dtype).dtype, fast_accum, carry_amax, save_input)
     if carry_amax:
         return out[0].view(*lead, weight.shape[0]), out[1]
     return out.view(*lead, weight.shape[0])
@@ -308,10 +326,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | No
 class Fp8Linear(nn.Linear):
     """nn.Linear (no bias) whose GEMMs run in FP8, made from an existing nn.Linear whose Parameter it shares,
     so checkpoints and the optimizer see the same `weight`. `input_cache`: one Fp8InputCache given to every
-    linear of a block lets siblings that read the same input share its FP8 copy."""
+    linear of a block lets siblings that read the same input share its FP8 copy. save_input: the input's producer
+    saves it for backward anyway, so keep it rather than an FP8 copy (fp8_linear's save_input)."""
 
     def __init__(self, linear: nn.Linear, grad_dtype: str = "e5m2", input_cache: Fp8InputCache | None = None,
-                 weight_cache: str = "step", fast_accum: bool = False):
+                 weight_cache: str = DEFAULT_WEIGHT_CACHE, fast_accum: bool = False, save_input: bool = False):
         if linear.bias is not None:
             raise ValueError("Fp8Linear supports bias-free linears only (the model has no biases)")
         check_gemm_dims(in_features=linear.in_features, out_features=linear.out_features)
@@ -322,12 +341,12 @@ class Fp8Linear(nn.Linear):
         self.grad_dtype = get_format(grad_dtype).name
         self.fp8_cache = Fp8WeightCache(weight_cache)
         self.input_cache = input_cache
-        self.fast_accum = fast_accum
+        self.fast_accum, self.save_input = fast_accum, save_input
 
     def forward(self, x: torch.Tensor, carry_amax: bool = False, input_scale: DelayedScale | None = None):
         """carry_amax: → (y, carrier), see Fp8LinearFunction; input_scale: x's delayed-scaling site (fp8_linear)."""
         return fp8_linear(x, self.weight, self.fp8_cache, self.grad_dtype, self.input_cache, self.fast_accum,
-                          carry_amax, input_scale)
+                          carry_amax, input_scale, self.save_input)
 
     def fp8_weight_caches(self):
         """(cache, weights) pairs for refresh_fp8_weights."""

@@ -147,6 +147,17 @@ def transpose_fp8_triton(q: torch.Tensor) -> torch.Tensor:
     return qt
 
 
+def transpose_fp8(q: torch.Tensor) -> torch.Tensor:
+    """q^T [N, M] contiguous of an FP8 q [M, N]: the byte transpose on CUDA (also compiled: an operator, so the
+    graph runs this kernel rather than a copy of Inductor's), q.t().contiguous() elsewhere."""
+    return dispatch(_transpose_fp8_op, q, transpose_fp8_triton, transpose_fp8_ref, q)
+
+
+@fp8_operator("megacoat::transpose_fp8")
+def _transpose_fp8_op(q: torch.Tensor) -> torch.Tensor:
+    return traced_body(q, transpose_fp8_triton, transpose_fp8_ref, q)
+
+
 def cast_transpose_triton(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
                           rowwise: bool = True, transpose: bool = True):
     """Cast with a given scale (fp32, 1 element)."""
@@ -154,10 +165,27 @@ def cast_transpose_triton(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch
 
 
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
-                   rowwise: bool = True, transpose: bool = True):
-    """(q, q^T) with q = fp8(x / scale); either may be skipped. Triton on CUDA, the reference on CPU (the
-    CPU tests run the Triton versions under the interpreter by calling them by name)."""
-    return pick(x, cast_transpose_triton, cast_transpose_ref)(x, scale, out_dtype, rowwise, transpose)
+                   rowwise: bool = True, transpose: bool = True, after: torch.Tensor | None = None):
+    """(q, q^T) with q = fp8(x / scale); either may be skipped (None). Triton on CUDA, the reference on CPU (the
+    CPU tests run the Triton versions under the interpreter by calling them by name). Given the scale an earlier
+    cast used, its codes are that cast's: a layout can be made again later from x instead of being kept.
+
+    after: a tensor the cast must follow, read by nothing. A backward that casts forward values again passes one
+    of its own (the output gradient's scale): to torch.compile's partitioner an op of forward values only belongs
+    to the forward, which would cast there and save the FP8 copy that casting in backward is meant not to keep."""
+    if torch.compiler.is_compiling():
+        q, qt = _cast_transpose_op(x, scale, out_dtype, rowwise, transpose, after)
+    else:
+        q, qt = pick(x, cast_transpose_triton, cast_transpose_ref)(x, scale, out_dtype, rowwise, transpose)
+    return (q if rowwise else None), (qt if transpose else None)
+
+
+@fp8_operator("megacoat::cast_transpose")
+def _cast_transpose_op(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, rowwise: bool,
+                       transpose: bool, after: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    q, qt = traced_body(x, cast_transpose_triton, cast_transpose_ref, x, scale, out_dtype, rowwise, transpose)
+    return (x.new_empty(0, dtype=out_dtype) if q is None else q,
+            x.new_empty(0, dtype=out_dtype) if qt is None else qt)
 
 
 def quantize_transpose_ref(x: torch.Tensor, out_dtype: torch.dtype, rowwise: bool = True,

@@ -71,19 +71,19 @@ class _ShardedLinear(nn.Module):
         self.weight = weight
         self.out_features, self.in_features = weight.shape
         self.fp8_grad_dtype = self.fp8_cache = self.input_cache = None
-        self.fast_accum = False
+        self.fast_accum = self.save_input = False
         if isinstance(linear, Fp8Linear):
             check_gemm_dims(in_features=self.in_features, out_features=self.out_features)
             self.fp8_grad_dtype = linear.grad_dtype
             self.fp8_cache = Fp8WeightCache(linear.fp8_cache.policy)
             self.input_cache = linear.input_cache  # wq/wk/wv (w1/w3) shards read one input: quantized once
-            self.fast_accum = linear.fast_accum
+            self.fast_accum, self.save_input = linear.fast_accum, linear.save_input
 
     def _matmul(self, x: torch.Tensor, input_scale=None) -> torch.Tensor:
         if self.fp8_grad_dtype is None:
             return F.linear(x, self.weight)
         return fp8_linear(x, self.weight, self.fp8_cache, self.fp8_grad_dtype, self.input_cache, self.fast_accum,
-                          input_scale=input_scale)
+                          input_scale=input_scale, save_input=self.save_input)
 
     def fp8_weight_caches(self):
         """(cache, weights) pairs for megacoat.fp8.linear.refresh_fp8_weights."""

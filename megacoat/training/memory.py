@@ -32,7 +32,8 @@ saved-tensor totals of one TransformerBlock in bf16 with flash-style attention (
 autograd's saved_tensors_hooks; tests/tools/test_memory_estimator.py re-measures them on every run:
     bf16:        24 h + 8 f       (norm inputs kept in fp32, q/k/v/out, the SwiGLU inputs)
     fp8-linear:  23 h + 7 f       (GEMM inputs saved once as E4M3, shared by sibling linears; bf16 elsewhere)
-    coat:        11 h + 2 f + 18 a  (the precision flow saves FP8 tensors with per-group scales)
+    coat:        10 h + 2 f + 18 a  (the precision flow saves FP8 tensors with per-group scales; attention's
+                                     q, k, v and output in bf16, and wo keeps that output, not an FP8 copy)
 The head (final norm, logits, fp32 log-softmax, and the logits' gradient at the start of backward): 8 h + 10 V
 per token on the last pipeline stage.
 
@@ -62,7 +63,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from megacoat.fp8.config import WEIGHT_CACHES
+from megacoat.fp8.config import DEFAULT_WEIGHT_CACHE, WEIGHT_CACHES
 from megacoat.model.config import ModelConfig
 
 MODES = ("bf16", "fp8-linear", "coat")
@@ -73,12 +74,12 @@ DEEPSPEED_REDUCE_BUCKET = 500_000_000
 ACTIVATION_BYTES = {  # per token per layer: (per h, per f, per head)
     "bf16": (24, 8, 0),
     "fp8-linear": (23, 7, 0),
-    "coat": (11, 2, 18),
+    "coat": (10, 2, 18),
 }
 COMPILED_ACTIVATION_BYTES = {  # the same for a compiled block (Inductor's min-cut partition)
     "bf16": (16, 6, 4),
     "fp8-linear": (15, 5, 4),
-    "coat": (11, 2, 18),
+    "coat": (10, 2, 18),
 }
 
 
@@ -115,7 +116,7 @@ def activation_bytes_per_token_per_layer(cfg: ModelConfig, mode: str, compiled: 
 def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: int = 1, seq_length: int | None = None,
                     data_parallel_size: int = 1, zero_stage: int = 0, tensor_parallel_size: int = 1,
                     pipeline_parallel_size: int = 1, fp8_optimizer: bool = False, fp8_group_size: int = 128,
-                    bf16: bool = True, fp8_weight_cache: str = "step", main_grads_dtype: str = "bf16",
+                    bf16: bool = True, fp8_weight_cache: str = DEFAULT_WEIGHT_CACHE, main_grads_dtype: str = "bf16",
                     main_params_dtype: str = "fp32", compiled: bool = False,
                     graphed_accumulation: bool = False) -> MemoryEstimate:
     """Bytes on the busiest GPU (the first pipeline stage for activations, the last for the head). compiled:

@@ -14,7 +14,11 @@ import megacoat.fp8.linear as linear
 import megacoat.fp8.precision_flow as flow
 from megacoat.ops import cast_transpose, rmsnorm, rope, rope_grad_cast, swiglu
 
-_SWAPS = [(linear, "quantize_transpose", cast_transpose.quantize_transpose_triton)]
+_SWAPS = [(linear, "quantize_transpose", cast_transpose.quantize_transpose_triton),
+          (linear, "cast_transpose_delayed", cast_transpose.cast_transpose_delayed_triton),
+          (linear, "transpose_fp8", cast_transpose.transpose_fp8_triton),
+          (linear, "cast_transpose", lambda x, scale, dtype, rowwise=True, transpose=True, after=None:
+           cast_transpose.cast_transpose_triton(x, scale, dtype, rowwise, transpose))]
 _SWAPS += [(flow, n, getattr(rmsnorm, n + "_triton")) for n in ("rmsnorm_fp8_fwd", "rmsnorm_fp8_out", "rmsnorm_fp8_bwd")]
 _SWAPS += [(flow, n, getattr(swiglu, n + "_triton"))
            for n in ("swiglu_fp8_fwd", "swiglu_fp8_bwd_out_t")]

@@ -56,6 +56,47 @@ def test_saves_only_fp8_activations():
     assert by_dtype.get("float32", 0) <= 16  # its scale
 
 
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+@pytest.mark.parametrize("delayed", [False, True], ids=["current", "delayed"])
+def test_saved_input_remakes_the_wgrad_operand_bit_for_bit(delayed, kernels):
+    """save_input (wo's: attention saves its output anyway) keeps x for backward instead of its FP8 transpose, and
+    casts x again there with the forward's scale: the same codes, so the output and both gradients equal those of
+    the path that keeps the FP8 copy, bit for bit; and the linear saves x itself (its producer's storage), no FP8."""
+    from megacoat.fp8.delayed_scaling import DelayedScale
+    from megacoat.ops.cast_transpose import _cast_transpose_kernel
+    from tests.fp8.flow_paths import triton_paths
+    from tests.ops.fp8_compare import interpreted
+
+    if kernels == "triton" and DEV == "cpu" and not interpreted(_cast_transpose_kernel):
+        pytest.skip("the Triton path on CPU needs TRITON_INTERPRET=1")
+    x, w = _case()
+    dy = torch.randn(x.shape[0], w.shape[0], device=DEV, dtype=x.dtype)
+    results = []
+    for save_input in (False, True):
+        scale = DelayedScale(4).to(DEV) if delayed else None
+        xi, wi = x.detach().clone().requires_grad_(), torch.nn.Parameter(w.detach().clone())
+        with triton_paths() if kernels == "triton" else torch.enable_grad():
+            for _ in range(2):  # delayed: the bootstrap call, then the history's scale
+                xi.grad = wi.grad = None
+                y = fp8_linear(xi, wi, input_scale=scale, save_input=save_input)
+                y.backward(dy)
+            total, by_dtype = saved_activation_bytes(lambda: fp8_linear(xi, wi, input_scale=scale,
+                                                                        save_input=save_input), [wi])
+        results.append((y.detach(), xi.grad, wi.grad))
+        if save_input:
+            assert set(by_dtype) <= {"bfloat16", "float32"} and by_dtype["bfloat16"] == 2 * x.numel()
+        else:
+            assert by_dtype["float8_e4m3fn"] == x.numel() and "bfloat16" not in by_dtype
+    for kept, remade in zip(*results):
+        assert torch.equal(kept, remade)
+
+
+def test_save_input_and_a_shared_input_cache_are_refused():
+    x, w = _case()
+    with pytest.raises(ValueError, match="save_input keeps x"):
+        fp8_linear(x, w, input_cache=Fp8InputCache(), save_input=True)
+
+
 def test_weight_cache_reused_across_micro_batches_and_rebuilt_after_step():
     lin = Fp8Linear(torch.nn.Linear(32, 16, bias=False).to(DEV))
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)

@@ -62,6 +62,7 @@ for fmt in (e4, e5):
     for rowwise, transpose in ((True, True), (True, False), (False, True)):
         C.quantize_transpose_triton(x, fmt, rowwise, transpose)
         C.cast_transpose_delayed_triton(x, torch.ones(4), fmt, rowwise, transpose)  # the history's scale, x's amax
+C.cast_transpose_triton(x, torch.ones(1), e4, False, True)  # a given scale, x^T only: wo's wgrad operand remade
 C.quantize_transpose_into_triton([x[:128], x[128:]], torch.empty(m, h, dtype=e4), torch.empty(h, m, dtype=e4),
                                  torch.empty(1))
 x8, xs, rstd, ys, _ = R.rmsnorm_fp8_fwd_triton(x, w, 1e-5, g)  # both launches (the second from the amax)
