@@ -56,9 +56,10 @@ def test_saves_only_fp8_activations():
     assert by_dtype.get("float32", 0) <= 16  # its scale
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kernels", ["reference", "triton"])
 @pytest.mark.parametrize("delayed", [False, True], ids=["current", "delayed"])
-def test_saved_input_remakes_the_wgrad_operand_bit_for_bit(delayed, kernels):
+def test_saved_input_remakes_the_wgrad_operand_bit_for_bit(delayed, kernels, device):
     """save_input (wo's: attention saves its output anyway) keeps x for backward instead of its FP8 transpose, and
     casts x again there with the forward's scale: the same codes, so the output and both gradients equal those of
     the path that keeps the FP8 copy, bit for bit; and the linear saves x itself (its producer's storage), no FP8."""
@@ -67,13 +68,15 @@ def test_saved_input_remakes_the_wgrad_operand_bit_for_bit(delayed, kernels):
     from tests.fp8.flow_paths import triton_paths
     from tests.ops.fp8_compare import interpreted
 
-    if kernels == "triton" and DEV == "cpu" and not interpreted(_cast_transpose_kernel):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if kernels == "triton" and device == "cpu" and not interpreted(_cast_transpose_kernel):
         pytest.skip("the Triton path on CPU needs TRITON_INTERPRET=1")
-    x, w = _case()
-    dy = torch.randn(x.shape[0], w.shape[0], device=DEV, dtype=x.dtype)
+    x, w = (t.to(device) for t in _case())
+    dy = torch.randn(x.shape[0], w.shape[0], device=device, dtype=x.dtype)
     results = []
     for save_input in (False, True):
-        scale = DelayedScale(4).to(DEV) if delayed else None
+        scale = DelayedScale(4).to(device) if delayed else None
         xi, wi = x.detach().clone().requires_grad_(), torch.nn.Parameter(w.detach().clone())
         with triton_paths() if kernels == "triton" else torch.enable_grad():
             for _ in range(2):  # delayed: the bootstrap call, then the history's scale
