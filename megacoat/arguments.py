@@ -105,9 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-no-expansion", action="store_true", help="CoatAdamW without dynamic range expansion")
     g.add_argument("--fp8-grad-dtype", choices=FP8_DTYPES, default=FP8Config().grad_dtype)
     g.add_argument("--fp8-weight-cache", choices=WEIGHT_CACHES, default=FP8Config().weight_cache,
-                   help="step: keep the FP8 weight copies (W8 and W8^T) from one optimizer step to the next (+2 "
-                        "bytes per block-linear parameter); rowwise: keep W8 only and transpose its bytes in "
-                        "backward (+1 byte, same results); none: make them per use (less memory, slower)")
+                   help="rowwise (the default): keep the FP8 weight copy W8 from one optimizer step to the next "
+                        "(+1 byte per block-linear parameter) and transpose its bytes in backward; step: keep W8^T "
+                        "too (+2 bytes, no transpose; the same results); none: make them per use (less memory, "
+                        "slower)")
     g.add_argument("--fp8-fast-accum", action="store_true",
                    help="forward FP8 GEMMs accumulate without the tensor cores' periodic fp32 promotion (less "
                         "exact; TransformerEngine's and torchao's forward default; no gain measured for the 1.3 B "
