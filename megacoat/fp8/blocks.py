@@ -58,8 +58,8 @@ class CoatTransformerBlock(nn.Module):
         self.ffn_norm = block.ffn_norm
         self.feed_forward = block.feed_forward
         # wq/wk/wv and w1/w3/w2 stay nn.Linear: the fused functions read their weights, the modules never run.
-        # wo's input is attention's output, which attention saves for its own backward: wo keeps it rather than an
-        # FP8 copy, and casts it again in backward (save_input)
+        # wo's input is attention's output, which attention's flash / cuDNN / efficient kernels save for their own
+        # backward: wo keeps it rather than an FP8 copy, and casts it again in backward (save_input)
         self.attention.wo = Fp8Linear(self.attention.wo, fp8.grad_dtype, weight_cache=fp8.weight_cache,
                                       fast_accum=fp8.fast_accum, save_input=True)
         self.group_size, self.fast_accum = fp8.group_size, fp8.fast_accum
