@@ -63,9 +63,10 @@ MODES = {
     "coat": ("pretrain_gpt.py", COAT),
     # COAT's own layout: an fp32 master copy (and the fp32 round trip of the gradients in DeepSpeed's step)
     "coat-fp32-master": ("pretrain_gpt.py", [*COAT, "--main-params-dtype", "fp32"]),
-    # without the per-step FP8 weight copies (2 B per block-linear parameter): the memory-lean setting
+    # without the per-step FP8 weight copies: the memory-lean setting
     "coat-lean": ("pretrain_gpt.py", [*COAT, "--fp8-weight-cache", "none"]),
-    # only the row-major FP8 weight copy kept (backward transposes its bytes): 1 B/param less
+    # only the row-major FP8 weight copy kept (backward transposes its bytes), 1 B/param less than the step cache:
+    # the default since 969a95b, so now "coat" itself
     "coat-rowwise": ("pretrain_gpt.py", [*COAT, "--fp8-weight-cache", "rowwise"]),
     # forward GEMMs with cuBLASLt's fast FP8 accumulation (torchao's and TransformerEngine's forward default)
     "coat-fast-accum": ("pretrain_gpt.py", [*COAT, "--fp8-fast-accum"]),

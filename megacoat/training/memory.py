@@ -23,8 +23,8 @@ in a bf16 run (ZeRO-1 divides what is marked /D1 by D, ZeRO-2 also /D2):
         bf16 half is the model's own weight: megacoat/training/zero_master.py)
     moments: AdamW 8 (two fp32); CoatAdamW 2 * (1 + 6/G) (FP8 + per-group fp32 scale + bf16 k; G = group size) /D1
     fp32 run (CPU default): weights 4 + grads 4 /D2, no master copy
-    FP8 modes: an E4M3 copy of every block linear in both layouts (the weight cache) + 2; with
-    --fp8-weight-cache rowwise the row-major copy only + 1; with none nothing
+    FP8 modes: an E4M3 copy of every block linear (the weight cache), by default (--fp8-weight-cache rowwise) the
+    row-major copy only + 1; with step both layouts + 2; with none nothing
 The "optimizer" part is master weights + moments: with CoatAdamW and bf16-remainder 2 + 2.09 = 4.09 B/param.
 
 Activations saved for backward, bytes per token per layer (h hidden, f FFN hidden, a heads). These are the
