@@ -353,4 +353,5 @@ class Fp8Linear(nn.Linear):
         return ((self.fp8_cache, (self.weight,)),)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8=e4m3, grad={self.grad_dtype}" + (", fast_accum" if self.fast_accum else "")
+        return (f"{super().extra_repr()}, fp8=e4m3, grad={self.grad_dtype}" + (", fast_accum" if self.fast_accum else "")
+                + (", save_input" if self.save_input else ""))
