@@ -1,4 +1,6 @@
 """FP8 linear: numerics against fp32, FP8-only saved tensors, the weight cache, and the shape rules."""
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -78,13 +80,13 @@ def test_saved_input_remakes_the_wgrad_operand_bit_for_bit(delayed, kernels, dev
     for save_input in (False, True):
         scale = DelayedScale(4).to(device) if delayed else None
         xi, wi = x.detach().clone().requires_grad_(), torch.nn.Parameter(w.detach().clone())
-        with triton_paths() if kernels == "triton" else torch.enable_grad():
+        with triton_paths() if kernels == "triton" else contextlib.nullcontext():
             for _ in range(2):  # delayed: the bootstrap call, then the history's scale
                 xi.grad = wi.grad = None
                 y = fp8_linear(xi, wi, input_scale=scale, save_input=save_input)
                 y.backward(dy)
-            total, by_dtype = saved_activation_bytes(lambda: fp8_linear(xi, wi, input_scale=scale,
-                                                                        save_input=save_input), [wi])
+            _, by_dtype = saved_activation_bytes(lambda: fp8_linear(xi, wi, input_scale=scale, save_input=save_input),
+                                                 [wi])
         results.append((y.detach(), xi.grad, wi.grad))
         if save_input:
             assert set(by_dtype) <= {"bfloat16", "float32"} and by_dtype["bfloat16"] == 2 * x.numel()
