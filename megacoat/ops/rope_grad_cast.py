@@ -24,15 +24,12 @@ fp32 FMA contraction may move a rotated value by an ulp before its rounding.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from megacoat.ops.cast_transpose import (cast_from_amax_triton, cast_transpose_ref, quantize_transpose_ref,
                                          tensor_amax, transpose_fp8_triton)
-from megacoat.ops.numerics import AMAX_FLOOR, dispatch, fp8_operator, launcher, traced_body
+from megacoat.ops.numerics import dispatch, fp8_operator, traced_body
 from megacoat.ops.rope import check_rope_input, rope_launch, rope_ref
-from megacoat.ops.tensor_scale import (amax_workspace, delayed_scale, history_scale, record_amax,
-                                       record_program_amax, roll_history, scaled_codes)
+from megacoat.ops.tensor_scale import amax_workspace, delayed_scale, record_amax, roll_history
 
 
 def _check(dq, dk, dv, cos, sin) -> None:
@@ -83,74 +80,6 @@ def _joined_triton(dq, dk, dv, cos, sin, dtype: torch.dtype, history=None, scale
                     scale=scale)
         col += width
     return g, amax
-
-
-# The delayed path in one pass per part: a program takes BT tokens of HPP heads and writes their codes in both
-# layouts, row-major g8 (rows of head_dim bytes) and g8^T (rows of BT bytes), so no byte transpose follows. The
-# tables' rows for its BT positions are loaded once for the HPP heads. Same arithmetic as _rope_kernel's cast.
-@triton.jit
-def _rope_grad_tiles_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, outt_ptr, amax_ptr, hist_ptr, scale_ptr, M, S, NH,
-                            col0, ld_out, stride_b, stride_s, stride_h, hist_len, fmax, amax_floor,
-                            HALF: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, HPP: tl.constexpr,
-                            ROTATE: tl.constexpr, HIST: tl.constexpr):
-    rt = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)  # tokens = batch x seq + position
-    pos = rt % S
-    row = (rt // S) * stride_b + pos * stride_s
-    d = tl.arange(0, 2 * BD)
-    dmask = d < 2 * HALF
-    tmask = rt < M
-    scale = history_scale(scale_ptr, hist_ptr, hist_len, fmax, amax_floor, HIST)
-    ty = x_ptr.dtype.element_ty
-    if ROTATE:
-        i = tl.arange(0, BD)
-        tab = pos[:, None] * HALF + i[None, :]
-        tmask2 = tmask[:, None] & (i < HALF)[None, :]
-        c = tl.load(cos_ptr + tab, mask=tmask2, other=0.0)
-        s = -tl.load(sin_ptr + tab, mask=tmask2, other=0.0)  # the rotation's transpose: the angle's negative
-    amax = 0.0
-    for j in tl.static_range(HPP):
-        h = tl.program_id(1) * HPP + j
-        hmask = (tmask & (rt * 0 + h < NH))[:, None] & dmask[None, :]
-        x = tl.load(x_ptr + row[:, None] + h.to(tl.int64) * stride_h + d[None, :], mask=hmask, other=0.0)
-        if ROTATE:
-            x0, x1 = tl.split(tl.reshape(x.to(tl.float32), (BT, BD, 2)))
-            y = tl.reshape(tl.join(x0 * c - x1 * s, x0 * s + x1 * c), (BT, 2 * BD)).to(ty).to(tl.float32)
-        else:
-            y = x.to(tl.float32)
-        q = scaled_codes(y, scale, fmax).to(out_ptr.dtype.element_ty)
-        col = (col0 + h * (2 * HALF) + d).to(tl.int64)
-        tl.store(out_ptr + rt[:, None] * ld_out + col[None, :], q, mask=hmask)
-        tl.store(outt_ptr + col[:, None] * M + rt[None, :], tl.trans(q), mask=tl.trans(hmask))
-        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
-    record_program_amax(amax, amax_ptr)
-
-
-_TILES_BT, _TILES_HPP, _TILES_WARPS = 64, 4, 4
-
-
-def _tiles_triton(dq, dk, dv, cos, sin, grad_dtype, history, scale):
-    """→ (g8, g8t, amax): the delayed cast of the joined gradient in both layouts, one tiled pass per part."""
-    _check(dq, dk, dv, cos, sin)
-    b, s = dq.shape[:2]
-    m = b * s
-    widths = [t.shape[2] * t.shape[3] for t in (dq, dk, dv)]
-    n = sum(widths)
-    g8 = torch.empty((m, n), dtype=grad_dtype, device=dq.device)
-    g8t = torch.empty((n, m), dtype=grad_dtype, device=dq.device)
-    amax = amax_workspace(dq.device)
-    cos, sin = cos.contiguous(), sin.contiguous()
-    bt, hpp, warps = _TILES_BT, _TILES_HPP, _TILES_WARPS
-    half = dq.shape[3] // 2
-    col = 0
-    for t, width, rotate in zip((dq, dk, dv), widths, (True, True, False)):
-        nh = t.shape[2]
-        launcher(_rope_grad_tiles_kernel)[(triton.cdiv(m, bt), triton.cdiv(nh, hpp))](
-            t, cos, sin, g8, g8t, amax, history, scale, m, s, nh, col, n, t.stride(0), t.stride(1), t.stride(2),
-            history.numel(), torch.finfo(grad_dtype).max, AMAX_FLOOR, HALF=half,
-            BD=triton.next_power_of_2(half), BT=bt, HPP=hpp, ROTATE=rotate,
-            HIST=triton.next_power_of_2(history.numel()), num_warps=warps)
-        col += width
-    return g8, g8t, amax
 
 
 def rope_qkv_grad_fp8_delayed_ref(dq, dk, dv, cos, sin, grad_dtype: torch.dtype, history: torch.Tensor,
