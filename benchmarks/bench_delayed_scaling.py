@@ -19,15 +19,14 @@ launched from Python, triton.testing.do_bench); repeated and interleaved. Back-t
 the previous call's input in L2 (50 MB on the H100), as the trainer's next kernel often does; bytes counted as each
 read and write.
 
-`--sweep BM:BN:WARPS ...` repeats the backward rows with other tiles (rows, columns of a group) and warp counts of
-its cast pass,
+`--sweep BM:WARPS ...` repeats the backward rows with other tile heights and warp counts of its cast pass,
 `--sweep-fwd BM:WARPS ...` the SwiGLU forward rows with other tiles of its kernel, and `--sweep-norm PER_WARP ...`
 the RMSNorm forward rows with other row elements per warp (its warps per row); the library's setting is each op's
 first row. "same_bytes" in each row: delayed scaling wrote current scaling's bytes (the history holding the call's
 own amax), and a swept tile wrote the library tile's bytes; RMSNorm's warps per row reorder the row's sum, so there
 the library comparison is only recorded ("same_bytes_as_library").
 
-    python benchmarks/bench_delayed_scaling.py [--repeats 3] [--sweep 128:64:8 256:32:8]
+    python benchmarks/bench_delayed_scaling.py [--repeats 3] [--sweep 64:4 32:4 128:8 128:16]
         [--sweep-fwd 64:4 64:8 128:8] [--sweep-norm 512 2048] [--eager]
         [--out benchmarks/results/bench_delayed_scaling.json]
     python benchmarks/bench_delayed_scaling.py --cpu-smoke   # no GPU: tiny shapes under TRITON_INTERPRET=1
@@ -142,7 +141,7 @@ def measure(op: str, name: str, m: int, h: int, f: int, repeats: int, device: st
             "bytes": moved, "gb_per_s": {k: moved[k] / (med[k] * 1e-3) / 1e9 for k in med}}
 
 
-SETTING_NAMES = {"swiglu_bwd": ("BM", "BN", "warps"), "swiglu_fwd": ("BM", "warps"), "rmsnorm_fwd": ("per_warp",),
+SETTING_NAMES = {"swiglu_bwd": ("BM", "warps"), "swiglu_fwd": ("BM", "warps"), "rmsnorm_fwd": ("per_warp",),
                  "rope_qkv_bwd": ("BM", "BN", "warps")}
 
 
@@ -159,7 +158,7 @@ def _per_warp(text: str) -> tuple[int]:
 
 def _apply(op: str, setting: tuple) -> None:
     if op == "swiglu_bwd":
-        swiglu._BM_T, swiglu._BN_T, swiglu._WARPS_T = setting
+        swiglu._BM_T, swiglu._WARPS_T = setting
     elif op == "swiglu_fwd":
         swiglu._BM_F, swiglu._WARPS_F = setting
     elif op == "rope_qkv_bwd":  # the cast's tile (the delayed path's byte transpose has its own: bench_transpose_fp8)
@@ -188,8 +187,8 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/results/bench_delayed_scaling.json")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--eager", action="store_true", help="time each call launched from Python, not in a CUDA graph")
-    p.add_argument("--sweep", nargs="*", default=[], metavar="BM:BN:WARPS",
-                   help="also time SwiGLU's backward cast pass at these tiles and warp counts (e.g. 128:64:8)")
+    p.add_argument("--sweep", nargs="*", default=[], metavar="BM:WARPS",
+                   help="also time SwiGLU's backward cast pass at these tile heights and warp counts (e.g. 128:8)")
     p.add_argument("--sweep-fwd", nargs="*", default=[], metavar="BM:WARPS",
                    help="also time SwiGLU's forward kernel at these tile heights and warp counts (e.g. 64:8)")
     p.add_argument("--sweep-norm", nargs="*", default=[], metavar="PER_WARP",
@@ -197,8 +196,7 @@ def main() -> int:
     p.add_argument("--ops", nargs="+", default=list(OPS), metavar="OP", help=f"which of {', '.join(OPS)} (all)")
     args = p.parse_args()
     try:
-        configs = {"swiglu_bwd": [(swiglu._BM_T, swiglu._BN_T, swiglu._WARPS_T)]
-                   + [parse_tile(c, "--sweep", ("BM", "BN", "WARPS"), 32) for c in args.sweep],
+        configs = {"swiglu_bwd": [(swiglu._BM_T, swiglu._WARPS_T)] + [_tile(c, "--sweep") for c in args.sweep],
                    "swiglu_fwd": [(swiglu._BM_F, swiglu._WARPS_F)] + [_tile(c, "--sweep-fwd") for c in args.sweep_fwd],
                    "rmsnorm_fwd": [(rmsnorm._FWD_PER_WARP,)] + [_per_warp(c) for c in args.sweep_norm],
                    "rope_qkv_bwd": [(cast_transpose._BM, cast_transpose._BN, cast_transpose._WARPS)]}

@@ -143,7 +143,7 @@ graph-loss)
 kernel-sweep)
     step cast_sweep 200 python3 benchmarks/bench_cast_transpose.py --repeats 2 --layouts both \
         --sweep 128:64:4 128:64:8 64:128:4 128:128:8 32:64:4 64:64:8 --out "$OUT/bench_cast_transpose_sweep.json"
-    step kernel_sweep $((585 - SECONDS)) python3 benchmarks/bench_delayed_scaling.py --repeats 3 --sweep 32:128:4 128:64:8 128:32:8 \
+    step kernel_sweep $((585 - SECONDS)) python3 benchmarks/bench_delayed_scaling.py --repeats 3 --sweep 32:4 128:8 128:16 \
         --sweep-fwd 16:4 64:4 64:8 128:8 32:8 --sweep-norm 256 512 2048 --out "$OUT/bench_kernel_sweep.json"
     ;;
 suite-sweep)
@@ -152,7 +152,7 @@ suite-sweep)
     cp "$LOGS/gpu_tests_all.txt" "$OUT/gpu_tests_all.txt"
     step cast_sweep 160 python3 benchmarks/bench_cast_transpose.py --repeats 2 --layouts both \
         --sweep 128:64:4 128:64:8 64:128:4 128:128:8 32:64:4 64:64:8 --out "$OUT/bench_cast_transpose_sweep.json"
-    step kernel_sweep $((585 - SECONDS)) python3 benchmarks/bench_delayed_scaling.py --repeats 2 --sweep 128:64:8 128:32:8 \
+    step kernel_sweep $((585 - SECONDS)) python3 benchmarks/bench_delayed_scaling.py --repeats 2 --sweep 32:4 128:8 \
         --sweep-fwd 16:4 64:8 32:8 --sweep-norm 256 512 2048 --out "$OUT/bench_kernel_sweep.json"
     ;;
 suite-speed)

@@ -232,19 +232,16 @@ def _bwd_amax_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, s_scale_p
 @triton.jit
 def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, s_scale_ptr,
                      st_ptr, amax_out_ptr, hist_ptr, hist_len, M, F, NG, fmax_g, fmax_s, amax_floor,
-                     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, FAST: tl.constexpr,
-                     WRITE_ST: tl.constexpr, HIST: tl.constexpr):
+                     G: tl.constexpr, BM: tl.constexpr, FAST: tl.constexpr, WRITE_ST: tl.constexpr,
+                     HIST: tl.constexpr):
     """Pass 2: one read of ds, a1, a3 writes da1|da3 both row-major [M, 2F] (dgrad) and transposed [2F, M]
     (wgrad). Tiles run in the reverse order of pass 1, so the first ones read what pass 1 left in L2.
     Delayed scaling (HIST > 0) runs this pass alone: the scale comes from the amax history's maximum, WRITE_ST
     writes s^T (pass 1's other job), and this call's max |da1|, |da3| is folded into amax_out, which
-    roll_history puts into the history after the pass (megacoat.ops.tensor_scale).
-    A tile is BN columns of one group (BN divides G): the group scales are only read here, so a narrower tile
-    buys taller transposed stores (BM contiguous bytes per row) for the same registers."""
-    cj = tl.num_programs(1) - 1 - tl.program_id(1)
-    gi = cj // (G // BN)
+    roll_history puts into the history after the pass (megacoat.ops.tensor_scale)."""
+    gi = tl.num_programs(1) - 1 - tl.program_id(1)
     rm = ((tl.num_programs(0) - 1 - tl.program_id(0)) * BM + tl.arange(0, BM)).to(tl.int64)
-    rn = (cj * BN + tl.arange(0, BN)).to(tl.int64)
+    rn = (gi * G + tl.arange(0, G)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < F)
     if HIST > 0:
         scale = history_scale(scale_ptr, hist_ptr, hist_len, fmax_g, amax_floor, HIST)
@@ -275,7 +272,7 @@ def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr
 
 _BM = 32
 _BM_F, _WARPS_F = 32, 4  # the forward's tile (benchmarks/bench_delayed_scaling.py --sweep-fwd times others)
-_BM_T, _BN_T, _WARPS_T = 64, 128, 8  # the transposed stores write BM contiguous bytes per row
+_BM_T, _WARPS_T = 64, 8  # the transposed store writes BM contiguous bytes per row: 64 of them
 
 
 def swiglu_fp8_fwd_triton(a13, group_size: int, out_dtype=E4M3):
@@ -383,13 +380,11 @@ def _cast_launch(args, scale, da, dat, s_scale, st, group_size, history=None, am
     m, f = args[1].shape
     ng = args[2].shape[1]
     hist_len = 0 if history is None else history.numel()
-    bn = min(_BN_T, group_size)
-    launcher(_bwd_cast_kernel)[(triton.cdiv(m, _BM_T), ng * (group_size // bn))](
+    launcher(_bwd_cast_kernel)[(triton.cdiv(m, _BM_T), ng)](
         *args, scale, da, dat, scale if s_scale is None else s_scale, da if st is None else st,
-        scale if amax_out is None else amax_out, scale if history is None else history, hist_len, m, f, ng,
-        torch.finfo(da.dtype).max, 0.0 if st is None else torch.finfo(st.dtype).max, AMAX_FLOOR, G=group_size,
-        BM=_BM_T, BN=bn, FAST=FAST, WRITE_ST=st is not None, HIST=triton.next_power_of_2(hist_len) if hist_len else 0,
-        num_warps=_WARPS_T)
+        scale if amax_out is None else amax_out, scale if history is None else history, hist_len, m, f, ng, torch.finfo(da.dtype).max,
+        0.0 if st is None else torch.finfo(st.dtype).max, AMAX_FLOOR, G=group_size, BM=_BM_T, FAST=FAST,
+        WRITE_ST=st is not None, HIST=triton.next_power_of_2(hist_len) if hist_len else 0, num_warps=_WARPS_T)
 
 
 # ---------------------------------------------------------------------------------------------- dispatchers
