@@ -56,9 +56,10 @@ def main() -> int:
                             "--format=csv,noheader,nounits", "-lms", "200"], stdout=subprocess.PIPE, text=True)
     times = {k: [] for k in cases}
     try:
-        for _ in range(args.repeats):  # interleaved, so drift touches all alike
+        for i in range(args.repeats):  # interleaved, so drift touches all alike
             for name, (a, b) in cases.items():
                 times[name].append(do_bench_cudagraph(_gemm(a, b, torch.bfloat16), rep=200, return_mode="median"))
+                print(f"repeat {i + 1}: {name} {times[name][-1] * 1e3:.1f} us", flush=True)  # progress
     finally:
         smi.terminate()
         samples = [line.split(", ") for line in smi.communicate()[0].splitlines() if line.count(",") == 3]
