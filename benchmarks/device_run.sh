@@ -61,6 +61,8 @@
 #               (KERNEL_ROWS=N of them printed; KERNEL_SOURCE_ROWS=N for trace_kernels.py's own print)    issue 17
 #   e2e-capture-trace MB (~3 min, 1 GPU) the first step of coat+cudagraph profiled: which operators launch the
 #               graphs' memsets and fills (kernels by launcher)                                    issue 17
+#   attention-fp8 (~1 min, 1 GPU) bench_attention_fp8.py: one layer's causal attention at micro-batch 32, torch's
+#               BF16 SDPA against cuDNN's FP8 SDPA graphs (needs the nvidia-cudnn-frontend wheel in .whl)  issue 18
 #   gemm-peak   (~1.5 min, 1 GPU) bench_gemm_peak.py: a layer's FP8 GEMMs at micro-batch 32 alone, beside square
 #               FP8 and BF16 ones, with the SM clock and power nvidia-smi samples meanwhile          issue 18
 #   gemm-workspace (~2 min, 1 GPU) bench_gemm_workspace.py: a layer's FP8 GEMMs in a CUDA graph, their memsets
@@ -262,6 +264,9 @@ e2e-capture-trace)
     python3 benchmarks/trace_kernels.py /tmp/capture/trace_rank0.json 1 "$OUT/kernels_capture_mb$MB.json" \
         > "$LOGS/kernels_capture.txt" 2>&1
     grep -E "Memset|Fill|memset|fill" "$LOGS/kernels_capture.txt" | head -${KERNEL_ROWS:-40}
+    ;;
+attention-fp8)
+    step attention_fp8 240 python3 benchmarks/bench_attention_fp8.py --out "$OUT/bench_attention_fp8.json"
     ;;
 gemm-peak)
     step gemm_peak 240 python3 benchmarks/bench_gemm_peak.py --repeats 2 --out "$OUT/bench_gemm_peak.json"
