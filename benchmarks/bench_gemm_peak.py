@@ -1,6 +1,8 @@
 """How close the step's FP8 GEMMs run to what cuBLAS gives on this GPU: each of one 1.3 B layer's 12 FP8 GEMMs at
 the step's token count (bench_gemm_workspace.layer_gemms: forward, dgrad and wgrad of [q|k|v], wo, w1|w3, w2) timed
-alone, beside square 8192^3 GEMMs in FP8 (E4M3 x E4M3 and E5M2 x E4M3) and BF16, in TFLOP/s. Each GEMM is timed
+alone, beside square 8192^3 GEMMs in FP8 (E4M3 x E4M3 and E5M2 x E4M3) and BF16, in TFLOP/s; and the output
+layer's three GEMMs (vocabulary 32000) in BF16, as the model runs them, against FP8 (GEMMs only: an FP8 head would
+also cast the logits' gradient, 2 x 65,536 x 32,000 bytes written a micro-batch). Each GEMM is timed
 inside a CUDA graph (triton.testing.do_bench_cudagraph, median), repeated and interleaved; nvidia-smi samples the SM
 clock and the power draw while it runs (a clock below the card's maximum is the power limit at work).
 
@@ -39,6 +41,20 @@ def _square(n: int):
             f"square {n} bf16": (a.bfloat16(), b.bfloat16())}
 
 
+def _head(tokens: int, hidden: int = 2048, vocab: int = 32000):
+    """The output layer's three GEMMs (forward, dgrad, wgrad) in BF16, as the model runs them, and in FP8."""
+    e4, e5, bf = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
+    x, w, g = (torch.randn(r, c, device="cuda") * 0.5 for r, c in ((tokens, hidden), (vocab, hidden), (tokens, vocab)))
+    out = {}
+    for tag, (xt, wt, gt) in (("bf16", (bf, bf, bf)), ("fp8", (e4, e4, e5))):
+        xx, ww, gg = x.to(xt), w.to(wt), g.to(gt)
+        out[f"head forward {tag}"] = (xx, ww.t())
+        out[f"head dgrad {tag}"] = (gg, ww.t().contiguous().t())
+        out[f"head wgrad {tag}"] = (gg.t().contiguous(), xx.t().contiguous().t())
+        del xx, ww, gg
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=65536, help="the GEMMs' token dimension (micro-batch x seq)")
@@ -52,6 +68,7 @@ def main() -> int:
 
     cases = {name: (a, b) for name, (a, b, _) in zip(NAMES, layer_gemms(args.tokens))}
     cases.update(_square(8192))
+    cases.update(_head(args.tokens))
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit",
                             "--format=csv,noheader,nounits", "-lms", "200"], stdout=subprocess.PIPE, text=True)
     times = {k: [] for k in cases}
