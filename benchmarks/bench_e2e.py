@@ -80,6 +80,8 @@ MODES = {
     "coat-delayed-all-rowwise": ("pretrain_gpt.py", [*COAT_DELAYED_ALL, "--fp8-weight-cache", "rowwise"]),
     # the default with both FP8 weight layouts kept from step to step (the default before rowwise): 1 B/param more
     "coat-delayed-all-step": ("pretrain_gpt.py", [*COAT_DELAYED_ALL, "--fp8-weight-cache", "step"]),
+    # the default with the output layer in FP8 too (--fp8-output-layer, off by default: its loss is unmeasured)
+    "coat-fp8-head": ("pretrain_gpt.py", [*COAT_DELAYED_ALL, "--fp8-output-layer"]),
     # issue 18's speed reference: the default's activations with COAT's optimizer-side state, an fp32 master, fp32
     # main gradients and both FP8 weight layouts kept
     "coat-delayed-all-fp32-state": ("pretrain_gpt.py", [*COAT_DELAYED_ALL, "--main-params-dtype", "fp32",
@@ -297,7 +299,8 @@ def memory_model(argv: list[str]) -> dict:
                           main_grads_dtype=cfg.optim.main_grads_dtype or ("bf16" if bf16 else "fp32"),
                           main_params_dtype=cfg.optim.main_params_dtype, compiled=cfg.training.compile,
                           graphed_accumulation=(cfg.training.enable_cuda_graph
-                                                and cfg.training.gradient_accumulation_steps(1) > 1))
+                                                and cfg.training.gradient_accumulation_steps(1) > 1),
+                          fp8_output_layer=cfg.fp8.output_layer)
     return {k: v / 2**30 for k, v in est.as_dict().items()}
 
 

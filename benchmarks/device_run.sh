@@ -43,11 +43,13 @@
 #               both FP8 weight layouts kept: issue 18's speed reference; no bf16); PART largest: coat-delayed-all+cudagraph
 #               alone, at micro-batches bf16 cannot fit (24, 32; issue 18's largest-micro-batch throughput, against
 #               bf16's own largest, 16, from `e2e 16 default` on the same warm machine); PART workspace: bf16+compile
-#               and coat+cudagraph each with and without a cuBLAS workspace (--cublas-workspace). Each but largest
+#               and coat+cudagraph each with and without a cuBLAS workspace (--cublas-workspace); PART fp8head:
+#               bf16+compile coat-delayed-all+cudagraph coat-fp8-head+cudagraph (--fp8-output-layer's speed). Each but largest
 #               and state holds bf16+compile: ratios stay within one call                            issue 17
 #   e2e-largest [MB] (~7 min, 1 GPU) compiled bf16 at 16 (the largest it fits on an H100) against the default
-#               (coat-delayed-all+cudagraph) at MB (default 32), 2 repeats each, interleaved, in one run: the
-#               throughput at each mode's largest micro-batch (bench_e2e.py --at-largest)               issue 18
+#               (coat-delayed-all+cudagraph; LARGEST_MODE=coat-fp8-head for --fp8-output-layer) at MB (default
+#               32), 2 repeats each, interleaved, in one run: the throughput at each mode's largest micro-batch
+#               (bench_e2e.py --at-largest)                                                         issue 18
 #   suite-memory (~9 min, 1 GPU) every GPU test, then peak memory (allocated and reserved) at micro-batch 4 and 8:
 #               compiled bf16, the default compiled only (its allocated peak is the footprint) and with CUDA
 #               graphs                                                                           issue 18
@@ -198,7 +200,8 @@ e2e)
     largest) MODES="coat-delayed-all+cudagraph" ;;
     workspace) MODES="bf16+compile bf16-no-workspace+compile coat+cudagraph coat-workspace+cudagraph" ;;
     state) MODES="coat-delayed-all+cudagraph coat-delayed-all-fp32-state+cudagraph" ;;
-    *) echo "e2e: part must be baseline, fp8, cudagraph, fastaccum, delayed, delayedall, speed, default, peers, fp8linear, largest, workspace or state (see the header of $0)"; exit 2 ;;
+    fp8head) MODES="bf16+compile coat-delayed-all+cudagraph coat-fp8-head+cudagraph" ;;
+    *) echo "e2e: part must be baseline, fp8, cudagraph, fastaccum, delayed, delayedall, speed, default, peers, fp8linear, largest, workspace, state or fp8head (see the header of $0)"; exit 2 ;;
     esac
     # MB may be a comma list (e.g. 1,2: both in one call); PROFILE=0 skips the profiled iteration per mode
     PROF=(--profile); [ "${PROFILE:-1}" = 0 ] && PROF=()
@@ -206,7 +209,7 @@ e2e)
         --out "$OUT/bench_e2e_speed_${3}_mb${MB//,/_}.json"
     ;;
 e2e-largest)
-    step e2e_at_largest 565 $E2E --at-largest bf16+compile@16 "coat-delayed-all+cudagraph@${2:-32}" \
+    step e2e_at_largest 565 $E2E --at-largest bf16+compile@16 "${LARGEST_MODE:-coat-delayed-all}+cudagraph@${2:-32}" \
         --out "$OUT/bench_e2e_speed_at_largest_mb${2:-32}.json"
     ;;
 e2e-reserved)

@@ -28,6 +28,10 @@ def test_defaults_build_a_config():
     (["--finetune"], "--finetune needs --load"),
     (["--override-optimizer-state", "reset"], "--override-optimizer-state"),
     (["--fp8-fast-accum"], "--fp8-fast-accum"),  # no FP8 GEMM to apply it to
+    (["--fp8-output-layer"], "--fp8-output-layer"),  # nor here
+    (["--coat-fp8", "--fp8-output-layer", "--vocab-size", "1000"], "--fp8-output-layer"),  # off the GEMM alignment
+    (["--coat-fp8", "--fp8-output-layer", "--tensor-model-parallel-size", "2"], "--fp8-output-layer"),
+    (["--coat-fp8", "--fp8-output-layer", "--pipeline-model-parallel-size", "2"], "--fp8-output-layer"),
     (["--fp8-activations", "fp8-linear", "--fp8-grad-scaling", "delayed"], "--fp8-grad-scaling"),  # no SwiGLU kernel
     (["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-amax-history-len", "0"], "--fp8-amax-history-len"),
     (["--coat-fp8", "--fp8-grad-scaling", "delayed", "--pipeline-model-parallel-size", "2"], "--fp8-grad-scaling"),
@@ -43,6 +47,12 @@ def test_fast_accum_reaches_the_fp8_config():
     assert not parse_config(["--coat-fp8"]).fp8.fast_accum
     assert parse_config(["--coat-fp8", "--fp8-fast-accum"]).fp8.fast_accum
     assert parse_config(["--fp8-activations", "fp8-linear", "--fp8-fast-accum"]).fp8.fast_accum
+
+
+def test_output_layer_reaches_the_fp8_config():
+    assert not parse_config(["--coat-fp8"]).fp8.output_layer  # off by default: its loss is not measured yet
+    assert parse_config(["--coat-fp8", "--fp8-output-layer"]).fp8.output_layer
+    assert parse_config(["--fp8-activations", "fp8-linear", "--fp8-output-layer"]).fp8.output_layer
 
 
 def test_grad_scaling_reaches_the_fp8_config():

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--enable-cuda-graph runs with more than one micro-batch a step (their gradients are copied out "
                         "of the graph pool after the first micro-batch and lie flat: ZeRO-1 on one rank reads them "
                         "in place)")
+    p.add_argument("--fp8-output-layer", action="store_true",
+                   help="the FP8 modes' rows with the output layer in FP8 too (its input saved as E4M3, its weight "
+                        "cached like the block linears')")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -80,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                                       fp8_optimizer=fp8_opt, fp8_group_size=args.fp8_group_size,
                                       fp8_weight_cache=args.fp8_weight_cache, main_grads_dtype=args.main_grads_dtype,
                                       main_params_dtype=master, compiled=args.compile,
-                                      graphed_accumulation=args.graphed_accumulation)
+                                      graphed_accumulation=args.graphed_accumulation,
+                                      fp8_output_layer=args.fp8_output_layer and mode != "bf16")
                 rows.append({"mode": mode, "optimizer_class": "CoatAdamW" if fp8_opt else "AdamW",
                              "main_params_dtype": master, **est.as_dict()})
     except ValueError as e:

@@ -52,6 +52,10 @@ class FP8Config:
     grad_scaling: str = "current"
     activation_scaling: str = "current"
     amax_history_len: int = 16  # delayed scaling: calls (micro-batches) whose amaxes set the scale
+    # The output layer (the vocabulary head) as an Fp8Linear too. Off by default: COAT, Megatron and torchtitan keep
+    # it in BF16 (the logits feed a softmax over the vocabulary); its GEMMs take 0.56 of BF16's time on an H100
+    # (benchmarks/results/bench_e2e_notes.md), and its loss has not been measured against the BF16 head yet.
+    output_layer: bool = False
 
     def __post_init__(self):
         if self.mode not in ACTIVATION_MODES:
@@ -73,6 +77,8 @@ class FP8Config:
         if self.grad_scaling == "delayed" and self.mode != "coat":
             raise ValueError("--fp8-grad-scaling delayed applies to the coat precision flow (SwiGLU's FP8 gradient): "
                              f"add --coat-fp8 or --fp8-activations coat (the mode is {self.mode})")
+        if self.output_layer and self.mode == "bf16":
+            raise ValueError("--fp8-output-layer needs FP8 GEMMs: add --coat-fp8 or --fp8-activations")
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"--fp8-group-size must be one of {'/'.join(map(str, GROUP_SIZES))}, "
                              f"got {self.group_size}")

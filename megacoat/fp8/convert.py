@@ -10,6 +10,8 @@ and an optimizer built before or after see the same parameters:
                   blocks run through run_coat_layers (each block's output addition made by the next one's norm).
 The embedding and the output head stay in high precision in every mode (as in COAT and TransformerEngine):
 the vocabulary need not meet FP8 GEMM alignment, and the logits feed a softmax over ~1e4-1e5 classes.
+`FP8Config.output_layer` (--fp8-output-layer, off by default) makes the head an Fp8Linear too, sharing its weight
+(with the embedding's, where they are tied): its GEMMs are the step's largest BF16 ones.
 
 It is the one way FP8 is applied, with or without tensor parallelism: it runs on the full model, before
 megacoat.parallel.apply_tp shards whatever it finds (as torchtitan converts to float8 before apply_tp).
@@ -63,4 +65,9 @@ def convert_to_fp8(model: nn.Module, fp8: FP8Config) -> nn.Module:
             raise ValueError(f"unknown FP8 activation mode {fp8.mode!r}")
     if fp8.mode == "coat":
         model.run_layers = run_coat_layers  # each block's output addition made by the next block's norm
+    if fp8.output_layer and type(model.output) is nn.Linear:
+        try:
+            model.output = Fp8Linear(model.output, fp8.grad_dtype, None, fp8.weight_cache, fp8.fast_accum)
+        except ValueError as e:  # a vocabulary or hidden size off the FP8 GEMM alignment
+            raise ValueError(f"--fp8-output-layer: {e}") from None
     return model

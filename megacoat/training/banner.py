@@ -20,15 +20,17 @@ def _fp8(cfg: MegacoatConfig, bf16: bool) -> str:
         return f"off (transformer blocks in {'bf16' if bf16 else 'fp32'}; --fp8-activations or --coat-fp8 turn it on)"
     accum = "; forward GEMMs with fast accumulation (--fp8-fast-accum)" if f.fast_accum else ""
     gemms = f"FP8 GEMMs (E4M3 inputs and weights, per-tensor scales; gradients {f.grad_dtype.upper()}{accum})"
+    head = ("; the output layer in FP8 too (--fp8-output-layer)" if f.output_layer
+            else "; the output layer in high precision")
     if f.mode == "fp8-linear":
-        return f"fp8-linear: {gemms}; norms, SwiGLU and attention in high precision"
+        return f"fp8-linear: {gemms}; norms, SwiGLU and attention in high precision{head}"
     sites = [what for what, on in (("SwiGLU's and the [q|k|v] output's gradients", f.grad_scaling == "delayed"),
                                    ("RMSNorm's and SwiGLU's outputs and wo's input",
                                     f.activation_scaling == "delayed")) if on]
     delayed = (f"; {' and '.join(sites)} with delayed scaling (history of {f.amax_history_len}, "
                f"--fp8-grad-scaling / --fp8-activation-scaling)" if sites else "")
     return (f"coat: {gemms}; RMSNorm and SwiGLU in E4M3 with 1x{f.group_size} group scales, FP8 tensors saved "
-            f"for backward{delayed}")
+            f"for backward{delayed}{head}")
 
 
 def _optimizer(cfg: MegacoatConfig) -> str:

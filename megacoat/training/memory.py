@@ -35,7 +35,8 @@ autograd's saved_tensors_hooks; tests/tools/test_memory_estimator.py re-measures
     coat:        10 h + 2 f + 18 a  (the precision flow saves FP8 tensors with per-group scales; attention's
                                      q, k, v and output in bf16, and wo keeps that output, not an FP8 copy)
 The head (final norm, logits, fp32 log-softmax, and the logits' gradient at the start of backward): 8 h + 10 V
-per token on the last pipeline stage.
+per token on the last pipeline stage. With --fp8-output-layer the head saves its input as E4M3 (1 h instead of
+2 h) and keeps an E4M3 copy of its weight like the block linears.
 
 Compiled (--compile, one graph per block): Inductor's min-cut partition recomputes cheap pointwise work in
 backward instead of saving it. What it saves (the backward graph's inputs, measured on CPU with the same
@@ -118,10 +119,11 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
                     pipeline_parallel_size: int = 1, fp8_optimizer: bool = False, fp8_group_size: int = 128,
                     bf16: bool = True, fp8_weight_cache: str = DEFAULT_WEIGHT_CACHE, main_grads_dtype: str = "bf16",
                     main_params_dtype: str = "fp32", compiled: bool = False,
-                    graphed_accumulation: bool = False) -> MemoryEstimate:
+                    graphed_accumulation: bool = False, fp8_output_layer: bool = False) -> MemoryEstimate:
     """Bytes on the busiest GPU (the first pipeline stage for activations, the last for the head). compiled:
     --compile (also --enable-cuda-graph), whose blocks and loss save less (see the module docstring).
-    graphed_accumulation: --enable-cuda-graph with more than one micro-batch a step (gradients laid flat)."""
+    graphed_accumulation: --enable-cuda-graph with more than one micro-batch a step (gradients laid flat).
+    fp8_output_layer: --fp8-output-layer (the head an FP8 linear too)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if main_grads_dtype not in MAIN_GRADS_DTYPES or main_params_dtype not in MAIN_PARAMS_DTYPES:
@@ -166,8 +168,13 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
         weights = 4 * params
         gradients, step_gradients = 4 * params / zero_div_grad, 0.0
         optimizer = moments * params / zero_div_master
+    if fp8_output_layer and mode == "bf16":
+        raise ValueError("fp8_output_layer needs an FP8 mode")
     if mode != "bf16" and fp8_weight_cache != "none":  # the E4M3 weight cache: W and W^T (step) or W (rowwise)
-        weights += (2 if fp8_weight_cache == "step" else 1) * block_linear_parameters(cfg) / (tp * pp)
+        cached = block_linear_parameters(cfg) / (tp * pp)
+        if fp8_output_layer:  # the head's weight (tied or not), on the last stage
+            cached += cfg.vocab_size * cfg.hidden_size / tp
+        weights += (2 if fp8_weight_cache == "step" else 1) * cached
 
     tokens = micro_batch_size * seq
     layers_per_stage = cfg.num_layers / pp
@@ -176,6 +183,8 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
     # the compiled loss keeps bf16 logits only, and backward starts with their bf16 gradient beside them
     logit_bytes = 4 if compiled and tp == 1 else 10
     norm_bytes = 4 if compiled and tp == 1 else 8  # the final norm's saved input (2 compiled, 6 eager) + the head's 2
+    if fp8_output_layer:
+        norm_bytes -= 1  # the head saves its input as E4M3
     head = (norm_bytes * cfg.hidden_size + logit_bytes * cfg.vocab_size / tp) * tokens
     activations = per_layer * tokens * layers_per_stage * in_flight + (head if pp == 1 else 0)
     if pp > 1:  # the last stage: one micro-batch of its layers plus the head, if that is the larger

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from megacoat.fp8.blocks import CoatTransformerBlock
 from megacoat.fp8.config import FP8Config
 from megacoat.fp8.convert import convert_to_fp8
-from megacoat.fp8.linear import Fp8Linear
+from megacoat.fp8.linear import Fp8Linear, persistent_weight_caches
 from megacoat.fp8.saved_memory import saved_activation_bytes
 from megacoat.model.config import ModelConfig
 from megacoat.model.gpt import GPT
@@ -45,9 +45,33 @@ def test_bf16_is_a_no_op_and_bad_dims_are_named():
         convert_to_fp8(_model(ffn_hidden_size=360), FP8Config(mode="coat", group_size=64))
 
 
-@pytest.mark.parametrize("mode", ["fp8-linear", "coat"])
-def test_loss_and_gradients_match_bf16(mode):
-    """Issue 6's bar: relative loss difference <= 2e-2 and per-parameter gradient cosine >= 0.98."""
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_output_layer_in_fp8_shares_its_weight(tie):
+    """--fp8-output-layer: the head becomes an Fp8Linear on the same Parameter (the embedding's, where tied), its
+    FP8 copy among the caches the trainer refreshes after each step; checkpoints of the plain model still load."""
+    model = _model(tie_embeddings=tie)
+    before = dict(model.named_parameters())
+    caches = len(list(persistent_weight_caches(convert_to_fp8(_model(tie_embeddings=tie), FP8Config(mode="coat",
+                                                                                                   group_size=64)))))
+    convert_to_fp8(model, FP8Config(mode="coat", group_size=64, output_layer=True))
+    after = dict(model.named_parameters())
+    assert list(before) == list(after) and all(before[n] is after[n] for n in before)
+    assert isinstance(model.output, Fp8Linear) and (model.output.weight is model.tok_embeddings.weight) == tie
+    assert len(list(persistent_weight_caches(model))) == caches + 1
+    model.load_state_dict(_model(tie_embeddings=tie).state_dict())
+
+
+def test_the_output_layer_is_refused_off_the_gemm_alignment_and_without_fp8():
+    with pytest.raises(ValueError, match="--fp8-output-layer: .*multiple of 16"):
+        convert_to_fp8(_model(vocab_size=520), FP8Config(mode="coat", group_size=64, output_layer=True))
+    with pytest.raises(ValueError, match="--fp8-output-layer needs FP8 GEMMs"):
+        FP8Config(mode="bf16", output_layer=True)
+
+
+@pytest.mark.parametrize("mode, output_layer", [("fp8-linear", False), ("coat", False), ("coat", True)])
+def test_loss_and_gradients_match_bf16(mode, output_layer):
+    """Issue 6's bar: relative loss difference <= 2e-2 and per-parameter gradient cosine >= 0.98; with the head in
+    FP8 too, the tied embedding's gradient (the head's weight gradient plus the embedding's) under the same bar."""
     base = _model()
     tokens = torch.randint(0, CFG["vocab_size"], (2, 64))
     labels = torch.randint(0, CFG["vocab_size"], (2, 64))
@@ -58,7 +82,8 @@ def test_loss_and_gradients_match_bf16(mode):
         return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
     ref_loss, ref_grads = run(copy.deepcopy(base))
-    loss, grads = run(convert_to_fp8(copy.deepcopy(base), FP8Config(mode=mode, group_size=64)))
+    loss, grads = run(convert_to_fp8(copy.deepcopy(base), FP8Config(mode=mode, group_size=64,
+                                                                     output_layer=output_layer)))
     assert abs(loss - ref_loss) / ref_loss <= 2e-2
     for name, g in ref_grads.items():
         assert F.cosine_similarity(grads[name].flatten(), g.flatten(), dim=0) >= 0.98, name

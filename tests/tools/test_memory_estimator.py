@@ -182,6 +182,29 @@ def test_model_state_matches_a_hand_count():
         estimate_memory(cfg, "coat", fp8_weight_cache="micro-batch")
 
 
+def test_the_fp8_output_layer_saves_one_byte_less_per_hidden_element_and_caches_its_weight():
+    """--fp8-output-layer: the head keeps x8^T (1 byte an element, measured here against the BF16 head's x) and
+    an E4M3 copy of its weight (1 byte a parameter by default, 2 with step), which the estimate adds."""
+    from megacoat.fp8.linear import Fp8Linear
+    from megacoat.fp8.saved_memory import saved_activation_bytes
+
+    tokens, hidden, vocab = 64, 128, 512
+    head = torch.nn.Linear(hidden, vocab, bias=False).bfloat16()
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    bf16, _ = saved_activation_bytes(lambda: head(x), head.parameters())
+    fp8, _ = saved_activation_bytes(lambda: Fp8Linear(head)(x), head.parameters())
+    assert bf16 - fp8 == tokens * hidden - 4  # x (2 B) against x8^T (1 B) and its fp32 scale
+    cfg = ModelConfig(num_layers=2, hidden_size=hidden, ffn_hidden_size=256, num_attention_heads=4, vocab_size=vocab,
+                      seq_length=tokens)
+    for cache, per_param in (("rowwise", 1), ("step", 2)):
+        plain = estimate_memory(cfg, "coat", fp8_weight_cache=cache)
+        head8 = estimate_memory(cfg, "coat", fp8_weight_cache=cache, fp8_output_layer=True)
+        assert head8.weights - plain.weights == per_param * vocab * hidden
+        assert plain.activations - head8.activations == tokens * hidden
+    with pytest.raises(ValueError, match="fp8_output_layer needs an FP8 mode"):
+        estimate_memory(cfg, "bf16", fp8_output_layer=True)
+
+
 def test_zero_tp_pp_divide_what_they_should():
     cfg = ModelConfig(num_layers=8, hidden_size=512, ffn_hidden_size=1536, num_attention_heads=8, vocab_size=8000,
                       seq_length=256)

@@ -38,6 +38,10 @@ def test_plain_run_on_cpu():
                                 bf16=True, on_cuda=True)
     assert "FP8: fp8-linear: FP8 GEMMs" in fp8_linear and "(--bf16)" in fp8_linear
     assert "fast accumulation" not in fp8_linear
+    assert "the output layer in high precision" in fp8_linear
+    head = startup_banner(parse_config(["--coat-fp8", "--fp8-output-layer"]), ParallelState(), 1, 2, bf16=True,
+                          on_cuda=True)
+    assert "the output layer in FP8 too (--fp8-output-layer)" in head
     fast = startup_banner(parse_config(["--coat-fp8", "--fp8-fast-accum"]), ParallelState(), 1, 2, bf16=True,
                           on_cuda=True)
     assert "gradients E5M2; forward GEMMs with fast accumulation (--fp8-fast-accum))" in fast

@@ -20,11 +20,12 @@ CFG = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_head
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["bf16", "fp8-linear", "coat"])
+@pytest.mark.parametrize("mode", ["bf16", "fp8-linear", "coat", "coat+fp8-head"])
 def test_compiled_blocks_match_eager(mode):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    eager = convert_to_fp8(GPT(ModelConfig(**CFG)), FP8Config(mode=mode, group_size=32))
+    mode, _, head = mode.partition("+")  # coat+fp8-head: --fp8-output-layer too
+    eager = convert_to_fp8(GPT(ModelConfig(**CFG)), FP8Config(mode=mode, group_size=32, output_layer=bool(head)))
     compiled = copy.deepcopy(eager)
     apply_compile(compiled)
     refresh_fp8_weights(compiled)  # what the trainer does before the first step
