@@ -136,6 +136,8 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
         raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage}")
     if fp8_weight_cache not in WEIGHT_CACHES:
         raise ValueError(f"fp8_weight_cache must be one of {WEIGHT_CACHES}, got {fp8_weight_cache!r}")
+    if fp8_output_layer and mode == "bf16":
+        raise ValueError("fp8_output_layer needs an FP8 mode")
     for name, v in (("micro_batch_size", micro_batch_size), ("data_parallel_size", data_parallel_size),
                     ("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size)):
         if v < 1:
@@ -168,8 +170,6 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
         weights = 4 * params
         gradients, step_gradients = 4 * params / zero_div_grad, 0.0
         optimizer = moments * params / zero_div_master
-    if fp8_output_layer and mode == "bf16":
-        raise ValueError("fp8_output_layer needs an FP8 mode")
     if mode != "bf16" and fp8_weight_cache != "none":  # the E4M3 weight cache: W and W^T (step) or W (rowwise)
         cached = block_linear_parameters(cfg) / (tp * pp)
         if fp8_output_layer:  # the head's weight (tied or not), on the last stage
