@@ -257,9 +257,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         out = scaled_mm(x8, w8.t(), x_scale, w_scale, x.dtype, fast_accum)
         # the FP8 input transposed for wgrad (the only activation saved), or x, which its producer keeps anyway
         ctx.save_for_backward(x if save_input else x8t, x_scale)
-        ctx.save_input = save_input
-        ctx.w8t, ctx.w_scale, ctx.grad_dtype, ctx.w_dtype = w8t, w_scale, grad_dtype, weight.dtype
-        ctx.weights = (weight,) if w8t is None else None  # to remake W8^T in backward (no persistent cache)
+        Fp8LinearFunction.save_weight(ctx, weight, w8t, w_scale, grad_dtype, save_input)
         if not carry_amax:
             return out
         ctx.set_materialize_grads(False)  # an unused carrier must arrive as None, not as a zero amax
@@ -273,15 +271,30 @@ class Fp8LinearFunction(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         g8, g8t, g_scale = quantize_grad(grad_out, ctx.grad_dtype, rowwise=need_dx, transpose=need_dw,
                                          amax=grad_amax)
-        dx = dw = None
-        if need_dx:
-            w8t = fp8_weight_t(ctx.w8t, ctx.weights)
-            dx = scaled_mm(g8, w8t.t(), g_scale, ctx.w_scale, grad_out.dtype)
-        if need_dw:
-            if ctx.save_input:  # x8t is x here; cast after g's cast, so that a compiled graph casts in backward
-                x8t = cast_transpose(x8t, x_scale, E4M3.dtype, rowwise=False, transpose=True, after=g_scale)[1]
-            dw = scaled_mm(g8t, x8t.t(), g_scale, x_scale, ctx.w_dtype)
-        return dx, dw, *(None,) * 10
+        return (*fp8_linear_grads(ctx, g8, g8t, g_scale, x8t, x_scale, grad_out.dtype), *(None,) * 10)
+
+    @staticmethod
+    def save_weight(ctx, weight, w8t, w_scale, grad_dtype, save_input=False) -> None:
+        """What fp8_linear_grads reads from ctx besides the saved input: the weight's FP8 transpose (or the weight,
+        to make it again), its scale and dtype, the gradient's FP8 dtype."""
+        ctx.save_input = save_input
+        ctx.w8t, ctx.w_scale, ctx.grad_dtype, ctx.w_dtype = w8t, w_scale, grad_dtype, weight.dtype
+        ctx.weights = (weight,) if w8t is None else None  # to remake W8^T in backward (no persistent cache)
+
+
+def fp8_linear_grads(ctx, g8, g8t, g_scale, x8t, x_scale, dx_dtype: torch.dtype):
+    """(dx, dw) of an FP8 linear from its output gradient's codes (g8 for dgrad, g8t for wgrad; None: that
+    gradient is not needed), given what its forward saved: x8t (or x itself, ctx.save_input) with x_scale, and
+    Fp8LinearFunction.save_weight's attributes of ctx."""
+    dx = dw = None
+    if g8 is not None:
+        w8t = fp8_weight_t(ctx.w8t, ctx.weights)
+        dx = scaled_mm(g8, w8t.t(), g_scale, ctx.w_scale, dx_dtype)
+    if g8t is not None:
+        if ctx.save_input:  # x8t is x here; cast after g's cast, so that a compiled graph casts in backward
+            x8t = cast_transpose(x8t, x_scale, E4M3.dtype, rowwise=False, transpose=True, after=g_scale)[1]
+        dw = scaled_mm(g8t, x8t.t(), g_scale, x_scale, ctx.w_dtype)
+    return dx, dw
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | None = None,

@@ -126,6 +126,9 @@ class GPT(nn.Module):
         # logits (an all-gather over the vocabulary under tensor parallelism, where the head is split).
         self.loss_fn = cross_entropy_loss
         self.gather_logits = full_logits
+        # A converter's head fused with its loss, (head, h, labels, ignore_index) -> loss, used in place of the head
+        # then loss_fn when there are labels (the FP8 output layer: its loss writes the logits' FP8 gradient).
+        self.head_loss = None
         self.run_layers = run_layers  # how the blocks run in sequence (FP8 blocks may fuse across them)
         self.reset_parameters()
 
@@ -158,7 +161,10 @@ class GPT(nn.Module):
         h = self.tok_embeddings(tokens)
         cos, sin = self._rope(h.device)
         h = self.run_layers(self.layers, h, cos, sin)
-        logits = self.output(self.norm(h))
+        h = self.norm(h)
+        if labels is not None and self.head_loss is not None:
+            return self.head_loss(self.output, h, labels, IGNORE_INDEX)
+        logits = self.output(h)
         if labels is None:
             return self.gather_logits(logits)
         return self.loss_fn(logits, labels)

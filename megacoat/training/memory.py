@@ -180,8 +180,9 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
     layers_per_stage = cfg.num_layers / pp
     in_flight = pp  # 1F1B: the first stage keeps pp micro-batches' activations
     per_layer = activation_bytes_per_token_per_layer(cfg, mode, compiled) / tp
-    # the compiled loss keeps bf16 logits only, and backward starts with their bf16 gradient beside them
-    logit_bytes = 4 if compiled and tp == 1 else 10
+    # the compiled loss keeps bf16 logits only, and backward starts with their bf16 gradient beside them; the FP8
+    # head's fused loss (megacoat.fp8.head_loss), compiled or not, keeps them and writes the FP8 gradient's 2 layouts
+    logit_bytes = 4 if (compiled or fp8_output_layer) and tp == 1 else 10
     norm_bytes = 4 if compiled and tp == 1 else 8  # the final norm's saved input (2 compiled, 6 eager) + the head's 2
     if fp8_output_layer:
         norm_bytes -= 1  # the head saves its input as E4M3

@@ -197,10 +197,14 @@ def test_the_fp8_output_layer_saves_one_byte_less_per_hidden_element_and_caches_
     cfg = ModelConfig(num_layers=2, hidden_size=hidden, ffn_hidden_size=256, num_attention_heads=4, vocab_size=vocab,
                       seq_length=tokens)
     for cache, per_param in (("rowwise", 1), ("step", 2)):
-        plain = estimate_memory(cfg, "coat", fp8_weight_cache=cache)
-        head8 = estimate_memory(cfg, "coat", fp8_weight_cache=cache, fp8_output_layer=True)
+        plain = estimate_memory(cfg, "coat", fp8_weight_cache=cache, compiled=True)
+        head8 = estimate_memory(cfg, "coat", fp8_weight_cache=cache, fp8_output_layer=True, compiled=True)
         assert head8.weights - plain.weights == per_param * vocab * hidden
         assert plain.activations - head8.activations == tokens * hidden
+    # eager, the FP8 head's fused loss keeps the compiled loss's 4 bytes a logit (tests/fp8/test_head_loss.py),
+    # where the eager loss keeps 10
+    eager, head8 = (estimate_memory(cfg, "coat", fp8_output_layer=h) for h in (False, True))
+    assert eager.activations - head8.activations == tokens * hidden + 6 * tokens * vocab
     with pytest.raises(ValueError, match="fp8_output_layer needs an FP8 mode"):
         estimate_memory(cfg, "bf16", fp8_output_layer=True)
 

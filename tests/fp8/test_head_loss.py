@@ -1,0 +1,116 @@
+"""The FP8 output layer fused with its cross-entropy (megacoat.fp8.head_loss): its loss is the FP8 head's logits'
+cross-entropy, its gradients those of that forward within E5M2's rounding, ignored tokens count nowhere, it keeps
+what it says it keeps, syncs nothing, and the converted GPT takes it when it has labels."""
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.fp8.flow_paths import triton_paths  # noqa: I001
+from tests.fp8.test_no_host_sync import SyncRecorder
+from tests.ops.fp8_compare import DEV, interpreted, rel_err
+from megacoat.fp8.config import FP8Config
+from megacoat.fp8.convert import convert_to_fp8
+from megacoat.fp8.head_loss import fp8_head_loss
+from megacoat.fp8.linear import Fp8Linear, quantize_x
+from megacoat.fp8.saved_memory import saved_activation_bytes
+from megacoat.model.config import ModelConfig
+from megacoat.model.gpt import GPT, IGNORE_INDEX
+from megacoat.ops.cross_entropy_fp8 import _stats_kernel
+
+T, H, V = 64, 128, 512
+
+
+def _paths(path):
+    if path == "triton" and DEV == "cpu" and not interpreted(_stats_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+    return triton_paths() if path == "triton" and DEV == "cpu" else contextlib.nullcontext()
+
+
+def _head_and_batch(seed=0):
+    torch.manual_seed(seed)
+    head = Fp8Linear(torch.nn.Linear(H, V, bias=False, device=DEV).bfloat16())
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, V, (T,), device=DEV)
+    labels[[3, 40]] = IGNORE_INDEX
+    return head, x, labels
+
+
+def _dequantized_forward_grads(head, x, labels):
+    """float32 autograd through the logits the FP8 GEMM computes (x and W as their E4M3 codes times their scales):
+    the gradient the fused backward's FP8 codes and GEMMs approximate."""
+    x8, _, xs = quantize_x(x, transpose=False)
+    w8, _, ws = head.fp8_cache.get((head.weight,))
+    xd = (x8.float() * xs).requires_grad_()
+    wd = (w8.float() * ws).requires_grad_()
+    F.cross_entropy(xd @ wd.t(), labels, ignore_index=IGNORE_INDEX).backward()
+    return xd.grad, wd.grad
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_loss_is_the_fp8_heads_and_gradients_are_within_e5m2(path):
+    """The loss: F.cross_entropy of the unfused FP8 head's very logits (the same GEMM on the same codes), up to
+    the kernel's log-sum-exp rounding. The gradients: the exact gradient of that forward within 2^-3 relative
+    (norm-wise), the bound of E5M2's rounding of each gradient element (2 mantissa bits: half a step is at most 2^-3
+    of the value), which the GEMMs' sums only average down; the E4M3 operands of the backward GEMMs add their own
+    rounding (2^-4), so 2^-3 + 2^-4 in all."""
+    head, x, labels = _head_and_batch()
+    with _paths(path):  # the same casts of x for all three
+        loss = fp8_head_loss(head, x, labels, IGNORE_INDEX)
+        loss.backward()
+        want = F.cross_entropy(head(x.detach()).float(), labels, ignore_index=IGNORE_INDEX)
+        dx, dw = _dequantized_forward_grads(head, x.detach(), labels)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
+    assert rel_err(x.grad, dx) <= 2 ** -3 + 2 ** -4
+    assert rel_err(head.weight.grad, dw) <= 2 ** -3 + 2 ** -4
+    assert x.grad[[3, 40]].eq(0).all()  # ignored tokens: no gradient
+
+
+def test_keeps_the_logits_their_log_sum_exp_and_the_inputs_fp8_transpose():
+    """Saved for backward: the bf16 logits (2 B a logit, as the compiled loss keeps them), their float32 log-sum-exp
+    and the labels (a view of the batch's), x8^T (1 B an element, not x) with its scale, and two scalars."""
+    head, x, labels = _head_and_batch()
+    saved, by_dtype = saved_activation_bytes(lambda: fp8_head_loss(head, x, labels, IGNORE_INDEX), head.parameters())
+    assert saved == 2 * T * V + 4 * T + 8 * T + T * H + 4 + 4 + 8, by_dtype  # ... scale, amax, count
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_no_host_sync(path):
+    head, x, labels = _head_and_batch()
+    fp8_head_loss(head, x, labels, IGNORE_INDEX)  # builds the weight copy (outside the check, as a step's first)
+    with _paths(path), SyncRecorder() as rec:
+        fp8_head_loss(head, x, labels, IGNORE_INDEX).backward()
+    assert rec.syncs == []
+
+
+def test_the_converted_gpt_takes_it_with_labels_and_returns_logits_without():
+    cfg = ModelConfig(num_layers=1, vocab_size=V, hidden_size=H, ffn_hidden_size=256, num_attention_heads=4,
+                      seq_length=32)
+    torch.manual_seed(0)
+    model = convert_to_fp8(GPT(cfg).to(DEV).bfloat16(), FP8Config(mode="coat", group_size=32, output_layer=True))
+    assert model.head_loss is fp8_head_loss
+    tokens = torch.randint(0, V, (2, 32), device=DEV)
+    labels = torch.randint(0, V, (2, 32), device=DEV)
+    logits = model(tokens)
+    assert logits.shape == (2, 32, V)
+    torch.testing.assert_close(model(tokens, labels), F.cross_entropy(logits.flatten(0, 1).float(),
+                                                                       labels.flatten()), rtol=1e-5, atol=0)
+    plain = convert_to_fp8(GPT(cfg), FP8Config(mode="coat", group_size=32))
+    assert plain.head_loss is None
+
+
+@pytest.mark.gpu
+def test_gpu_loss_gradients_and_no_sync():
+    """On the device: the loss and gradient bounds above, and CUDA's own sync check over a second step."""
+    if DEV != "cuda":
+        pytest.skip("needs CUDA")
+    test_loss_is_the_fp8_heads_and_gradients_are_within_e5m2("triton")
+    head, x, labels = _head_and_batch()
+    fp8_head_loss(head, x, labels, IGNORE_INDEX).backward()  # Triton compiles, the weight copy: outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fp8_head_loss(head, x, labels, IGNORE_INDEX).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

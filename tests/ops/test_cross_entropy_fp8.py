@@ -1,0 +1,136 @@
+"""The FP8 head's cross-entropy: the stats kernel and the gradient cast against their references, the references
+against float64 autograd through F.cross_entropy, and the amax the forward predicts against the gradient's own."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.ops.fp8_compare import DEV, assert_fp8_close, interpreted, rel_err  # noqa: I001
+from megacoat.ops import cross_entropy_fp8 as C
+from megacoat.ops.cast_transpose import quantize_transpose_ref
+
+IGNORE = -100
+
+
+def _skip_unless_kernels_run():
+    if DEV == "cpu" and not interpreted(C._stats_kernel):
+        pytest.skip("kernels were imported before TRITON_INTERPRET was set")
+
+
+def _case(t, v, dtype=torch.float32, ignored=(), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(t, v, generator=g)).to(dtype).to(DEV)
+    labels = torch.randint(0, v, (t,), generator=g)
+    labels[list(ignored)] = IGNORE
+    return logits, labels.to(DEV)
+
+
+def _autograd_grad(logits, labels, upstream):
+    """float64 autograd of upstream * mean cross-entropy: the gradient the FP8 codes stand for."""
+    z = logits.double().requires_grad_()
+    (upstream * F.cross_entropy(z, labels, ignore_index=IGNORE)).backward()
+    return z.grad
+
+
+@pytest.mark.parametrize("t,v,ignored", [(8, 40, ()), (20, 300, (3, 7)), (16, 4096 + 24, (0,))])
+def test_reference_stats_and_gradient_agree_with_autograd(t, v, ignored):
+    """The reference's mean loss is F.cross_entropy's; its amax is max|p - onehot| over counted tokens; its codes
+    dequantize to float64 autograd's gradient within half an E5M2 step (2^-3 relative) plus the smallest step."""
+    logits, labels = _case(t, v, ignored=ignored)
+    loss_rows, lse, amax = C.cross_entropy_stats_ref(logits, labels, IGNORE)
+    count = (labels != IGNORE).sum()
+    torch.testing.assert_close(loss_rows.sum() / count, F.cross_entropy(logits, labels, ignore_index=IGNORE))
+    assert loss_rows[list(ignored)].eq(0).all()
+    want = _autograd_grad(logits, labels, 1.0) * count  # the summed loss's gradient
+    torch.testing.assert_close(amax, want.abs().amax().float().reshape(1), rtol=1e-6, atol=0)
+    coef = torch.tensor([0.5], device=DEV) / count
+    g8, g8t, scale = C.cross_entropy_grad_fp8_ref(logits, labels, lse, amax, coef, torch.float8_e5m2, IGNORE)
+    exact = _autograd_grad(logits, labels, 0.5)
+    err = (g8.double() * scale.double() - exact).abs()
+    assert (err <= exact.abs() * 2 ** -3 + scale.double() * 2 ** -16).all()
+    assert g8[list(ignored)].float().eq(0).all()
+    assert torch.equal(g8t.view(torch.uint8), g8.t().contiguous().view(torch.uint8))
+
+
+def test_reference_codes_are_current_scaling_of_the_float32_gradient():
+    """Given the float32 gradient itself, quantize_transpose (current scaling) writes the same codes and scale."""
+    logits, labels = _case(24, 200, ignored=(5,))
+    _, lse, amax = C.cross_entropy_stats_ref(logits, labels, IGNORE)
+    coef = torch.tensor([1.0], device=DEV) / 23
+    g8, g8t, scale = C.cross_entropy_grad_fp8_ref(logits, labels, lse, amax, coef, torch.float8_e5m2, IGNORE)
+    p = torch.exp(logits - lse[:, None])
+    g = (p - F.one_hot(labels.clamp(min=0), 200)) * coef
+    g[5] = 0
+    r8, r8t, rscale = quantize_transpose_ref(g, torch.float8_e5m2)
+    torch.testing.assert_close(scale, rscale, rtol=2 ** -23, atol=0)  # amax: the same max, up to one rounding
+    assert_fp8_close(g8, r8)
+
+
+@pytest.mark.parametrize("t,v,ignored", [(8, 40, ()), (70, 300, (3, 7, 69)), (16, 4096 + 24, (0,))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matches_reference(t, v, ignored, dtype):
+    """The kernels' log-sum-exp, loss and amax are the reference's float32 values up to exp's and log's rounding;
+    the codes agree as cast_transpose's do (fp8_compare), and both layouts are one tile's bytes."""
+    _skip_unless_kernels_run()
+    logits, labels = _case(t, v, dtype, ignored)
+    loss_k, lse_k, amax_k = C.cross_entropy_stats_triton(logits, labels, IGNORE)
+    loss_r, lse_r, amax_r = C.cross_entropy_stats_ref(logits, labels, IGNORE)
+    torch.testing.assert_close(lse_k, lse_r, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss_k, loss_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(amax_k, amax_r, rtol=1e-5, atol=0)
+    coef = torch.tensor([0.25], device=DEV) / (t - len(ignored))
+    for grad_dtype in (torch.float8_e5m2, torch.float8_e4m3fn):
+        g8, g8t, scale = C.cross_entropy_grad_fp8_triton(logits, labels, lse_r, amax_r, coef, grad_dtype, IGNORE)
+        r8, r8t, rscale = C.cross_entropy_grad_fp8_ref(logits, labels, lse_r, amax_r, coef, grad_dtype, IGNORE)
+        assert torch.equal(scale, rscale)  # the same float32 product and division
+        if DEV == "cuda":
+            assert_fp8_close(g8, r8)
+        else:  # the interpreter's casts (fp8_compare) and exp's rounding
+            assert rel_err(g8.float(), r8.float()) <= 0.15
+        assert torch.equal(g8t.view(torch.uint8), g8.t().contiguous().view(torch.uint8))
+        only_t = C.cross_entropy_grad_fp8_triton(logits, labels, lse_r, amax_r, coef, grad_dtype, IGNORE,
+                                                 rowwise=False)
+        assert only_t[0] is None and torch.equal(only_t[1].view(torch.uint8), g8t.view(torch.uint8))
+
+
+def test_bad_labels_and_logits_are_visible():
+    """A label outside [0, V) makes the kernel's loss and amax NaN (the reference raises); a NaN logit makes its
+    token's loss and the amax NaN."""
+    _skip_unless_kernels_run()
+    logits, labels = _case(8, 40)
+    labels[2] = 40
+    loss, _, amax = C.cross_entropy_stats_triton(logits, labels, IGNORE)
+    assert loss[2].isnan() and amax.isnan().all() and loss[[0, 1, 3]].isfinite().all()
+    with pytest.raises(RuntimeError):
+        C.cross_entropy_stats_ref(logits, labels, IGNORE)
+    logits, labels = _case(8, 40)
+    logits[5, 9] = float("nan")
+    loss, _, amax = C.cross_entropy_stats_triton(logits, labels, IGNORE)
+    assert loss[5].isnan() and amax.isnan().all()
+    with pytest.raises(ValueError, match="int64 labels"):
+        C.cross_entropy_stats(logits, labels.int(), IGNORE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_vocabulary_shape_matches_reference(dtype):
+    """The 1.3 B model's head at 2048 tokens (a 32 k vocabulary), on CUDA: the stats and the codes against the
+    references, both layouts one tile's bytes (float32 logits: the byte-transpose path around Triton's bug), every
+    code under torch.compile's operator too."""
+    if DEV != "cuda":
+        pytest.skip("needs CUDA")
+    logits, labels = _case(2048, 32000, dtype, ignored=(0, 1000))
+    loss_k, lse_k, amax_k = C.cross_entropy_stats(logits, labels, IGNORE)
+    loss_r, lse_r, amax_r = C.cross_entropy_stats_ref(logits, labels, IGNORE)
+    torch.testing.assert_close(lse_k, lse_r, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss_k, loss_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(amax_k, amax_r, rtol=1e-5, atol=0)
+    coef = torch.tensor([1.0], device=DEV) / 2046
+    g8, g8t, scale = C.cross_entropy_grad_fp8(logits, labels, lse_r, amax_r, coef, torch.float8_e5m2, IGNORE)
+    r8, _, rscale = C.cross_entropy_grad_fp8_ref(logits, labels, lse_r, amax_r, coef, torch.float8_e5m2, IGNORE)
+    assert torch.equal(scale, rscale)
+    assert_fp8_close(g8, r8)
+    assert torch.equal(g8t.view(torch.uint8), g8.t().contiguous().view(torch.uint8))
+    compiled = torch.compile(C.cross_entropy_grad_fp8, fullgraph=True)
+    c8, c8t, cscale = compiled(logits, labels, lse_r, amax_r, coef, torch.float8_e5m2, IGNORE)
+    assert torch.equal(cscale, scale) and torch.equal(c8.view(torch.uint8), g8.view(torch.uint8)) \
+        and torch.equal(c8t.view(torch.uint8), g8t.view(torch.uint8))
