@@ -86,6 +86,10 @@
 #               every mode's blocks replayed as CUDA graphs, for the 350m preset). RESUME=1 [STOP_EVERY=N]:
 #               runs longer than a call save when they stop and continue on the next call of the same warm
 #               machine (its JSON then holds them whole). Merge the calls' JSON with fidelity.py report  issue 19
+#   head-eval [MODE:SEED] (<= 9.5 min, 1 GPU) one 350m-long run (default coat-fp8-head:3, CUDA graphs) trained in the
+#               call's time (STOP_EVERY=N: at most N iterations), its checkpoint kept and continued by the next call
+#               on the same warm machine; then head_precision_eval.py on it: the held-out loss with the head in FP8
+#               and in BF16, same weights (is the FP8 head's loss gap training's or evaluation's?)            issue 18
 #   quality     (~6 min, 1 GPU) CoatAdamW vs AdamW on a larger model; coat vs bf16 300 steps    issues 5, 6
 #   parallel2   (~9 min, nvidia-h200-x2) TP=2, PP=2, DP=2 x bf16/coat, 1.3 B model              issue 8
 #   parallel4   (~9 min, nvidia-h200-x4) TP2xPP2, TP2xDP2 x bf16/coat, 7 B model, micro-batch 1  issue 11
@@ -318,6 +322,17 @@ fidelity)
     fi
     python3 benchmarks/fidelity.py report "$OUT/fidelity_${PRESET}_${NAME}.json" --out /tmp/fidelity_report.json \
         2>&1 | tail -n 12
+    ;;
+head-eval)
+    RUN=${2:-coat-fp8-head:3}
+    step fidelity_data 300 python3 benchmarks/fidelity_data.py --out .cache/fidelity_data --workers 14
+    step head_eval_run $((470 - SECONDS)) python3 benchmarks/fidelity.py run --preset 350m-long --runs "$RUN" \
+        --data .cache/fidelity_data --resume ${STOP_EVERY:+--stop-every "$STOP_EVERY"} --cuda-graph --parallel 1 \
+        --time-budget $((460 - SECONDS)) --stop-margin-s 25 --workdir .cache/head_eval_runs \
+        --out "$OUT/head_eval_run_${RUN%%:*}_s${RUN##*:}.json"
+    step head_eval 100 python3 benchmarks/head_precision_eval.py --checkpoint \
+        ".cache/head_eval_runs/${RUN%%:*}_s${RUN##*:}/checkpoint" --data .cache/fidelity_data --samples 64 \
+        --batch-size 8 --out "$OUT/head_precision_eval.json"
     ;;
 quality)
     step optimizer_quality 300 python3 benchmarks/optimizer_quality.py --name larger_gpu --out-dir "$OUT" \
