@@ -76,6 +76,9 @@ MODES = {
     # and the output layer in FP8 too: whether --fp8-output-layer costs loss (off by default until shown)
     "coat-fp8-head": ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling", "delayed",
                       "--fp8-output-layer"],
+    # only its dgrad and wgrad in FP8, its logits in BF16: whether the FP8 head's cost is its forward's or backward's
+    "coat-fp8-head-bwd": ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling", "delayed",
+                          "--fp8-output-layer", "--fp8-output-layer-bf16-forward"],
 }
 MODEL_125M = ["--num-layers", "12", "--hidden-size", "768", "--ffn-hidden-size", "2048", "--num-attention-heads", "12"]
 MODEL_350M = ["--num-layers", "24", "--hidden-size", "1024", "--ffn-hidden-size", "2816", "--num-attention-heads", "16"]
