@@ -1,9 +1,9 @@
-"""The FP8 output layer and its cross-entropy as one autograd function (--fp8-output-layer, training forwards).
+"""The FP8 output layer and its cross-entropy as one autograd function (--fp8-output-layer, forwards with labels).
 
 The head's backward takes the logits' gradient as FP8 codes, and the loss can write them itself: its forward keeps
 what the gradient's amax needs (megacoat.ops.cross_entropy_fp8), so its backward forms the gradient and casts it in
 one pass over the logits. Apart, the loss would write a bf16 gradient and the head would read it twice more (amax,
-cast): ~8 bytes per logit a micro-batch more, ~4 ms of an H100 step at the 1.3 B model's micro-batch 32.
+cast): 6 bytes per logit more, ~4 ms a micro-batch of the 1.3 B model at micro-batch 32 on an H100.
 
 The GPT calls `fp8_head_loss` through its `head_loss` attribute (set by convert_to_fp8) when it has labels; without
 labels the head is the Fp8OutputLayer it is, and returns the logits. bf16_forward (--fp8-output-layer-bf16-forward):
