@@ -147,12 +147,12 @@ def transpose_fp8_triton(q: torch.Tensor) -> torch.Tensor:
     return qt
 
 
-def _op_layouts(x: torch.Tensor, out_dtype: torch.dtype, q: torch.Tensor | None, qt: torch.Tensor | None):
+def op_layouts(x: torch.Tensor, out_dtype: torch.dtype, q: torch.Tensor | None, qt: torch.Tensor | None):
     """An operator returns tensors: a layout not asked for (None) goes out as an empty tensor of out_dtype."""
     return tuple(x.new_empty(0, dtype=out_dtype) if t is None else t for t in (q, qt))
 
 
-def _asked(q: torch.Tensor, qt: torch.Tensor, rowwise: bool, transpose: bool):
+def asked_layouts(q: torch.Tensor, qt: torch.Tensor, rowwise: bool, transpose: bool):
     """The layouts asked for, the other None (an operator returned it empty)."""
     return (q if rowwise else None), (qt if transpose else None)
 
@@ -187,14 +187,14 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
         q, qt = _cast_transpose_op(x, scale, out_dtype, rowwise, transpose, after)
     else:
         q, qt = pick(x, cast_transpose_triton, cast_transpose_ref)(x, scale, out_dtype, rowwise, transpose)
-    return _asked(q, qt, rowwise, transpose)
+    return asked_layouts(q, qt, rowwise, transpose)
 
 
 @fp8_operator("megacoat::cast_transpose")
 def _cast_transpose_op(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, rowwise: bool,
                        transpose: bool, after: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     q, qt = traced_body(x, cast_transpose_triton, cast_transpose_ref, x, scale, out_dtype, rowwise, transpose)
-    return _op_layouts(x, out_dtype, q, qt)
+    return op_layouts(x, out_dtype, q, qt)
 
 
 def quantize_transpose_ref(x: torch.Tensor, out_dtype: torch.dtype, rowwise: bool = True,
@@ -233,7 +233,7 @@ def cast_from_amax(x: torch.Tensor, amax: torch.Tensor, out_dtype: torch.dtype, 
     launch, no pass over x for its amax. Its bytes are quantize_transpose's whenever amax is max|x|."""
     q, qt, scale = dispatch(_cast_transpose_from_amax_op, x, cast_from_amax_triton, cast_from_amax_ref, x, amax,
                             out_dtype, rowwise, transpose)
-    return (*_asked(q, qt, rowwise, transpose), scale)
+    return (*asked_layouts(q, qt, rowwise, transpose), scale)
 
 
 def cast_from_amax_ref(x, amax, out_dtype, rowwise, transpose):
@@ -256,7 +256,7 @@ def _cast_transpose_from_amax_op(x: torch.Tensor, amax: torch.Tensor, out_dtype:
     asked for is empty)."""
     q, qt, scale = traced_body(x, cast_from_amax_triton, cast_from_amax_ref, x, amax, out_dtype, rowwise,
                                transpose)
-    return (*_op_layouts(x, out_dtype, q, qt), scale)
+    return (*op_layouts(x, out_dtype, q, qt), scale)
 
 
 def cast_transpose_delayed_ref(x: torch.Tensor, history: torch.Tensor, out_dtype: torch.dtype, rowwise: bool = True,
@@ -294,7 +294,7 @@ def cast_transpose_delayed(x: torch.Tensor, history: torch.Tensor, out_dtype: to
     scaling needs a reduction over x first; `history` rolled in place."""
     q, qt, scale = dispatch(_cast_transpose_delayed_op, x, cast_transpose_delayed_triton, cast_transpose_delayed_ref,
                             x, history, out_dtype, rowwise, transpose, bootstrap)
-    return (*_asked(q, qt, rowwise, transpose), scale)
+    return (*asked_layouts(q, qt, rowwise, transpose), scale)
 
 
 @fp8_operator("megacoat::cast_transpose_delayed", mutates_args=("history",))
@@ -302,7 +302,7 @@ def _cast_transpose_delayed_op(x: torch.Tensor, history: torch.Tensor, out_dtype
                                transpose: bool, bootstrap: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, qt, scale = traced_body(x, cast_transpose_delayed_triton, cast_transpose_delayed_ref, x, history, out_dtype,
                                rowwise, transpose, bootstrap)
-    return (*_op_layouts(x, out_dtype, q, qt), scale)
+    return (*op_layouts(x, out_dtype, q, qt), scale)
 
 
 def _check_into(parts, q: torch.Tensor, qt: torch.Tensor | None, scale: torch.Tensor) -> None:

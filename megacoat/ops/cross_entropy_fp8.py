@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.cast_transpose import cast_transpose_ref
+from megacoat.ops.cast_transpose import asked_layouts, cast_transpose_ref, op_layouts
 from megacoat.ops.numerics import AMAX_FLOOR, dispatch, fp8_operator, launcher, scale_from_amax, traced_body
 from megacoat.ops.tensor_scale import cast_scale, scaled_codes
 
@@ -187,7 +187,7 @@ def cross_entropy_grad_fp8(logits, labels, lse, amax, coef, grad_dtype: torch.dt
     over the logits (cross_entropy_grad_fp8_ref). lse and amax: cross_entropy_stats's; coef: float32 [1] or []."""
     g8, g8t, scale = dispatch(_grad_op, logits, cross_entropy_grad_fp8_triton, cross_entropy_grad_fp8_ref, logits,
                               labels, lse, amax, coef, grad_dtype, ignore_index, rowwise, transpose)
-    return (g8 if rowwise else None), (g8t if transpose else None), scale
+    return (*asked_layouts(g8, g8t, rowwise, transpose), scale)
 
 
 @fp8_operator("megacoat::cross_entropy_grad_fp8")
@@ -196,5 +196,4 @@ def _grad_op(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, amax
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g8, g8t, scale = traced_body(logits, cross_entropy_grad_fp8_triton, cross_entropy_grad_fp8_ref, logits, labels,
                                  lse, amax, coef, grad_dtype, ignore_index, rowwise, transpose)
-    empty = logits.new_empty(0, dtype=grad_dtype)  # an operator returns tensors: a layout not asked for is empty
-    return (empty if g8 is None else g8), (empty if g8t is None else g8t), scale
+    return (*op_layouts(logits, grad_dtype, g8, g8t), scale)

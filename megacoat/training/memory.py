@@ -36,7 +36,8 @@ autograd's saved_tensors_hooks; tests/tools/test_memory_estimator.py re-measures
                                      q, k, v and output in bf16, and wo keeps that output, not an FP8 copy)
 The head (final norm, logits, fp32 log-softmax, and the logits' gradient at the start of backward): 8 h + 10 V
 per token on the last pipeline stage. With --fp8-output-layer the head saves its input as E4M3 (1 h instead of
-2 h) and keeps an E4M3 copy of its weight like the block linears.
+2 h), keeps an E4M3 copy of its weight like the block linears, and its fused loss (megacoat.fp8.head_loss) keeps
+the bf16 logits and writes their FP8 gradient in two layouts, 4 V, compiled or not.
 
 Compiled (--compile, one graph per block): Inductor's min-cut partition recomputes cheap pointwise work in
 backward instead of saving it. What it saves (the backward graph's inputs, measured on CPU with the same
