@@ -117,8 +117,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the output layer (vocabulary head) in FP8 too, current scaling, the loss writing the logits' "
                         "FP8 gradient (off by default: COAT, Megatron and torchtitan keep it in BF16; ~4%% faster "
                         "steps for a 1.3 B model on an H100, but +0.30%% final loss against bf16 at 350 M, 8 seeds)")
-    g.add_argument("--fp8-output-layer-bf16-forward", action="store_true",
-                   help="with --fp8-output-layer: its forward GEMM (the logits) in BF16, its dgrad and wgrad in FP8")
     g.add_argument("--fp8-grad-scaling", choices=(AUTO, *GRAD_SCALINGS), default=AUTO,
                    help="auto (default): delayed in coat mode without pipeline parallelism, current otherwise; "
                         "current: every FP8 gradient scaled by its own amax; delayed (coat mode): SwiGLU's and the "
@@ -242,8 +240,7 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
                     weight_cache=args.fp8_weight_cache, fast_accum=args.fp8_fast_accum,
                     grad_scaling=resolve_scaling(args.fp8_grad_scaling, fp8_activations, pp),
                     activation_scaling=resolve_scaling(args.fp8_activation_scaling, fp8_activations, pp),
-                    amax_history_len=args.fp8_amax_history_len, output_layer=args.fp8_output_layer,
-                    output_layer_bf16_forward=args.fp8_output_layer_bf16_forward)
+                    amax_history_len=args.fp8_amax_history_len, output_layer=args.fp8_output_layer)
     parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                               pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                               sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage)

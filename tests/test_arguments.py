@@ -49,14 +49,10 @@ def test_fast_accum_reaches_the_fp8_config():
     assert parse_config(["--fp8-activations", "fp8-linear", "--fp8-fast-accum"]).fp8.fast_accum
 
 
-def test_output_layer_reaches_the_fp8_config(capsys):
-    assert not parse_config(["--coat-fp8"]).fp8.output_layer  # off by default: it costs loss at 350 M
+def test_output_layer_reaches_the_fp8_config():
+    assert not parse_config(["--coat-fp8"]).fp8.output_layer  # off by default: its loss is not measured yet
     assert parse_config(["--coat-fp8", "--fp8-output-layer"]).fp8.output_layer
     assert parse_config(["--fp8-activations", "fp8-linear", "--fp8-output-layer"]).fp8.output_layer
-    assert not parse_config(["--coat-fp8", "--fp8-output-layer"]).fp8.output_layer_bf16_forward
-    assert parse_config(["--coat-fp8", "--fp8-output-layer", "--fp8-output-layer-bf16-forward"]
-                        ).fp8.output_layer_bf16_forward
-    assert "add --fp8-output-layer" in _error(capsys, ["--coat-fp8", "--fp8-output-layer-bf16-forward"])
 
 
 def test_grad_scaling_reaches_the_fp8_config():

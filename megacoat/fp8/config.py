@@ -58,9 +58,6 @@ class FP8Config:
     # +0.57] above bf16 (8 seeds), where the default is at -0.13%: a cost of training, not of evaluating in FP8
     # (benchmarks/results/fidelity_notes.md).
     output_layer: bool = False
-    # With output_layer: the head's forward GEMM (the logits) in BF16, its dgrad and wgrad in FP8 (the GEMM of
-    # TransformerEngine's override_linear_precision for fprop): the logits carry no E4M3 rounding.
-    output_layer_bf16_forward: bool = False
 
     def __post_init__(self):
         if self.mode not in ACTIVATION_MODES:
@@ -84,8 +81,6 @@ class FP8Config:
                              f"add --coat-fp8 or --fp8-activations coat (the mode is {self.mode})")
         if self.output_layer and self.mode == "bf16":
             raise ValueError("--fp8-output-layer needs FP8 GEMMs: add --coat-fp8 or --fp8-activations")
-        if self.output_layer_bf16_forward and not self.output_layer:
-            raise ValueError("--fp8-output-layer-bf16-forward applies to the FP8 output layer: add --fp8-output-layer")
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"--fp8-group-size must be one of {'/'.join(map(str, GROUP_SIZES))}, "
                              f"got {self.group_size}")

@@ -12,8 +12,7 @@ The embedding and the output head stay in high precision in every mode (as in CO
 the vocabulary need not meet FP8 GEMM alignment, and the logits feed a softmax over ~1e4-1e5 classes.
 `FP8Config.output_layer` (--fp8-output-layer, off by default) makes the head an Fp8Linear too, sharing its weight
 (with the embedding's, where they are tied): its GEMMs are the step's largest BF16 ones. With labels the model then
-runs it through `model.head_loss` (megacoat.fp8.head_loss), whose loss writes the logits' gradient in FP8 itself;
-`FP8Config.output_layer_bf16_forward` keeps its forward GEMM (the logits) in BF16.
+runs it through `model.head_loss` (megacoat.fp8.head_loss), whose loss writes the logits' gradient in FP8 itself.
 
 It is the one way FP8 is applied, with or without tensor parallelism: it runs on the full model, before
 megacoat.parallel.apply_tp shards whatever it finds (as torchtitan converts to float8 before apply_tp).
@@ -28,7 +27,7 @@ from torch import nn
 
 from megacoat.fp8.blocks import CoatTransformerBlock, run_coat_layers
 from megacoat.fp8.config import FP8Config
-from megacoat.fp8.head_loss import Fp8OutputLayer, fp8_head_loss
+from megacoat.fp8.head_loss import fp8_head_loss
 from megacoat.fp8.linear import Fp8InputCache, Fp8Linear
 
 
@@ -70,8 +69,7 @@ def convert_to_fp8(model: nn.Module, fp8: FP8Config) -> nn.Module:
         model.run_layers = run_coat_layers  # each block's output addition made by the next block's norm
     if fp8.output_layer and type(model.output) is nn.Linear:
         try:
-            model.output = Fp8OutputLayer(model.output, fp8.grad_dtype, fp8.weight_cache, fp8.fast_accum,
-                                          fp8.output_layer_bf16_forward)
+            model.output = Fp8Linear(model.output, fp8.grad_dtype, None, fp8.weight_cache, fp8.fast_accum)
         except ValueError as e:  # a vocabulary or hidden size off the FP8 GEMM alignment
             raise ValueError(f"--fp8-output-layer: {e}") from None
         model.head_loss = fp8_head_loss  # with labels: the loss writes the logits' gradient in FP8 itself

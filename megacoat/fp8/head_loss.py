@@ -6,31 +6,25 @@ one pass over the logits. Apart, the loss would write a bf16 gradient and the he
 cast): 6 bytes per logit more, ~4 ms a micro-batch of the 1.3 B model at micro-batch 32 on an H100.
 
 The GPT calls `fp8_head_loss` through its `head_loss` attribute (set by convert_to_fp8) when it has labels; without
-labels the head is the Fp8OutputLayer it is, and returns the logits. bf16_forward (--fp8-output-layer-bf16-forward):
-the logits' GEMM in BF16, dgrad and wgrad in FP8; x's FP8 copy is then its transpose alone.
+labels the head is the Fp8Linear it is, and returns the logits.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from megacoat.fp8.config import DEFAULT_WEIGHT_CACHE
-from megacoat.fp8.formats import E4M3, get_format
-from megacoat.fp8.linear import (Fp8Linear, Fp8LinearFunction, check_gemm_dims, fp8_linear_grads, quantize_transpose,
-                                 quantize_x, scaled_mm)
+from megacoat.fp8.formats import get_format
+from megacoat.fp8.linear import Fp8Linear, Fp8LinearFunction, check_gemm_dims, fp8_linear_grads, quantize_x, scaled_mm
 from megacoat.ops.cross_entropy_fp8 import cross_entropy_grad_fp8, cross_entropy_stats
 
 
 class Fp8HeadLossFunction(torch.autograd.Function):
-    """mean cross-entropy(x @ W^T, labels) over the counted tokens, the GEMMs in FP8 as Fp8LinearFunction's (x8
-    None: the forward's in x's dtype). x [T, K] in the activation dtype, labels [T] int64; the weight's and x's FP8
-    copies made by the caller. Saves the logits (in x's dtype, as a compiled loss does), their log-sum-exp, x8^T
-    and a few scalars."""
+    """mean cross-entropy(x @ W^T, labels) over the counted tokens, the GEMMs in FP8 as Fp8LinearFunction's. x
+    [T, K] in the activation dtype, labels [T] int64; the weight's and x's FP8 copies made by the caller. Saves the
+    logits (in x's dtype, as a compiled loss does), their log-sum-exp, x8^T and a few scalars."""
 
     @staticmethod
     def forward(ctx, x, weight, labels, w8, w8t, w_scale, x8, x8t, x_scale, grad_dtype, ignore_index, fast_accum):
-        logits = F.linear(x, weight) if x8 is None else scaled_mm(x8, w8.t(), x_scale, w_scale, x.dtype, fast_accum)
+        logits = scaled_mm(x8, w8.t(), x_scale, w_scale, x.dtype, fast_accum)
         loss_per_token, lse, amax = cross_entropy_stats(logits, labels, ignore_index)
         count = (labels != ignore_index).sum()
         ctx.save_for_backward(logits, labels, lse, amax, count, x8t, x_scale)
@@ -48,39 +42,14 @@ class Fp8HeadLossFunction(torch.autograd.Function):
         return (*fp8_linear_grads(ctx, g8, g8t, g_scale, x8t, x_scale, ctx.x_dtype), *(None,) * 10)
 
 
-class Fp8OutputLayer(Fp8Linear):
-    """The output layer convert_to_fp8 makes (--fp8-output-layer): an Fp8Linear on the head's weight, which the GPT
-    trains through fp8_head_loss. bf16_forward: the forward GEMM in the weight's dtype (here and in fp8_head_loss),
-    dgrad and wgrad in FP8."""
-
-    def __init__(self, linear: nn.Linear, grad_dtype: str = "e5m2", weight_cache: str = DEFAULT_WEIGHT_CACHE,
-                 fast_accum: bool = False, bf16_forward: bool = False):
-        super().__init__(linear, grad_dtype, None, weight_cache, fast_accum)
-        self.bf16_forward = bf16_forward
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The logits (no labels: evaluation without a loss, generation)."""
-        return F.linear(x, self.weight) if self.bf16_forward else super().forward(x)
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + (", bf16_forward" if self.bf16_forward else "")
-
-
-def fp8_head_loss(head: Fp8OutputLayer, x: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+def fp8_head_loss(head: Fp8Linear, x: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """The mean cross-entropy of head(x) against labels (ignore_index: tokens that do not count), the head's GEMMs
-    in FP8 (its forward's in BF16 with head.bf16_forward) and the logits' gradient cast by the loss's backward.
-    x [..., K], labels [...]."""
+    in FP8 and the logits' gradient cast by the loss's backward. x [..., K], labels [...]."""
     x2 = x.reshape(-1, x.shape[-1])
     grad = torch.is_grad_enabled() and (x.requires_grad or head.weight.requires_grad)
     if grad:
         check_gemm_dims(tokens_per_micro_batch=x2.shape[0])  # wgrad contracts over the tokens
-    transpose = grad and head.weight.requires_grad
-    if not head.bf16_forward:
-        x8, x8t, x_scale = quantize_x(x2, transpose)
-    elif transpose:  # only wgrad reads x's FP8 copy
-        x8, (_, x8t, x_scale) = None, quantize_transpose(x2.detach(), E4M3.dtype, rowwise=False, transpose=True)
-    else:
-        x8 = x8t = x_scale = None
+    x8, x8t, x_scale = quantize_x(x2, transpose=grad and head.weight.requires_grad)
     w8, w8t, w_scale = head.fp8_cache.get((head.weight,))
     return Fp8HeadLossFunction.apply(x2, head.weight, labels.reshape(-1), w8, w8t, w_scale, x8, x8t, x_scale,
                                      get_format(head.grad_dtype).dtype, ignore_index, head.fast_accum)

@@ -20,9 +20,8 @@ def _fp8(cfg: MegacoatConfig, bf16: bool) -> str:
         return f"off (transformer blocks in {'bf16' if bf16 else 'fp32'}; --fp8-activations or --coat-fp8 turn it on)"
     accum = "; forward GEMMs with fast accumulation (--fp8-fast-accum)" if f.fast_accum else ""
     gemms = f"FP8 GEMMs (E4M3 inputs and weights, per-tensor scales; gradients {f.grad_dtype.upper()}{accum})"
-    head = ("; the output layer in high precision" if not f.output_layer
-            else "; the output layer's dgrad and wgrad in FP8 too, its logits in BF16 (--fp8-output-layer-bf16-forward)"
-            if f.output_layer_bf16_forward else "; the output layer in FP8 too (--fp8-output-layer)")
+    head = ("; the output layer in FP8 too (--fp8-output-layer)" if f.output_layer
+            else "; the output layer in high precision")
     if f.mode == "fp8-linear":
         return f"fp8-linear: {gemms}; norms, SwiGLU and attention in high precision{head}"
     sites = [what for what, on in (("SwiGLU's and the [q|k|v] output's gradients", f.grad_scaling == "delayed"),

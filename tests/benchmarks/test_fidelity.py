@@ -110,7 +110,8 @@ def test_every_mode_is_a_valid_trainer_command():
 
 
 def _runs_doc(path, runs, data_id="d1"):
-    doc = {"kind": "fidelity_runs", "environment": {"device": "cpu"}, "plan": {"preset": "tiny"},
+    plan = {"preset": "tiny", "gbs": 8, "seq": 32, "eval_tokens": 2560, "tokens_per_run": 2560}  # what plot reads
+    doc = {"kind": "fidelity_runs", "environment": {"device": "cpu"}, "plan": plan,
            "data": {"data_id": data_id}, "common_flags": [],
            "runs": [{"mode": m, "seed": s, "status": "ok", "final_val_loss": v, "train_loss": [[1, v]],
                      "val_loss": [[1, v]]} for m, s, v in runs]}
@@ -146,6 +147,24 @@ def test_repeats_reports_what_report_refuses(tmp_path):
     c = _runs_doc(tmp_path / "c.json", [("bf16", 6, 2.0)], data_id="d2")
     proc = run_script(SCRIPT, "repeats", a, c, "--out", out)
     assert proc.returncode == 1 and proc.stderr.startswith("error:") and "data_id" in proc.stderr
+
+
+def test_a_mode_since_removed_from_the_table_is_still_reported(tmp_path):
+    """A variant measured once and then dropped (its flags kept in its runs' JSON) stays in report and repeats,
+    after the table's modes, with its paired gap."""
+    fid = load_benchmark("fidelity")
+    assert "gone-variant" not in fid.MODES
+    a = _runs_doc(tmp_path / "a.json", [("gone-variant", s, 2.0 + 0.01 * s) for s in (1, 2)]
+                  + [("bf16", s, 2.0) for s in (1, 2)] + [("coat", s, 2.0) for s in (1, 2)])
+    out = str(tmp_path / "r.json")
+    proc = run_script(SCRIPT, "report", a, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(out) as f:
+        rep = json.load(f)
+    assert list(rep["modes"]) == ["bf16", "coat", "gone-variant"]
+    assert rep["modes"]["gone-variant"]["gap_to_bf16"]["mean_pct"] == pytest.approx(0.75)
+    proc = run_script(SCRIPT, "repeats", a, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 @pytest.mark.slow

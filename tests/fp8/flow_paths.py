@@ -27,7 +27,6 @@ _SWAPS += [(flow, "rope_rotate", rope.rope_triton),
            (flow, "rope_qkv_grad_fp8", rope_grad_cast.rope_qkv_grad_fp8_triton)]
 _SWAPS += [(head_loss, n, getattr(cross_entropy_fp8, n + "_triton"))
            for n in ("cross_entropy_stats", "cross_entropy_grad_fp8")]
-_SWAPS += [(head_loss, "quantize_transpose", cast_transpose.quantize_transpose_triton)]
 
 
 @contextlib.contextmanager

@@ -12,8 +12,8 @@ from tests.fp8.test_no_host_sync import SyncRecorder
 from tests.ops.fp8_compare import DEV, interpreted, rel_err
 from megacoat.fp8.config import FP8Config
 from megacoat.fp8.convert import convert_to_fp8
-from megacoat.fp8.head_loss import Fp8OutputLayer, fp8_head_loss
-from megacoat.fp8.linear import quantize_x
+from megacoat.fp8.head_loss import fp8_head_loss
+from megacoat.fp8.linear import Fp8Linear, quantize_x
 from megacoat.fp8.saved_memory import saved_activation_bytes
 from megacoat.model.config import ModelConfig
 from megacoat.model.gpt import GPT, IGNORE_INDEX
@@ -28,9 +28,9 @@ def _paths(path):
     return triton_paths() if path == "triton" and DEV == "cpu" else contextlib.nullcontext()
 
 
-def _head_and_batch(seed=0, bf16_forward=False):
+def _head_and_batch(seed=0):
     torch.manual_seed(seed)
-    head = Fp8OutputLayer(torch.nn.Linear(H, V, bias=False, device=DEV).bfloat16(), bf16_forward=bf16_forward)
+    head = Fp8Linear(torch.nn.Linear(H, V, bias=False, device=DEV).bfloat16())
     x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, V, (T,), device=DEV)
     labels[[3, 40]] = IGNORE_INDEX
@@ -38,29 +38,24 @@ def _head_and_batch(seed=0, bf16_forward=False):
 
 
 def _dequantized_forward_grads(head, x, labels):
-    """float32 autograd through the logits the forward GEMM computes (x and W as their E4M3 codes times their
-    scales; with bf16_forward, x and W themselves): the gradient the fused backward's FP8 codes and GEMMs
-    approximate."""
-    if head.bf16_forward:
-        xd, wd = x.float().requires_grad_(), head.weight.detach().float().requires_grad_()
-    else:
-        x8, _, xs = quantize_x(x, transpose=False)
-        w8, _, ws = head.fp8_cache.get((head.weight,))
-        xd = (x8.float() * xs).requires_grad_()
-        wd = (w8.float() * ws).requires_grad_()
+    """float32 autograd through the logits the FP8 GEMM computes (x and W as their E4M3 codes times their scales):
+    the gradient the fused backward's FP8 codes and GEMMs approximate."""
+    x8, _, xs = quantize_x(x, transpose=False)
+    w8, _, ws = head.fp8_cache.get((head.weight,))
+    xd = (x8.float() * xs).requires_grad_()
+    wd = (w8.float() * ws).requires_grad_()
     F.cross_entropy(xd @ wd.t(), labels, ignore_index=IGNORE_INDEX).backward()
     return xd.grad, wd.grad
 
 
-@pytest.mark.parametrize("bf16_forward", [False, True])
 @pytest.mark.parametrize("path", ["reference", "triton"])
-def test_loss_is_the_fp8_heads_and_gradients_are_within_e5m2(path, bf16_forward):
+def test_loss_is_the_fp8_heads_and_gradients_are_within_e5m2(path):
     """The loss: F.cross_entropy of the unfused FP8 head's very logits (the same GEMM on the same codes), up to
     the kernel's log-sum-exp rounding. The gradients: the exact gradient of that forward within 2^-3 relative
     (norm-wise), the bound of E5M2's rounding of each gradient element (2 mantissa bits: half a step is at most 2^-3
     of the value), which the GEMMs' sums only average down; the E4M3 operands of the backward GEMMs add their own
-    rounding (2^-4), so 2^-3 + 2^-4 in all. bf16_forward: the same against the BF16 GEMM's logits."""
-    head, x, labels = _head_and_batch(bf16_forward=bf16_forward)
+    rounding (2^-4), so 2^-3 + 2^-4 in all."""
+    head, x, labels = _head_and_batch()
     with _paths(path):  # the same casts of x for all three
         loss = fp8_head_loss(head, x, labels, IGNORE_INDEX)
         loss.backward()
@@ -72,20 +67,17 @@ def test_loss_is_the_fp8_heads_and_gradients_are_within_e5m2(path, bf16_forward)
     assert x.grad[[3, 40]].eq(0).all()  # ignored tokens: no gradient
 
 
-@pytest.mark.parametrize("bf16_forward", [False, True])
-def test_keeps_the_logits_their_log_sum_exp_and_the_inputs_fp8_transpose(bf16_forward):
+def test_keeps_the_logits_their_log_sum_exp_and_the_inputs_fp8_transpose():
     """Saved for backward: the bf16 logits (2 B a logit, as the compiled loss keeps them), their float32 log-sum-exp
-    and the labels (a view of the batch's), x8^T (1 B an element, not x) with its scale, and two scalars; the same
-    with the forward in BF16."""
-    head, x, labels = _head_and_batch(bf16_forward=bf16_forward)
+    and the labels (a view of the batch's), x8^T (1 B an element, not x) with its scale, and two scalars."""
+    head, x, labels = _head_and_batch()
     saved, by_dtype = saved_activation_bytes(lambda: fp8_head_loss(head, x, labels, IGNORE_INDEX), head.parameters())
     assert saved == 2 * T * V + 4 * T + 8 * T + T * H + 4 + 4 + 8, by_dtype  # ... scale, amax, count
 
 
-@pytest.mark.parametrize("bf16_forward", [False, True])
 @pytest.mark.parametrize("path", ["reference", "triton"])
-def test_no_host_sync(path, bf16_forward):
-    head, x, labels = _head_and_batch(bf16_forward=bf16_forward)
+def test_no_host_sync(path):
+    head, x, labels = _head_and_batch()
     fp8_head_loss(head, x, labels, IGNORE_INDEX)  # builds the weight copy (outside the check, as a step's first)
     with _paths(path), SyncRecorder() as rec:
         fp8_head_loss(head, x, labels, IGNORE_INDEX).backward()
@@ -106,13 +98,6 @@ def test_the_converted_gpt_takes_it_with_labels_and_returns_logits_without():
                                                                        labels.flatten()), rtol=1e-5, atol=0)
     plain = convert_to_fp8(GPT(cfg), FP8Config(mode="coat", group_size=32))
     assert plain.head_loss is None
-    bwd = convert_to_fp8(GPT(cfg).to(DEV).bfloat16(), FP8Config(mode="coat", group_size=32, output_layer=True,
-                                                               output_layer_bf16_forward=True))
-    assert bwd.output.bf16_forward and "bf16_forward" in repr(bwd.output)
-    h = torch.randn(2, 32, H, device=DEV, dtype=torch.bfloat16)
-    assert torch.equal(bwd.output(h), F.linear(h, bwd.output.weight))  # its logits: the BF16 GEMM's
-    with pytest.raises(ValueError, match="add --fp8-output-layer"):
-        FP8Config(mode="coat", output_layer_bf16_forward=True)
 
 
 @pytest.mark.gpu
@@ -120,8 +105,7 @@ def test_gpu_loss_gradients_and_no_sync():
     """On the device: the loss and gradient bounds above, and CUDA's own sync check over a second step."""
     if DEV != "cuda":
         pytest.skip("needs CUDA")
-    for bf16_forward in (False, True):
-        test_loss_is_the_fp8_heads_and_gradients_are_within_e5m2("triton", bf16_forward)
+    test_loss_is_the_fp8_heads_and_gradients_are_within_e5m2("triton")
     head, x, labels = _head_and_batch()
     fp8_head_loss(head, x, labels, IGNORE_INDEX).backward()  # Triton compiles, the weight copy: outside the check
     torch.cuda.synchronize()

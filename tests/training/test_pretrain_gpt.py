@@ -52,12 +52,6 @@ def test_the_fp8_output_layer_trains_as_the_bf16_head_does(tmp_path):
     for a, b in zip(head, base):
         assert abs(a["loss"] - b["loss"]) <= 2e-2 * b["loss"], (a["iteration"], a["loss"], b["loss"])
     assert [r["loss"] for r in head] != [r["loss"] for r in base]  # the head did run in FP8: its rounding shows
-    proc, bwd, _ = run(tmp_path, argv + ["--fp8-output-layer", "--fp8-output-layer-bf16-forward"], name="bwd.json")
-    assert "its logits in BF16 (--fp8-output-layer-bf16-forward)" in proc.stdout
-    # the first forward: the same BF16 logits, before any FP8 gradient; the loss's float32 sums in another order
-    assert abs(bwd[0]["loss"] - base[0]["loss"]) <= 1e-6 * base[0]["loss"]
-    for a, b in zip(bwd, base):
-        assert abs(a["loss"] - b["loss"]) <= 2e-2 * b["loss"], (a["iteration"], a["loss"], b["loss"])
 
 
 @pytest.mark.slow
