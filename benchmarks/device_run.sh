@@ -86,7 +86,7 @@
 #               every mode's blocks replayed as CUDA graphs, for the 350m preset). RESUME=1 [STOP_EVERY=N]:
 #               runs longer than a call save when they stop and continue on the next call of the same warm
 #               machine (its JSON then holds them whole). Merge the calls' JSON with fidelity.py report  issue 19
-#   head-eval [MODE:SEED] (<= 9.5 min, 1 GPU) one 350m-long run (default coat-fp8-head:3, CUDA graphs) trained in the
+#   head-eval [MODE:SEED] (<= 9.5 min, 1 GPU) one 350m-long run (default coat-fp8-head-lx:3, CUDA graphs) trained in the
 #               call's time (STOP_EVERY=N: at most N iterations), its checkpoint kept and continued by the next call
 #               on the same warm machine; then head_precision_eval.py on it: the held-out loss with the head in FP8
 #               and in BF16, same weights (is the FP8 head's loss gap training's or evaluation's?)            issue 18
@@ -324,7 +324,7 @@ fidelity)
         2>&1 | tail -n 12
     ;;
 head-eval)
-    RUN=${2:-coat-fp8-head:3}
+    RUN=${2:-coat-fp8-head-lx:3}
     step fidelity_data 300 python3 benchmarks/fidelity_data.py --out .cache/fidelity_data --workers 14
     step head_eval_run $((470 - SECONDS)) python3 benchmarks/fidelity.py run --preset 350m-long --runs "$RUN" \
         --data .cache/fidelity_data --resume ${STOP_EVERY:+--stop-every "$STOP_EVERY"} --cuda-graph --parallel 1 \

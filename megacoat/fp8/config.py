@@ -52,11 +52,12 @@ class FP8Config:
     grad_scaling: str = "current"
     activation_scaling: str = "current"
     amax_history_len: int = 16  # delayed scaling: calls (micro-batches) whose amaxes set the scale
-    # The output layer (the vocabulary head) as an Fp8Linear too, its loss writing the logits' FP8 gradient
-    # (megacoat.fp8.head_loss). Off by default, as COAT, Megatron and torchtitan keep it in BF16: on an H100 it makes
-    # the 1.3 B model's step ~4% faster at micro-batch 32, but at 350 M over 60 M tokens it ended +0.30% [+0.03,
-    # +0.57] above bf16 (8 seeds), where the default is at -0.13%: a cost of training, not of evaluating in FP8
-    # (benchmarks/results/fidelity_notes.md).
+    # The output layer (the vocabulary head) as an Fp8Linear too, its loss writing the logits' FP8 gradient and the
+    # label entries' rounding error, which the head adds back (megacoat.fp8.head_loss). Off by default, as COAT,
+    # Megatron and torchtitan keep it in BF16: on an H100 it makes the 1.3 B model's step ~4% faster at micro-batch
+    # 32, but at 350 M over 60 M tokens it ended +0.30% [+0.03, +0.57] above bf16 (8 seeds) before that correction,
+    # where the default is at -0.13%: a cost of its backward (benchmarks/results/fidelity_notes.md). With the
+    # correction its loss is not measured yet.
     output_layer: bool = False
 
     def __post_init__(self):

@@ -5,6 +5,13 @@ what the gradient's amax needs (megacoat.ops.cross_entropy_fp8), so its backward
 one pass over the logits. Apart, the loss would write a bf16 gradient and the head would read it twice more (amax,
 cast): 6 bytes per logit more, ~4 ms a micro-batch of the 1.3 B model at micro-batch 32 on an H100.
 
+The logits' gradient loses most to FP8 in each row's label entry c (p_y - 1), the row's largest: per-tensor E5M2
+sees it in steps of c/7 near the amax, so p_y below 1/14 counts as 0, an error of one sign (benchmarks/
+head_grad_error.py; at 350 M the head in FP8 without this ended +0.30% above bf16). The loss's backward therefore
+also returns each label entry's rounding error r, and the head adds it back in float32 through its BF16 weight and
+its FP8 input: dx_t += r_t W[y_t], dW[y] += sum over tokens t labelled y of r_t x_t. The row's other entries keep
+E5M2's rounding.
+
 The GPT calls `fp8_head_loss` through its `head_loss` attribute (set by convert_to_fp8) when it has labels; without
 labels the head is the Fp8Linear it is, and returns the logits.
 """
@@ -20,26 +27,44 @@ from megacoat.ops.cross_entropy_fp8 import cross_entropy_grad_fp8, cross_entropy
 class Fp8HeadLossFunction(torch.autograd.Function):
     """mean cross-entropy(x @ W^T, labels) over the counted tokens, the GEMMs in FP8 as Fp8LinearFunction's. x
     [T, K] in the activation dtype, labels [T] int64; the weight's and x's FP8 copies made by the caller. Saves the
-    logits (in x's dtype, as a compiled loss does), their log-sum-exp, x8^T and a few scalars."""
+    logits (in x's dtype, as a compiled loss does), their log-sum-exp, x8^T and a few scalars; the label entries'
+    rounding is added back in backward (label_corrections)."""
 
     @staticmethod
     def forward(ctx, x, weight, labels, w8, w8t, w_scale, x8, x8t, x_scale, grad_dtype, ignore_index, fast_accum):
         logits = scaled_mm(x8, w8.t(), x_scale, w_scale, x.dtype, fast_accum)
         loss_per_token, lse, amax = cross_entropy_stats(logits, labels, ignore_index)
         count = (labels != ignore_index).sum()
-        ctx.save_for_backward(logits, labels, lse, amax, count, x8t, x_scale)
+        ctx.save_for_backward(logits, labels, lse, amax, count, x8t, x_scale, weight)
         Fp8LinearFunction.save_weight(ctx, weight, w8t, w_scale, grad_dtype)
         ctx.ignore_index, ctx.x_dtype = ignore_index, x.dtype
         return loss_per_token.sum() / count  # F.cross_entropy's mean (NaN when no token counts)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, labels, lse, amax, count, x8t, x_scale = ctx.saved_tensors
+        logits, labels, lse, amax, count, x8t, x_scale, weight = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[:2]
-        g8, g8t, g_scale = cross_entropy_grad_fp8(logits, labels, lse, amax, grad_loss.float() / count,
-                                                  ctx.grad_dtype, ctx.ignore_index, rowwise=need_dx,
-                                                  transpose=need_dw)
-        return (*fp8_linear_grads(ctx, g8, g8t, g_scale, x8t, x_scale, ctx.x_dtype), *(None,) * 10)
+        g8, g8t, g_scale, residual = cross_entropy_grad_fp8(logits, labels, lse, amax, grad_loss.float() / count,
+                                                            ctx.grad_dtype, ctx.ignore_index, rowwise=need_dx,
+                                                            transpose=need_dw)
+        dx, dw = fp8_linear_grads(ctx, g8, g8t, g_scale, x8t, x_scale, ctx.x_dtype)
+        label = torch.where(labels != ctx.ignore_index, labels, 0)  # an ignored token's residual is 0
+        dx, dw = label_corrections(dx, dw, residual, label, weight, x8t, x_scale)
+        return (dx, dw, *(None,) * 10)
+
+
+def label_corrections(dx, dw, residual, label, weight, x8t, x_scale):
+    """dx [T, K] and dW [V, K] of the FP8 GEMMs with each label entry's rounding error r [T] added back:
+    dx_t += r_t W[y_t] (W the BF16 weight; addcmul sums in float32 and rounds once), dW[y] += sum_{t: y_t = y} r_t
+    x_t in float32 (x the FP8 input wgrad read, x8^T [K, T] times its scale, so both parts of dW see the same x;
+    frequent labels sum thousands of rows, hence not in bf16). None: that gradient is not needed."""
+    if dx is not None:
+        dx = torch.addcmul(dx, residual[:, None].to(dx.dtype), weight.index_select(0, label))
+    if dw is not None:
+        rows = x8t.t().float() * (residual[:, None] * x_scale)
+        dw = torch.zeros(dw.shape, dtype=torch.float32, device=dw.device).index_add_(0, label, rows).add_(dw)
+        dw = dw.to(weight.dtype)
+    return dx, dw
 
 
 def fp8_head_loss(head: Fp8Linear, x: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:

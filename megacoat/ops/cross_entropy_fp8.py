@@ -11,6 +11,11 @@ over it and a cast pass: 10 bytes moved per logit in backward. Here:
 * backward, `cross_entropy_grad_fp8`: one pass reads the logits again, forms g in float32 and writes its codes in
   both layouts, the scale that of c times the forward's amax. 4 bytes per logit (2 read, 2 written).
 
+The backward also returns each token's label residual r = g_y - dq(g8_y), the rounding error of its label's entry,
+for the head to add back (megacoat.fp8.head_loss). That entry, c (p_y - 1), is the row's largest, and near the
+per-tensor amax (~c, set by some token with p_y ~ 0), E5M2 sees it in steps of c/7: every p_y below 1/14 would
+count as 0, an error of one sign that does not average out over micro-batches (benchmarks/head_grad_error.py).
+
 The codes are current scaling's of the float32 gradient (one rounding, where a bf16 gradient cast again has two).
 The amax is exact up to exp's rounding in the two kernels, which compute p alike; a value an ulp above it would
 saturate at F.max (the cast clamps). Tokens labelled `ignore_index` count nowhere: no loss, a zero gradient, no
@@ -24,7 +29,8 @@ import triton
 import triton.language as tl
 
 from megacoat.ops.cast_transpose import asked_layouts, cast_transpose_ref, op_layouts
-from megacoat.ops.numerics import AMAX_FLOOR, dispatch, fp8_operator, launcher, scale_from_amax, traced_body
+from megacoat.ops.numerics import (AMAX_FLOOR, cast_with_scale, dispatch, fp8_operator, launcher, scale_from_amax,
+                                   traced_body)
 from megacoat.ops.tensor_scale import cast_scale, scaled_codes
 
 
@@ -120,22 +126,27 @@ def grad_amax(amax: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
 
 def cross_entropy_grad_fp8_ref(logits, labels, lse, amax, coef, grad_dtype: torch.dtype, ignore_index: int,
                                rowwise: bool = True, transpose: bool = True):
-    """(g8 or None, g8^T or None, scale): g = coef * (exp(z - lse) - onehot(y)) in float32, zero on ignored tokens,
-    cast with the scale of grad_amax(amax, coef) (cast_transpose's arithmetic). coef: float32 [1] or []."""
+    """(g8 or None, g8^T or None, scale, residual): g = coef * (exp(z - lse) - onehot(y)) in float32, zero on
+    ignored tokens, cast with the scale of grad_amax(amax, coef) (cast_transpose's arithmetic); residual [T] float32
+    = g_y - code_y * scale, 0 on ignored tokens. coef: float32 [1] or []."""
     _check(logits, labels)
     counted = labels != ignore_index
+    label = torch.where(counted, labels, 0)[:, None]
     p = torch.exp(logits.float() - lse[:, None])
-    onehot = torch.zeros_like(p).scatter_(1, torch.where(counted, labels, 0)[:, None], 1.0)
+    onehot = torch.zeros_like(p).scatter_(1, label, 1.0)
     g = torch.where(counted[:, None], (p - onehot) * coef.float().reshape(1, 1), 0.0)
     scale = scale_from_amax(grad_amax(amax, coef), grad_dtype).reshape(1)
-    return (*cast_transpose_ref(g, scale, grad_dtype, rowwise, transpose), scale)
+    g_y = g.gather(1, label)[:, 0]
+    residual = g_y - cast_with_scale(g_y, scale, grad_dtype).float() * scale
+    return (*cast_transpose_ref(g, scale, grad_dtype, rowwise, transpose), scale, residual)
 
 
 @triton.jit
-def _grad_cast_kernel(z_ptr, y_ptr, lse_ptr, coef_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, T, V, ignore_index,
-                      fmax, amax_floor, ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr):
-    # cast_transpose's tile and stores; the tile's values made from the logits instead of loaded
+def _grad_cast_kernel(z_ptr, y_ptr, lse_ptr, coef_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, res_ptr, T, V,
+                      ignore_index, fmax, amax_floor, ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr):
+    # cast_transpose's tile and stores; the tile's values made from the logits instead of loaded. res_ptr (zeroed):
+    # the label entry's rounding error, stored by the one tile whose columns hold the row's label
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     scale = cast_scale(scale_ptr, amax_ptr, fmax, amax_floor, True)
     coef = tl.load(coef_ptr)
@@ -149,6 +160,10 @@ def _grad_cast_kernel(z_ptr, y_ptr, lse_ptr, coef_ptr, amax_ptr, scale_ptr, out_
     g = tl.where(rn[None, :] == y[:, None], p - 1.0, p) * coef
     g = tl.where((y != ignore_index)[:, None], g, 0.0)
     q = scaled_codes(g, scale, fmax)
+    is_label = (rn[None, :] == y[:, None]) & mask
+    dq = q.to(out_ptr.dtype.element_ty).to(tl.float32) * scale
+    residual = tl.sum(tl.where(is_label, g - dq, 0.0), axis=1)
+    tl.store(res_ptr + rm, residual, mask=(y >= pid_n * BN) & (y < pid_n * BN + BN) & (y != ignore_index) & (rm < T))
     if ROWWISE:
         tl.store(out_ptr + rm[:, None] * V + rn[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
     if TRANSPOSE:
@@ -165,35 +180,39 @@ def cross_entropy_grad_fp8_triton(logits, labels, lse, amax, coef, grad_dtype: t
     if transpose and logits.dtype == torch.float32 and logits.is_cuda:
         # cast_transpose's Triton 3.6 bug: the transposed store of a tile loaded as float32 writes wrong codes on
         # sm_90; float32 logits are the --fp32 path, not the hot one: transpose the FP8 bytes in torch
-        g8, _, scale = cross_entropy_grad_fp8_triton(logits, labels, lse, amax, coef, grad_dtype, ignore_index,
-                                                         rowwise=True, transpose=False)
-        return (g8 if rowwise else None), g8.t().contiguous(), scale
+        g8, _, scale, residual = cross_entropy_grad_fp8_triton(logits, labels, lse, amax, coef, grad_dtype,
+                                                               ignore_index, rowwise=True, transpose=False)
+        return (g8 if rowwise else None), g8.t().contiguous(), scale, residual
     logits, labels = logits.contiguous(), labels.contiguous()
     t, v = logits.shape
     out = torch.empty((t, v), dtype=grad_dtype, device=logits.device) if rowwise else None
     outt = torch.empty((v, t), dtype=grad_dtype, device=logits.device) if transpose else None
     scale = torch.empty(1, dtype=torch.float32, device=logits.device)  # written by the kernel's first program
-    dummy = out if rowwise else outt
+    residual = torch.zeros(t, dtype=torch.float32, device=logits.device)  # ignored tokens keep their 0
+    dummy = out if rowwise else outt  # also the codes' dtype for the residual, when only one layout is asked
     launcher(_grad_cast_kernel)[(triton.cdiv(t, _BM), triton.cdiv(v, _BN))](
         logits, labels, lse, coef.float().reshape(1), grad_amax(amax, coef), scale,
-        out if rowwise else dummy, outt if transpose else dummy, t, v, ignore_index, torch.finfo(grad_dtype).max,
-        AMAX_FLOOR, ROWWISE=rowwise, TRANSPOSE=transpose, BM=_BM, BN=_BN, num_warps=_WARPS)
-    return out, outt, scale
+        out if rowwise else dummy, outt if transpose else dummy, residual, t, v, ignore_index,
+        torch.finfo(grad_dtype).max, AMAX_FLOOR, ROWWISE=rowwise, TRANSPOSE=transpose, BM=_BM, BN=_BN,
+        num_warps=_WARPS)
+    return out, outt, scale, residual
 
 
 def cross_entropy_grad_fp8(logits, labels, lse, amax, coef, grad_dtype: torch.dtype, ignore_index: int,
                            rowwise: bool = True, transpose: bool = True):
-    """The logits' gradient coef * (softmax - onehot) as (g8 [T, V] or None, g8^T [V, T] or None, scale), one pass
-    over the logits (cross_entropy_grad_fp8_ref). lse and amax: cross_entropy_stats's; coef: float32 [1] or []."""
-    g8, g8t, scale = dispatch(_grad_op, logits, cross_entropy_grad_fp8_triton, cross_entropy_grad_fp8_ref, logits,
-                              labels, lse, amax, coef, grad_dtype, ignore_index, rowwise, transpose)
-    return (*asked_layouts(g8, g8t, rowwise, transpose), scale)
+    """The logits' gradient coef * (softmax - onehot) as (g8 [T, V] or None, g8^T [V, T] or None, scale, residual
+    [T] float32: each label entry's rounding error), one pass over the logits (cross_entropy_grad_fp8_ref). lse and
+    amax: cross_entropy_stats's; coef: float32 [1] or []."""
+    g8, g8t, scale, residual = dispatch(_grad_op, logits, cross_entropy_grad_fp8_triton, cross_entropy_grad_fp8_ref,
+                                        logits, labels, lse, amax, coef, grad_dtype, ignore_index, rowwise, transpose)
+    return (*asked_layouts(g8, g8t, rowwise, transpose), scale, residual)
 
 
 @fp8_operator("megacoat::cross_entropy_grad_fp8")
 def _grad_op(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, amax: torch.Tensor, coef: torch.Tensor,
              grad_dtype: torch.dtype, ignore_index: int, rowwise: bool, transpose: bool
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g8, g8t, scale = traced_body(logits, cross_entropy_grad_fp8_triton, cross_entropy_grad_fp8_ref, logits, labels,
-                                 lse, amax, coef, grad_dtype, ignore_index, rowwise, transpose)
-    return (*op_layouts(logits, grad_dtype, g8, g8t), scale)
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g8, g8t, scale, residual = traced_body(logits, cross_entropy_grad_fp8_triton, cross_entropy_grad_fp8_ref,
+                                           logits, labels, lse, amax, coef, grad_dtype, ignore_index, rowwise,
+                                           transpose)
+    return (*op_layouts(logits, grad_dtype, g8, g8t), scale, residual)

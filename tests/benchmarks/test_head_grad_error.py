@@ -18,9 +18,11 @@ def test_tiny_case_runs_and_agrees_with_the_library(tmp_path):
         res = json.load(f)
     assert res["kind"] == "head_grad_error" and res["environment"]["torch"] == torch.__version__
     head = res["snapshots"][0]["head"]["schemes"]
-    # the emulation of scheme A (dequantized codes, float64 GEMMs) is the library's own fp8_head_loss on the CPU
+    # the emulation of scheme B (dequantized codes plus the label residual, float64 GEMMs) is the library's own
+    # fp8_head_loss on the CPU, which adds the residual back (at this random initialization the E4M3 operands'
+    # rounding dominates every FP8 scheme, so A and B are alike here; the trained model tells them apart)
     for key in ("dx_rel_err", "dW_rel_err"):
-        assert abs(head["lib-bf16fwd"][key] - head["A-bf16z"][key]) < 0.1 * head["A-bf16z"][key]
+        assert abs(head["lib"][key] - head["B-bf16z"][key]) < 0.1 * head["B-bf16z"][key]
     # the zero-sum projection has no row-sum error; B's exact label entries leave less of it than A's
     assert head["A-zs"]["rowsum_err"] < 1e-12 and head["B|g"]["rowsum_err"] < head["A|g"]["rowsum_err"]
     # the BF16 head is far more exact than any FP8 scheme with E4M3 operands

@@ -67,6 +67,33 @@ def test_loss_is_the_fp8_heads_and_gradients_are_within_e5m2(path):
     assert x.grad[[3, 40]].eq(0).all()  # ignored tokens: no gradient
 
 
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_label_entries_are_added_back_through_the_bf16_weight_and_the_fp8_input(path):
+    """dx and dW are the FP8 GEMMs of the gradient's codes plus each label entry's residual r: dx_t += r_t W[y_t]
+    with the BF16 weight, dW[y] += the sum of r_t x_t over the tokens labelled y (x as wgrad's E4M3 copy), repeated
+    labels summed. Emulated in float64 from the codes and residuals of the same ops (head_loss's names, which the
+    kernels' path swaps); the library rounds dx and dW to bf16 twice (the GEMM's output, then the sum), so 2^-8
+    relative."""
+    from megacoat.fp8 import head_loss
+    head, x, labels = _head_and_batch()
+    labels[labels != IGNORE_INDEX] %= 7  # few distinct labels: dW's scatter sums many tokens into one row
+    with _paths(path):
+        fp8_head_loss(head, x, labels, IGNORE_INDEX).backward()
+        x8, x8t, xs = head_loss.quantize_x(x.detach(), transpose=True)
+        w8, _, ws = head.fp8_cache.get((head.weight,))
+        logits = torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+        _, lse, amax = head_loss.cross_entropy_stats(logits, labels, IGNORE_INDEX)
+        count = (labels != IGNORE_INDEX).sum()
+        g8, _, gs, r = head_loss.cross_entropy_grad_fp8(logits, labels, lse, amax, torch.ones(1, device=DEV) / count,
+                                                        torch.float8_e5m2, IGNORE_INDEX)
+    g, xd, wd = g8.double() * gs.double(), x8.double() * xs.double(), w8.double() * ws.double()
+    y = labels.clamp(min=0)
+    dx = g @ wd + r.double()[:, None] * head.weight.detach().double()[y]
+    dw = g.t() @ xd + torch.zeros(V, H, dtype=torch.float64, device=DEV).index_add_(0, y, r.double()[:, None] * xd)
+    assert r.abs().max() > 0 and r[[3, 40]].eq(0).all()
+    assert rel_err(x.grad, dx) <= 2 ** -8 and rel_err(head.weight.grad, dw) <= 2 ** -8
+
+
 def test_keeps_the_logits_their_log_sum_exp_and_the_inputs_fp8_transpose():
     """Saved for backward: the bf16 logits (2 B a logit, as the compiled loss keeps them), their float32 log-sum-exp
     and the labels (a view of the batch's), x8^T (1 B an element, not x) with its scale, and two scalars."""
@@ -102,10 +129,12 @@ def test_the_converted_gpt_takes_it_with_labels_and_returns_logits_without():
 
 @pytest.mark.gpu
 def test_gpu_loss_gradients_and_no_sync():
-    """On the device: the loss and gradient bounds above, and CUDA's own sync check over a second step."""
+    """On the device: the loss and gradient bounds above, the label entries' correction, and CUDA's own sync check
+    over a second step."""
     if DEV != "cuda":
         pytest.skip("needs CUDA")
     test_loss_is_the_fp8_heads_and_gradients_are_within_e5m2("triton")
+    test_label_entries_are_added_back_through_the_bf16_weight_and_the_fp8_input("triton")
     head, x, labels = _head_and_batch()
     fp8_head_loss(head, x, labels, IGNORE_INDEX).backward()  # Triton compiles, the weight copy: outside the check
     torch.cuda.synchronize()

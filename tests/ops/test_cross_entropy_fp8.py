@@ -43,12 +43,19 @@ def test_reference_stats_and_gradient_agree_with_autograd(t, v, ignored):
     want = _autograd_grad(logits, labels, 1.0) * count  # the summed loss's gradient
     torch.testing.assert_close(amax, want.abs().amax().float().reshape(1), rtol=1e-6, atol=0)
     coef = torch.tensor([0.5], device=DEV) / count
-    g8, g8t, scale = C.cross_entropy_grad_fp8_ref(logits, labels, lse, amax, coef, torch.float8_e5m2, IGNORE)
+    g8, g8t, scale, residual = C.cross_entropy_grad_fp8_ref(logits, labels, lse, amax, coef, torch.float8_e5m2,
+                                                            IGNORE)
     exact = _autograd_grad(logits, labels, 0.5)
     err = (g8.double() * scale.double() - exact).abs()
     assert (err <= exact.abs() * 2 ** -3 + scale.double() * 2 ** -16).all()
     assert g8[list(ignored)].float().eq(0).all()
     assert torch.equal(g8t.view(torch.uint8), g8.t().contiguous().view(torch.uint8))
+    # the label entry's code plus its residual is the float32 gradient's entry: exact up to exp's float32 rounding
+    counted = labels != IGNORE
+    y = labels.clamp(min=0)[:, None]
+    label_entry = g8.double().gather(1, y)[:, 0] * scale.double() + residual.double()
+    torch.testing.assert_close(label_entry[counted], exact.gather(1, y)[:, 0][counted], rtol=1e-5, atol=1e-12)
+    assert residual[~counted].eq(0).all() and residual.dtype == torch.float32
 
 
 def test_reference_codes_are_current_scaling_of_the_float32_gradient():
@@ -56,7 +63,7 @@ def test_reference_codes_are_current_scaling_of_the_float32_gradient():
     logits, labels = _case(24, 200, ignored=(5,))
     _, lse, amax = C.cross_entropy_stats_ref(logits, labels, IGNORE)
     coef = torch.tensor([1.0], device=DEV) / 23
-    g8, g8t, scale = C.cross_entropy_grad_fp8_ref(logits, labels, lse, amax, coef, torch.float8_e5m2, IGNORE)
+    g8, g8t, scale, _ = C.cross_entropy_grad_fp8_ref(logits, labels, lse, amax, coef, torch.float8_e5m2, IGNORE)
     p = torch.exp(logits - lse[:, None])
     g = (p - F.one_hot(labels.clamp(min=0), 200)) * coef
     g[5] = 0
@@ -69,7 +76,8 @@ def test_reference_codes_are_current_scaling_of_the_float32_gradient():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_matches_reference(t, v, ignored, dtype):
     """The kernels' log-sum-exp, loss and amax are the reference's float32 values up to exp's and log's rounding;
-    the codes agree as cast_transpose's do (fp8_compare), and both layouts are one tile's bytes."""
+    the codes agree as cast_transpose's do (fp8_compare), and both layouts are one tile's bytes. The label entry
+    each returns, code plus residual, is the float32 gradient's entry in both (whatever code each rounded to)."""
     _skip_unless_kernels_run()
     logits, labels = _case(t, v, dtype, ignored)
     loss_k, lse_k, amax_k = C.cross_entropy_stats_triton(logits, labels, IGNORE)
@@ -79,9 +87,14 @@ def test_triton_matches_reference(t, v, ignored, dtype):
     torch.testing.assert_close(amax_k, amax_r, rtol=1e-5, atol=0)
     coef = torch.tensor([0.25], device=DEV) / (t - len(ignored))
     for grad_dtype in (torch.float8_e5m2, torch.float8_e4m3fn):
-        g8, g8t, scale = C.cross_entropy_grad_fp8_triton(logits, labels, lse_r, amax_r, coef, grad_dtype, IGNORE)
-        r8, r8t, rscale = C.cross_entropy_grad_fp8_ref(logits, labels, lse_r, amax_r, coef, grad_dtype, IGNORE)
+        g8, g8t, scale, res = C.cross_entropy_grad_fp8_triton(logits, labels, lse_r, amax_r, coef, grad_dtype,
+                                                              IGNORE)
+        r8, r8t, rscale, rres = C.cross_entropy_grad_fp8_ref(logits, labels, lse_r, amax_r, coef, grad_dtype, IGNORE)
         assert torch.equal(scale, rscale)  # the same float32 product and division
+        y = labels.clamp(min=0)[:, None]
+        entry, rentry = (q.float().gather(1, y)[:, 0] * scale + r for q, r in ((g8, res), (r8, rres)))
+        torch.testing.assert_close(entry, rentry, rtol=1e-5, atol=1e-12)
+        assert res[list(ignored)].eq(0).all()
         if DEV == "cuda":
             assert_fp8_close(g8, r8)
         else:  # the interpreter's casts (fp8_compare) and exp's rounding
@@ -90,6 +103,33 @@ def test_triton_matches_reference(t, v, ignored, dtype):
         only_t = C.cross_entropy_grad_fp8_triton(logits, labels, lse_r, amax_r, coef, grad_dtype, IGNORE,
                                                  rowwise=False)
         assert only_t[0] is None and torch.equal(only_t[1].view(torch.uint8), g8t.view(torch.uint8))
+        assert torch.equal(only_t[3], res)
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_small_label_probabilities_round_to_zero_and_the_residual_keeps_them(path):
+    """Why the residual exists: one token with p_y ~ 0 sets the amax to ~c, and every other label entry c (p_y - 1)
+    with p_y < 1/14 then lies above the midpoint 13/14 of E5M2's top two codes (c and 6/7 c): its code says p_y = 0,
+    an error of c p_y, of one sign for all of them. The code plus the residual is c (p_y - 1) again."""
+    if path == "triton":
+        _skip_unless_kernels_run()
+    t, v = 32, 64
+    labels = torch.arange(t, device=DEV) % v
+    logits = torch.zeros(t, v, device=DEV)
+    logits[torch.arange(t), labels] = torch.linspace(0.5, 2.0, t, device=DEV)  # p_y from ~0.026 to ~0.11
+    logits[0, labels[0]] = -30.0  # p_y ~ 0: the amax
+    p_y = torch.softmax(logits, 1)[torch.arange(t), labels]
+    small = (p_y < 1 / 14 - 1e-3) & (p_y > 0.02)  # token 0 aside
+    assert small.sum() >= 8 and small[1:].sum() == small.sum()
+    stats = C.cross_entropy_stats_triton if path == "triton" else C.cross_entropy_stats_ref
+    grad = C.cross_entropy_grad_fp8_triton if path == "triton" else C.cross_entropy_grad_fp8_ref
+    _, lse, amax = stats(logits, labels, IGNORE)
+    coef = torch.tensor([1.0 / t], device=DEV)
+    g8, _, scale, residual = grad(logits, labels, lse, amax, coef, torch.float8_e5m2, IGNORE)
+    code_y = g8.float()[torch.arange(t), labels] * scale
+    assert torch.equal(code_y[small], torch.full_like(code_y[small], -1.0 / t))  # p_y read as 0
+    torch.testing.assert_close(code_y + residual, (p_y - 1) / t, rtol=1e-5, atol=0)
+    assert (residual[small] > 0).all()  # one sign: the code overstates |g_y| by c p_y
 
 
 def test_bad_labels_and_logits_are_visible():
@@ -125,12 +165,16 @@ def test_gpu_vocabulary_shape_matches_reference(dtype):
     torch.testing.assert_close(loss_k, loss_r, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(amax_k, amax_r, rtol=1e-5, atol=0)
     coef = torch.tensor([1.0], device=DEV) / 2046
-    g8, g8t, scale = C.cross_entropy_grad_fp8(logits, labels, lse_r, amax_r, coef, torch.float8_e5m2, IGNORE)
-    r8, _, rscale = C.cross_entropy_grad_fp8_ref(logits, labels, lse_r, amax_r, coef, torch.float8_e5m2, IGNORE)
+    g8, g8t, scale, res = C.cross_entropy_grad_fp8(logits, labels, lse_r, amax_r, coef, torch.float8_e5m2, IGNORE)
+    r8, _, rscale, rres = C.cross_entropy_grad_fp8_ref(logits, labels, lse_r, amax_r, coef, torch.float8_e5m2,
+                                                       IGNORE)
     assert torch.equal(scale, rscale)
     assert_fp8_close(g8, r8)
     assert torch.equal(g8t.view(torch.uint8), g8.t().contiguous().view(torch.uint8))
+    y = labels.clamp(min=0)[:, None]
+    entry, rentry = (q.float().gather(1, y)[:, 0] * scale + r for q, r in ((g8, res), (r8, rres)))
+    torch.testing.assert_close(entry, rentry, rtol=1e-5, atol=1e-12)
     compiled = torch.compile(C.cross_entropy_grad_fp8, fullgraph=True)
-    c8, c8t, cscale = compiled(logits, labels, lse_r, amax_r, coef, torch.float8_e5m2, IGNORE)
+    c8, c8t, cscale, cres = compiled(logits, labels, lse_r, amax_r, coef, torch.float8_e5m2, IGNORE)
     assert torch.equal(cscale, scale) and torch.equal(c8.view(torch.uint8), g8.view(torch.uint8)) \
-        and torch.equal(c8t.view(torch.uint8), g8t.view(torch.uint8))
+        and torch.equal(c8t.view(torch.uint8), g8t.view(torch.uint8)) and torch.equal(cres, res)
