@@ -142,11 +142,10 @@ def cross_entropy_grad_fp8_ref(logits, labels, lse, amax, coef, grad_dtype: torc
 
 
 @triton.jit
-def _grad_cast_kernel(z_ptr, y_ptr, lse_ptr, coef_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, res_ptr, T, V,
-                      ignore_index, fmax, amax_floor, ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr):
-    # cast_transpose's tile and stores; the tile's values made from the logits instead of loaded. res_ptr (zeroed):
-    # the label entry's rounding error, stored by the one tile whose columns hold the row's label
+def _grad_cast_kernel(z_ptr, y_ptr, lse_ptr, coef_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, T, V, ignore_index,
+                      fmax, amax_floor, ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr):
+    # cast_transpose's tile and stores; the tile's values made from the logits instead of loaded
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     scale = cast_scale(scale_ptr, amax_ptr, fmax, amax_floor, True)
     coef = tl.load(coef_ptr)
@@ -160,10 +159,6 @@ def _grad_cast_kernel(z_ptr, y_ptr, lse_ptr, coef_ptr, amax_ptr, scale_ptr, out_
     g = tl.where(rn[None, :] == y[:, None], p - 1.0, p) * coef
     g = tl.where((y != ignore_index)[:, None], g, 0.0)
     q = scaled_codes(g, scale, fmax)
-    is_label = (rn[None, :] == y[:, None]) & mask
-    dq = q.to(out_ptr.dtype.element_ty).to(tl.float32) * scale
-    residual = tl.sum(tl.where(is_label, g - dq, 0.0), axis=1)
-    tl.store(res_ptr + rm, residual, mask=(y >= pid_n * BN) & (y < pid_n * BN + BN) & (y != ignore_index) & (rm < T))
     if ROWWISE:
         tl.store(out_ptr + rm[:, None] * V + rn[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
     if TRANSPOSE:
@@ -188,14 +183,28 @@ def cross_entropy_grad_fp8_triton(logits, labels, lse, amax, coef, grad_dtype: t
     out = torch.empty((t, v), dtype=grad_dtype, device=logits.device) if rowwise else None
     outt = torch.empty((v, t), dtype=grad_dtype, device=logits.device) if transpose else None
     scale = torch.empty(1, dtype=torch.float32, device=logits.device)  # written by the kernel's first program
-    residual = torch.zeros(t, dtype=torch.float32, device=logits.device)  # ignored tokens keep their 0
-    dummy = out if rowwise else outt  # also the codes' dtype for the residual, when only one layout is asked
+    dummy = out if rowwise else outt
     launcher(_grad_cast_kernel)[(triton.cdiv(t, _BM), triton.cdiv(v, _BN))](
         logits, labels, lse, coef.float().reshape(1), grad_amax(amax, coef), scale,
-        out if rowwise else dummy, outt if transpose else dummy, residual, t, v, ignore_index,
-        torch.finfo(grad_dtype).max, AMAX_FLOOR, ROWWISE=rowwise, TRANSPOSE=transpose, BM=_BM, BN=_BN,
-        num_warps=_WARPS)
-    return out, outt, scale, residual
+        out if rowwise else dummy, outt if transpose else dummy, t, v, ignore_index, torch.finfo(grad_dtype).max,
+        AMAX_FLOOR, ROWWISE=rowwise, TRANSPOSE=transpose, BM=_BM, BN=_BN, num_warps=_WARPS)
+    return out, outt, scale, label_residual(logits, labels, lse, coef, out, outt, scale, ignore_index)
+
+
+def label_residual(logits, labels, lse, coef, g8, g8t, scale, ignore_index: int) -> torch.Tensor:
+    """r [T] float32 = g_y - code_y * scale from the codes a kernel wrote (g8 [T, V], else g8^T [V, T]): one
+    gather of T logits and T codes. Not in the tile kernel: computed there (the tile's codes at the label column,
+    summed over the tile's columns) it came out wrong for half the rows on an H100 with Triton 3.6, cause not
+    found, while the stored codes stayed right; the interpreter had it right."""
+    counted = labels != ignore_index
+    label = torch.where(counted, labels, 0)
+    z_y = logits.gather(1, label[:, None])[:, 0].float()
+    g_y = (torch.exp(z_y - lse) - 1.0) * coef.float().reshape(1)
+    if g8 is not None:  # gathered as bytes: torch gathers no FP8 dtype on CUDA
+        code = g8.view(torch.uint8).gather(1, label[:, None])[:, 0].view(g8.dtype)
+    else:
+        code = g8t.view(torch.uint8).gather(0, label[None, :])[0].view(g8t.dtype)
+    return torch.where(counted, g_y - code.float() * scale, 0.0)
 
 
 def cross_entropy_grad_fp8(logits, labels, lse, amax, coef, grad_dtype: torch.dtype, ignore_index: int,
