@@ -1,13 +1,13 @@
 """Why the FP8 output layer's backward costs loss: the error of its dgrad and wgrad on a real batch, scheme by scheme.
 
---fp8-output-layer ends +0.30% above bf16 at 350 M, and the cost is its backward (head_precision_eval: evaluating
-with an FP8 forward costs 0.03%; --fp8-output-layer-bf16-forward was no better). The backward casts the logits'
-gradient g = c (softmax(z) - onehot(y)) to E5M2 with one per-tensor scale and runs dx = g8 @ W8 and dW = g8^T @ x8
-(W, x in E4M3). The hypothesis tested here: each row of g sums to exactly zero and its largest entry is the label's
-c (p_y - 1); E5M2 (2 mantissa bits) rounds that entry by up to 12.5%, so the quantized row no longer sums to zero,
-and the leftover multiplies the embeddings' common (mean) direction w_bar in dx = sum_j g_j W_j (and, in wgrad,
-moves the mean of W's rows, which the exact gradient never moves: sum_j dW_j = sum_i (sum_j g_ij) x_i = 0). The
-other linears' output gradients have no such structure.
+--fp8-output-layer (before its label correction) ended +0.30% above bf16 at 350 M, and the cost is its backward
+(head_precision_eval: evaluating with an FP8 forward costs 0.03%; a BF16-forward variant was no better). The backward
+casts the logits' gradient g = c (softmax(z) - onehot(y)) to E5M2 with one per-tensor scale and runs dx = g8 @ W8
+and dW = g8^T @ x8 (W, x in E4M3). Each row of g sums to zero and its largest entry is the label's c (p_y - 1).
+Two explanations are tested: the rounded row's leftover sum along the embeddings' common (mean) direction w_bar
+(scheme A-zs removes it: not the cause, head_grad_error.json), and the label entry's own rounding (scheme B adds it
+back: it halves the gradient's part of the error and removes its bias; per-tensor E5M2 reads every p_y < 1/14 as 0).
+The other linears' output gradients (scheme F) have neither structure.
 
 What it does (CPU, float64 references):
 1. a small GPT (4 layers, hidden 256, 5.5 M parameters) trained by the repo's own trainer (pretrain_gpt.py, fp32 on
@@ -22,10 +22,11 @@ What it does (CPU, float64 references):
    error, the row-sum error of the quantized gradient and the dW error on frequent / rare / unlabelled rows.
 
 Schemes (logits: float32 from the float64 GEMM, so the backward's rounding alone, unless the name says bf16):
-  A      the library's: g by cross_entropy_grad_fp8_ref (E5M2, per-tensor current scaling), W and x E4M3 per
-         tensor (quantize_transpose / quantize_x), GEMMs dequantized in float64 (= fp32 accumulation)
+  A      the uncorrected FP8 head: g by cross_entropy_grad_fp8_ref (E5M2, per-tensor current scaling), W and x E4M3
+         per tensor (quantize_transpose / quantize_x), GEMMs dequantized in float64 (= fp32 accumulation)
   A-g    A's g8 with exact W and x (the gradient's rounding alone);  A-wx: exact g with A's W8 and x8
   B      A plus the label entry's exact correction r_i = g_iy - dq(g8_iy): dx_i += r_i W_y (bf16), dW_y += r_i x_i
+         (what the library's FP8 head does, with x_i as wgrad's E4M3 copy)
   C      g in E4M3 per tensor;  C+B: C with B's correction
   D-e5m2 / D-e4m3: split, p = c softmax quantized, dx = Q(p) W8 - c W_y, dW = Q(p)^T x8 - scatter_add(c x, y)
   E      the BF16 head: g, W, x in bf16, fp32 (here float64) accumulation
