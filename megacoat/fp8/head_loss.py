@@ -57,7 +57,9 @@ def label_corrections(dx, dw, residual, label, weight, x8t, x_scale):
     """dx [T, K] and dW [V, K] of the FP8 GEMMs with each label entry's rounding error r [T] added back:
     dx_t += r_t W[y_t] (W the BF16 weight; addcmul sums in float32 and rounds once), dW[y] += sum_{t: y_t = y} r_t
     x_t in float32 (x the FP8 input wgrad read, x8^T [K, T] times its scale, so both parts of dW see the same x;
-    frequent labels sum thousands of rows, hence not in bf16). None: that gradient is not needed."""
+    frequent labels sum thousands of rows, hence not in bf16; on CUDA index_add sums them with atomics, in no fixed
+    order, as attention's backward does, unless torch's deterministic mode is on). None: that gradient is not
+    needed."""
     if dx is not None:
         dx = torch.addcmul(dx, residual[:, None].to(dx.dtype), weight.index_select(0, label))
     if dw is not None:
