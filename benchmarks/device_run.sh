@@ -86,8 +86,8 @@
 #               every mode's blocks replayed as CUDA graphs, for the 350m preset). RESUME=1 [STOP_EVERY=N]:
 #               runs longer than a call save when they stop and continue on the next call of the same warm
 #               machine (its JSON then holds them whole). Merge the calls' JSON with fidelity.py report  issue 19
-#   head-eval [MODE:SEED] (<= 9.5 min, 1 GPU) one 350m-long run (default coat-fp8-head-lx:3, CUDA graphs) trained in the
-#               call's time (STOP_EVERY=N: at most N iterations), its checkpoint kept and continued by the next call
+#   head-eval [MODE:SEED] (<= 9.5 min, 1 GPU) one 350m-long run (default coat-fp8-head-lx:3, CUDA graphs) trained
+#               in the call's time (STOP_EVERY=N: at most N iterations), its checkpoint kept and continued by the next call
 #               on the same warm machine; then head_precision_eval.py on it: the held-out loss with the head in FP8
 #               and in BF16, same weights (is the FP8 head's loss gap training's or evaluation's?)            issue 18
 #   quality     (~6 min, 1 GPU) CoatAdamW vs AdamW on a larger model; coat vs bf16 300 steps    issues 5, 6
