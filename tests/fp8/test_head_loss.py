@@ -1,6 +1,7 @@
 """The FP8 output layer fused with its cross-entropy (megacoat.fp8.head_loss): its loss is the FP8 head's logits'
-cross-entropy, its gradients those of that forward within E5M2's rounding, ignored tokens count nowhere, it keeps
-what it says it keeps, syncs nothing, and the converted GPT takes it when it has labels."""
+cross-entropy, its gradients those of that forward within E5M2's rounding with each label entry's rounding added
+back, ignored tokens count nowhere, it keeps what it says it keeps, syncs nothing, and the converted GPT takes it
+when it has labels."""
 import contextlib
 
 import pytest
