@@ -29,8 +29,7 @@ import triton
 import triton.language as tl
 
 from megacoat.ops.cast_transpose import asked_layouts, cast_transpose_ref, op_layouts
-from megacoat.ops.numerics import (AMAX_FLOOR, cast_with_scale, dispatch, fp8_operator, launcher, scale_from_amax,
-                                   traced_body)
+from megacoat.ops.numerics import AMAX_FLOOR, dispatch, fp8_operator, launcher, scale_from_amax, traced_body
 from megacoat.ops.tensor_scale import cast_scale, scaled_codes
 
 
@@ -127,18 +126,16 @@ def grad_amax(amax: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
 def cross_entropy_grad_fp8_ref(logits, labels, lse, amax, coef, grad_dtype: torch.dtype, ignore_index: int,
                                rowwise: bool = True, transpose: bool = True):
     """(g8 or None, g8^T or None, scale, residual): g = coef * (exp(z - lse) - onehot(y)) in float32, zero on
-    ignored tokens, cast with the scale of grad_amax(amax, coef) (cast_transpose's arithmetic); residual [T] float32
-    = g_y - code_y * scale, 0 on ignored tokens. coef: float32 [1] or []."""
+    ignored tokens, cast with the scale of grad_amax(amax, coef) (cast_transpose's arithmetic); residual: the
+    codes' label_residual. coef: float32 [1] or []."""
     _check(logits, labels)
     counted = labels != ignore_index
-    label = torch.where(counted, labels, 0)[:, None]
     p = torch.exp(logits.float() - lse[:, None])
-    onehot = torch.zeros_like(p).scatter_(1, label, 1.0)
+    onehot = torch.zeros_like(p).scatter_(1, torch.where(counted, labels, 0)[:, None], 1.0)
     g = torch.where(counted[:, None], (p - onehot) * coef.float().reshape(1, 1), 0.0)
     scale = scale_from_amax(grad_amax(amax, coef), grad_dtype).reshape(1)
-    g_y = g.gather(1, label)[:, 0]
-    residual = g_y - cast_with_scale(g_y, scale, grad_dtype).float() * scale
-    return (*cast_transpose_ref(g, scale, grad_dtype, rowwise, transpose), scale, residual)
+    q, qt = cast_transpose_ref(g, scale, grad_dtype, rowwise, transpose)
+    return q, qt, scale, label_residual(logits, labels, lse, coef, q, qt, scale, ignore_index)
 
 
 @triton.jit
