@@ -53,19 +53,30 @@ class Fp8HeadLossFunction(torch.autograd.Function):
         return (dx, dw, *(None,) * 10)
 
 
+# Tokens per piece of the label corrections: their float32 rows [piece, K] stay at 64 MiB, not 4 T K bytes.
+LABEL_PIECE_ELEMENTS = 1 << 24
+
+
 def label_corrections(dx, dw, residual, label, weight, x8t, x_scale):
     """dx [T, K] and dW [V, K] of the FP8 GEMMs with each label entry's rounding error r [T] added back:
     dx_t += r_t W[y_t] (W the BF16 weight; addcmul sums in float32 and rounds once), dW[y] += sum_{t: y_t = y} r_t
     x_t in float32 (x the FP8 input wgrad read, x8^T [K, T] times its scale, so both parts of dW see the same x;
     frequent labels sum thousands of rows, hence not in bf16; on CUDA index_add sums them with atomics, in no fixed
     order, as attention's backward does, unless torch's deterministic mode is on). None: that gradient is not
-    needed."""
-    if dx is not None:
-        dx = torch.addcmul(dx, residual[:, None].to(dx.dtype), weight.index_select(0, label))
+    needed. The tokens go in pieces, so the transient is one V x K float32 buffer plus a piece's rows, whatever
+    the micro-batch."""
+    piece = max(1, LABEL_PIECE_ELEMENTS // weight.shape[1])
+    if dx is not None:  # dx is the dgrad GEMM's own output: updated in place
+        for t0 in range(0, dx.shape[0], piece):
+            sl = slice(t0, t0 + piece)
+            dx[sl].addcmul_(residual[sl, None].to(dx.dtype), weight.index_select(0, label[sl]))
     if dw is not None:
-        rows = x8t.t().float() * (residual[:, None] * x_scale)
-        dw = torch.zeros(dw.shape, dtype=torch.float32, device=dw.device).index_add_(0, label, rows).add_(dw)
-        dw = dw.to(weight.dtype)
+        total = torch.zeros(dw.shape, dtype=torch.float32, device=dw.device)
+        factor = residual * x_scale
+        for t0 in range(0, x8t.shape[1], piece):
+            sl = slice(t0, t0 + piece)
+            total.index_add_(0, label[sl], x8t[:, sl].t().float().mul_(factor[sl, None]))
+        dw = total.add_(dw).to(weight.dtype)
     return dx, dw
 
 

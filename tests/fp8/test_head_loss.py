@@ -95,6 +95,24 @@ def test_label_entries_are_added_back_through_the_bf16_weight_and_the_fp8_input(
     assert rel_err(x.grad, dx) <= 2 ** -8 and rel_err(head.weight.grad, dw) <= 2 ** -8
 
 
+def test_label_corrections_in_pieces_are_those_of_one_piece(monkeypatch):
+    """The corrections go over the tokens in pieces (a bounded transient): dx row by row, so bit for bit; dW's
+    float32 sums of repeated labels only change order (on CUDA atomics order them anyway), then round to bf16 once:
+    within 2^-8 norm-wise."""
+    from megacoat.fp8 import head_loss
+    torch.manual_seed(0)
+    dx, dw = torch.randn(T, H, device=DEV, dtype=torch.bfloat16), torch.randn(V, H, device=DEV, dtype=torch.bfloat16)
+    weight = torch.randn(V, H, device=DEV, dtype=torch.bfloat16)
+    residual = torch.randn(T, device=DEV) * 1e-2
+    label = torch.randint(0, 7, (T,), device=DEV)  # repeated labels: dW's rows sum many tokens
+    x8t, xs = (torch.randn(H, T, device=DEV) * 100).to(torch.float8_e4m3fn), torch.tensor(0.01, device=DEV)
+    one = head_loss.label_corrections(dx.clone(), dw.clone(), residual, label, weight, x8t, xs)
+    monkeypatch.setattr(head_loss, "LABEL_PIECE_ELEMENTS", 5 * H)  # 5 tokens a piece: 13 pieces, the last one short
+    many = head_loss.label_corrections(dx.clone(), dw.clone(), residual, label, weight, x8t, xs)
+    assert torch.equal(many[0], one[0]) and not torch.equal(one[0], dx)
+    assert rel_err(many[1], one[1]) <= 2 ** -8 and not torch.equal(one[1], dw)
+
+
 def test_keeps_the_logits_their_log_sum_exp_and_the_inputs_fp8_transpose():
     """Saved for backward: the bf16 logits (2 B a logit, as the compiled loss keeps them), their float32 log-sum-exp
     and the labels (a view of the batch's), x8^T (1 B an element, not x) with its scale, and two scalars."""
