@@ -54,10 +54,10 @@ class FP8Config:
     amax_history_len: int = 16  # delayed scaling: calls (micro-batches) whose amaxes set the scale
     # The output layer (the vocabulary head) as an Fp8Linear too, its loss writing the logits' FP8 gradient and the
     # label entries' rounding error, which the head adds back (megacoat.fp8.head_loss). Off by default, as COAT,
-    # Megatron and torchtitan keep it in BF16: on an H100 it makes the 1.3 B model's step ~4% faster at micro-batch
+    # Megatron and torchtitan keep it in BF16: on an H100 it makes the 1.3 B model's step ~2% faster at micro-batch
     # 32, but at 350 M over 60 M tokens it ended +0.30% [+0.03, +0.57] above bf16 (8 seeds) before that correction,
     # where the default is at -0.13%: a cost of its backward (benchmarks/results/fidelity_notes.md). With the
-    # correction its loss is not measured yet.
+    # correction, +0.09% [-0.32, +0.51] over 6 seeds: the interval just outside the bar for a default.
     output_layer: bool = False
 
     def __post_init__(self):
