@@ -63,10 +63,10 @@ def label_corrections(dx, dw, residual, label, weight, x8t, x_scale):
     x_t in float32 (x the FP8 input wgrad read, x8^T [K, T] times its scale, so both parts of dW see the same x;
     frequent labels sum thousands of rows, hence not in bf16; on CUDA index_add sums them with atomics, in no fixed
     order, as attention's backward does, unless torch's deterministic mode is on). None: that gradient is not
-    needed. The tokens go in pieces, so the transient is one V x K float32 buffer plus a piece's rows, whatever
-    the micro-batch."""
+    needed. The tokens go in pieces, and both gradients are updated in the GEMMs' own outputs, so the transient is
+    one V x K float32 sum plus a piece's rows, whatever the micro-batch."""
     piece = max(1, LABEL_PIECE_ELEMENTS // weight.shape[1])
-    if dx is not None:  # dx is the dgrad GEMM's own output: updated in place
+    if dx is not None:
         for t0 in range(0, dx.shape[0], piece):
             sl = slice(t0, t0 + piece)
             dx[sl].addcmul_(residual[sl, None].to(dx.dtype), weight.index_select(0, label[sl]))
@@ -76,7 +76,7 @@ def label_corrections(dx, dw, residual, label, weight, x8t, x_scale):
         for t0 in range(0, x8t.shape[1], piece):
             sl = slice(t0, t0 + piece)
             total.index_add_(0, label[sl], x8t[:, sl].t().float().mul_(factor[sl, None]))
-        dw = total.add_(dw).to(weight.dtype)
+        dw.copy_(total.add_(dw))  # into the wgrad GEMM's own output (the weight's dtype): no second V x K copy
     return dx, dw
 
 

@@ -162,3 +162,28 @@ def test_gpu_loss_gradients_and_no_sync():
         fp8_head_loss(head, x, labels, IGNORE_INDEX).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_gpu_label_corrections_hold_one_float32_sum_and_one_piece():
+    """What the memory estimator adds for the corrections (megacoat.training.memory): a float32 V x K sum and one
+    piece of float32 rows, 4 V K + 4 min(T K, LABEL_PIECE_ELEMENTS) bytes, with T K twice a piece here; the
+    allocator's rounding and the per-token vectors (a few MiB) on top. Putting all T rows in float32 at once
+    (4 T K) would exceed it by 64 MiB."""
+    if DEV != "cuda":
+        pytest.skip("needs CUDA")
+    from megacoat.fp8.head_loss import LABEL_PIECE_ELEMENTS, label_corrections
+    tokens, hidden, vocab = 2 * LABEL_PIECE_ELEMENTS // 2048, 2048, 8192
+    dx = torch.randn(tokens, hidden, device=DEV, dtype=torch.bfloat16)
+    dw = torch.randn(vocab, hidden, device=DEV, dtype=torch.bfloat16)
+    weight = torch.randn(vocab, hidden, device=DEV, dtype=torch.bfloat16)
+    residual, label = torch.randn(tokens, device=DEV) * 1e-2, torch.randint(0, vocab, (tokens,), device=DEV)
+    x8t, xs = torch.randn(hidden, tokens, device=DEV).to(torch.float8_e4m3fn), torch.tensor(0.01, device=DEV)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    label_corrections(dx, dw, residual, label, weight, x8t, xs)
+    torch.cuda.synchronize()
+    transient = torch.cuda.max_memory_allocated() - before
+    bound = 4 * vocab * hidden + 4 * min(tokens * hidden, LABEL_PIECE_ELEMENTS)
+    assert bound * 0.9 <= transient <= bound + (4 << 20), (transient, bound)
