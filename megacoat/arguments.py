@@ -7,8 +7,9 @@ import re
 
 from megacoat.config import MegacoatConfig
 from megacoat.data.config import DataConfig
-from megacoat.fp8.config import (ACTIVATION_MODES, ACTIVATION_SCALINGS, AUTO, FP8_DTYPES, GRAD_SCALINGS, WEIGHT_CACHES,
-                                 FP8Config, resolve_scaling)
+from megacoat.fp8.config import (ACTIVATION_MODES, ACTIVATION_SCALINGS, AUTO, FP8_DTYPES, FP8_GEMM_MULTIPLE,
+                                 GRAD_SCALINGS, OUTPUT_LAYER_CHOICES, WEIGHT_CACHES, FP8Config, resolve_output_layer,
+                                 resolve_scaling)
 from megacoat.model.config import ModelConfig
 from megacoat.optim.config import DECAY_STYLES, MAIN_GRADS_DTYPES, MAIN_PARAMS_DTYPES, OptimizerConfig
 from megacoat.parallel.config import ParallelConfig
@@ -113,12 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="forward FP8 GEMMs accumulate without the tensor cores' periodic fp32 promotion (less "
                         "exact; TransformerEngine's and torchao's forward default; no gain measured for the 1.3 B "
                         "model on an H100); backward GEMMs always promote")
-    g.add_argument("--fp8-output-layer", action="store_true",
-                   help="the output layer (vocabulary head) in FP8 too, current scaling, the loss writing the logits' "
-                        "FP8 gradient and the label entries' rounding error, added back in float32 (off by default: "
-                        "COAT, Megatron and torchtitan keep it in BF16; ~2%% faster steps for a 1.3 B model on an "
-                        "H100; final loss against bf16 at 350 M +0.09%% over 6 seeds, +0.30%% over 8 without the "
-                        "label correction)")
+    g.add_argument("--fp8-output-layer", nargs="?", const="on", default=AUTO, choices=OUTPUT_LAYER_CHOICES,
+                   help="the output layer (vocabulary head) in FP8 too: current scaling, the loss writing the logits' "
+                        "FP8 gradient and the label entries' rounding error, added back in float32 (~2%% faster "
+                        "steps for a 1.3 B model on an H100; final loss against bf16 at 350 M +0.09%% over 6 seeds). "
+                        "auto (default): on in coat mode without tensor or pipeline parallelism and with vocabulary "
+                        "and hidden sizes multiples of 16, off elsewhere; on (the flag alone); off: the head in BF16, "
+                        "as COAT, Megatron and torchtitan keep it")
     g.add_argument("--fp8-grad-scaling", choices=(AUTO, *GRAD_SCALINGS), default=AUTO,
                    help="auto (default): delayed in coat mode without pipeline parallelism, current otherwise; "
                         "current: every FP8 gradient scaled by its own amax; delayed (coat mode): SwiGLU's and the "
@@ -242,7 +244,10 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
                     weight_cache=args.fp8_weight_cache, fast_accum=args.fp8_fast_accum,
                     grad_scaling=resolve_scaling(args.fp8_grad_scaling, fp8_activations, pp),
                     activation_scaling=resolve_scaling(args.fp8_activation_scaling, fp8_activations, pp),
-                    amax_history_len=args.fp8_amax_history_len, output_layer=args.fp8_output_layer)
+                    amax_history_len=args.fp8_amax_history_len,
+                    output_layer=resolve_output_layer(args.fp8_output_layer, fp8_activations,
+                                                      args.tensor_model_parallel_size, pp, args.vocab_size,
+                                                      args.hidden_size))
     parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                               pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                               sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage)
@@ -277,7 +282,7 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         raise ValueError("--mock-data and --data-path are exclusive")
     if fp8.fast_accum and not fp8.enabled:
         raise ValueError("--fp8-fast-accum needs FP8 GEMMs: add --coat-fp8 or --fp8-activations")
-    if fp8.output_layer and (model.vocab_size % 16 or model.hidden_size % 16):
+    if fp8.output_layer and (model.vocab_size % FP8_GEMM_MULTIPLE or model.hidden_size % FP8_GEMM_MULTIPLE):
         raise ValueError(f"--fp8-output-layer needs --vocab-size and --hidden-size to be multiples of 16 (FP8 GEMMs), "
                          f"got {model.vocab_size} and {model.hidden_size}")
     if fp8.output_layer and (parallel.tensor_model_parallel_size > 1 or parallel.pipeline_model_parallel_size > 1):

@@ -29,9 +29,13 @@ def test_defaults_build_a_config():
     (["--override-optimizer-state", "reset"], "--override-optimizer-state"),
     (["--fp8-fast-accum"], "--fp8-fast-accum"),  # no FP8 GEMM to apply it to
     (["--fp8-output-layer"], "--fp8-output-layer"),  # nor here
+    (["--fp8-output-layer", "on"], "--fp8-output-layer"),
     (["--coat-fp8", "--fp8-output-layer", "--vocab-size", "1000"], "--fp8-output-layer"),  # off the GEMM alignment
+    (["--coat-fp8", "--fp8-output-layer", "on", "--hidden-size", "200", "--num-attention-heads", "4"],
+     "--fp8-output-layer"),
     (["--coat-fp8", "--fp8-output-layer", "--tensor-model-parallel-size", "2"], "--fp8-output-layer"),
-    (["--coat-fp8", "--fp8-output-layer", "--pipeline-model-parallel-size", "2"], "--fp8-output-layer"),
+    (["--coat-fp8", "--fp8-output-layer", "on", "--pipeline-model-parallel-size", "2"], "--fp8-output-layer"),
+    (["--coat-fp8", "--fp8-output-layer", "yes"], "--fp8-output-layer"),
     (["--fp8-activations", "fp8-linear", "--fp8-grad-scaling", "delayed"], "--fp8-grad-scaling"),  # no SwiGLU kernel
     (["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-amax-history-len", "0"], "--fp8-amax-history-len"),
     (["--coat-fp8", "--fp8-grad-scaling", "delayed", "--pipeline-model-parallel-size", "2"], "--fp8-grad-scaling"),
@@ -49,10 +53,30 @@ def test_fast_accum_reaches_the_fp8_config():
     assert parse_config(["--fp8-activations", "fp8-linear", "--fp8-fast-accum"]).fp8.fast_accum
 
 
-def test_output_layer_reaches_the_fp8_config():
-    assert not parse_config(["--coat-fp8"]).fp8.output_layer  # off by default: its loss is not measured yet
-    assert parse_config(["--coat-fp8", "--fp8-output-layer"]).fp8.output_layer
+def test_output_layer_on_and_off_reach_the_fp8_config():
+    assert parse_config(["--coat-fp8", "--fp8-output-layer"]).fp8.output_layer  # the flag alone: on
+    assert parse_config(["--coat-fp8", "--fp8-output-layer", "on"]).fp8.output_layer
     assert parse_config(["--fp8-activations", "fp8-linear", "--fp8-output-layer"]).fp8.output_layer
+    assert not parse_config(["--coat-fp8", "--fp8-output-layer", "off"]).fp8.output_layer
+    tp = ["--tensor-model-parallel-size", "2"]
+    assert not parse_config(["--coat-fp8", "--fp8-output-layer", "off", *tp]).fp8.output_layer
+
+
+@pytest.mark.parametrize("argv, fp8_head", [
+    (["--coat-fp8"], True),  # vocabulary 4096 and hidden 192 by default: multiples of 16
+    (["--fp8-activations", "coat"], True),
+    (["--coat-fp8", "--fp8-output-layer", "auto", "--vocab-size", "32000", "--hidden-size", "2048",
+      "--num-attention-heads", "16"], True),
+    (["--coat-fp8", "--tensor-model-parallel-size", "2"], False),  # the FP8 head runs on one unsplit stage only
+    (["--coat-fp8", "--pipeline-model-parallel-size", "2"], False),
+    (["--coat-fp8", "--vocab-size", "1000"], False),  # off the FP8 GEMM alignment
+    (["--coat-fp8", "--hidden-size", "200", "--num-attention-heads", "4"], False),
+    (["--fp8-activations", "fp8-linear"], False),  # auto is coat mode's alone
+    (["--fp8-optimizer"], False),  # FP8 moments, BF16 activations: no FP8 GEMM
+    ([], False),
+])
+def test_output_layer_auto_is_fp8_in_coat_mode_where_the_fp8_head_runs(argv, fp8_head):
+    assert parse_config(argv).fp8.output_layer is fp8_head
 
 
 def test_grad_scaling_reaches_the_fp8_config():

@@ -25,6 +25,10 @@ GRAD_SCALINGS = ("current", "delayed")
 ACTIVATION_SCALINGS = ("current", "delayed")
 # The trainer's flags also take auto (their default): see resolve_scaling.
 AUTO = "auto"
+# --fp8-output-layer: auto (the default) resolves by resolve_output_layer; on and off as they say.
+OUTPUT_LAYER_CHOICES = (AUTO, "on", "off")
+# FP8 GEMMs (torch._scaled_mm / cuBLASLt) need their matrix sizes to be multiples of this.
+FP8_GEMM_MULTIPLE = 16
 
 
 def resolve_scaling(choice: str, mode: str, pipeline_model_parallel_size: int) -> str:
@@ -36,6 +40,30 @@ def resolve_scaling(choice: str, mode: str, pipeline_model_parallel_size: int) -
     if choice != AUTO:
         return choice
     return "delayed" if mode == "coat" and pipeline_model_parallel_size == 1 else "current"
+
+
+def resolve_output_layer(choice: str, mode: str, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
+                         vocab_size: int, hidden_size: int) -> bool:
+    """--fp8-output-layer auto|on|off: whether the output layer (the vocabulary head) runs in FP8.
+
+    on and off are what they say (on where the head cannot run in FP8 is refused by the flags' validation). auto,
+    the default, is on in coat mode wherever the FP8 head runs: one unsplit stage (no tensor or pipeline
+    parallelism) and vocabulary and hidden sizes that are multiples of 16 (FP8 GEMMs). Elsewhere it keeps the BF16
+    head, as COAT, Megatron and torchtitan do: under TP or PP (the FP8 head is tested on one unsplit stage only),
+    at sizes off the GEMM alignment, and in fp8-linear mode (its loss with the FP8 head is not measured).
+
+    Why on in coat mode, as measured (benchmarks/results/bench_e2e_notes.md and fidelity_notes.md, last sections):
+      speed: ~2% faster steps; the 1.3 B model on an H100 at its largest micro-batch, 1.501x compiled bf16 against
+             1.467x with the BF16 head
+      loss: 350 M over 60 M tokens, +0.09% [-0.32, +0.51] against bf16 over 6 seeds, with the head's label
+            correction (megacoat.fp8.head_loss)"""
+    if choice not in OUTPUT_LAYER_CHOICES:
+        raise ValueError(f"--fp8-output-layer must be one of {OUTPUT_LAYER_CHOICES}, got {choice!r}")
+    if choice != AUTO:
+        return choice == "on"
+    one_stage = tensor_model_parallel_size == 1 and pipeline_model_parallel_size == 1
+    aligned = vocab_size % FP8_GEMM_MULTIPLE == 0 and hidden_size % FP8_GEMM_MULTIPLE == 0
+    return mode == "coat" and one_stage and aligned
 
 
 @dataclass
@@ -53,11 +81,9 @@ class FP8Config:
     activation_scaling: str = "current"
     amax_history_len: int = 16  # delayed scaling: calls (micro-batches) whose amaxes set the scale
     # The output layer (the vocabulary head) as an Fp8Linear too, its loss writing the logits' FP8 gradient and the
-    # label entries' rounding error, which the head adds back (megacoat.fp8.head_loss). Off by default, as COAT,
-    # Megatron and torchtitan keep it in BF16: on an H100 it makes the 1.3 B model's step ~2% faster at micro-batch
-    # 32, but at 350 M over 60 M tokens it ended +0.30% [+0.03, +0.57] above bf16 (8 seeds) before that correction,
-    # where the default is at -0.13%: a cost of its backward (benchmarks/results/fidelity_notes.md). With the
-    # correction, +0.09% [-0.32, +0.51] over 6 seeds: the interval just outside the bar for a default.
+    # label entries' rounding error, which the head adds back (megacoat.fp8.head_loss). The library's default is the
+    # BF16 head, as in COAT, Megatron and torchtitan; the trainer's flag defaults to auto (resolve_output_layer: on
+    # in coat mode where the FP8 head runs).
     output_layer: bool = False
 
     def __post_init__(self):
