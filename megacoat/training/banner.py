@@ -3,6 +3,7 @@ batch), in one block that rank 0 prints before the model is built."""
 from __future__ import annotations
 
 from megacoat.config import MegacoatConfig
+from megacoat.fp8.config import FP8_GEMM_MULTIPLE
 from megacoat.parallel import ParallelState
 
 
@@ -14,6 +15,19 @@ def _precision(bf16: bool, on_cuda: bool, precision: str, main_params_dtype: str
     return f"{dtype} ({why})"
 
 
+def _bf16_head_reason(cfg: MegacoatConfig) -> str:
+    """Why coat mode's head stays in high precision: --fp8-output-layer auto keeps it there where the FP8 head
+    does not run (megacoat.fp8.config.resolve_output_layer), and otherwise it was turned off by name."""
+    if cfg.fp8.mode != "coat":
+        return ""
+    m, p = cfg.model, cfg.parallel
+    if p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1:
+        return " (the FP8 head runs without tensor and pipeline parallelism only)"
+    if m.vocab_size % FP8_GEMM_MULTIPLE or m.hidden_size % FP8_GEMM_MULTIPLE:
+        return f" (the FP8 head needs vocabulary and hidden sizes that are multiples of {FP8_GEMM_MULTIPLE})"
+    return " (--fp8-output-layer off)"
+
+
 def _fp8(cfg: MegacoatConfig, bf16: bool) -> str:
     f = cfg.fp8
     if not f.enabled:
@@ -21,7 +35,7 @@ def _fp8(cfg: MegacoatConfig, bf16: bool) -> str:
     accum = "; forward GEMMs with fast accumulation (--fp8-fast-accum)" if f.fast_accum else ""
     gemms = f"FP8 GEMMs (E4M3 inputs and weights, per-tensor scales; gradients {f.grad_dtype.upper()}{accum})"
     head = ("; the output layer in FP8 too (--fp8-output-layer)" if f.output_layer
-            else "; the output layer in high precision")
+            else f"; the output layer in high precision{_bf16_head_reason(cfg)}")
     if f.mode == "fp8-linear":
         return f"fp8-linear: {gemms}; norms, SwiGLU and attention in high precision{head}"
     sites = [what for what, on in (("SwiGLU's and the [q|k|v] output's gradients", f.grad_scaling == "delayed"),
