@@ -17,7 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megacoat.fp8.config import DEFAULT_WEIGHT_CACHE, WEIGHT_CACHES  # noqa: E402
+from megacoat.fp8.config import (AUTO, DEFAULT_WEIGHT_CACHE, OUTPUT_LAYER_CHOICES, WEIGHT_CACHES,  # noqa: E402
+                                 resolve_output_layer)
 from megacoat.model.config import ModelConfig  # noqa: E402
 from megacoat.optim.config import default_main_params_dtype  # noqa: E402
 from megacoat.training.memory import MAIN_GRADS_DTYPES, MAIN_PARAMS_DTYPES, MODES, estimate_memory  # noqa: E402
@@ -56,9 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--enable-cuda-graph runs with more than one micro-batch a step (their gradients are copied out "
                         "of the graph pool after the first micro-batch and lie flat: ZeRO-1 on one rank reads them "
                         "in place)")
-    p.add_argument("--fp8-output-layer", action="store_true",
-                   help="the FP8 modes' rows with the output layer in FP8 too (its input saved as E4M3, its weight "
-                        "cached like the block linears')")
+    p.add_argument("--fp8-output-layer", nargs="?", const="on", default=AUTO, choices=OUTPUT_LAYER_CHOICES,
+                   help="the output layer in FP8 too (its input saved as E4M3, its weight cached like the block "
+                        "linears'): auto (default) as training resolves it, in the coat rows without TP or PP and "
+                        "with vocabulary and hidden sizes multiples of 16; on (the flag alone): in every FP8 mode's "
+                        "rows; off: in none")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -76,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
             for fp8_opt in [True] if only_coat else [False, True]:
                 master = args.main_params_dtype or default_main_params_dtype(
                     fp8_opt, True, args.zero_stage, args.pipeline_model_parallel_size, args.main_grads_dtype)
+                fp8_head = mode != "bf16" and resolve_output_layer(
+                    args.fp8_output_layer, mode, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                    cfg.vocab_size, cfg.hidden_size)
                 est = estimate_memory(cfg, mode, micro_batch_size=args.micro_batch_size,
                                       data_parallel_size=args.data_parallel_size, zero_stage=args.zero_stage,
                                       tensor_parallel_size=args.tensor_model_parallel_size,
@@ -84,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                                       fp8_weight_cache=args.fp8_weight_cache, main_grads_dtype=args.main_grads_dtype,
                                       main_params_dtype=master, compiled=args.compile,
                                       graphed_accumulation=args.graphed_accumulation,
-                                      fp8_output_layer=args.fp8_output_layer and mode != "bf16")
+                                      fp8_output_layer=fp8_head)
                 rows.append({"mode": mode, "optimizer_class": "CoatAdamW" if fp8_opt else "AdamW",
-                             "main_params_dtype": master, **est.as_dict()})
+                             "main_params_dtype": master, "fp8_output_layer": fp8_head, **est.as_dict()})
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -96,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cfg.num_parameters() / 1e9:.3f} B parameters; micro-batch {args.micro_batch_size} x {cfg.seq_length} "
           f"tokens; TP {args.tensor_model_parallel_size} PP {args.pipeline_model_parallel_size} "
           f"DP {args.data_parallel_size} ZeRO-{args.zero_stage}  (GiB per GPU)")
+    fp8_head_modes = ", ".join(dict.fromkeys(r["mode"] for r in rows if r["fp8_output_layer"])) or "none"
     print(f"main grads {args.main_grads_dtype}, main params "
-          f"{args.main_params_dtype or 'default (bf16-remainder for CoatAdamW where it runs, else fp32)'}")
+          f"{args.main_params_dtype or 'default (bf16-remainder for CoatAdamW where it runs, else fp32)'}; "
+          f"the output layer in FP8 (--fp8-output-layer {args.fp8_output_layer}): {fp8_head_modes}")
     print(f"{'mode':<11} {'optimizer':<10} {'weights':>8} {'grads':>8} {'optim':>8} {'activ.':>8} {'step':>8} "
           f"{'total':>8}")
     for r in rows:

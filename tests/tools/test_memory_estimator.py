@@ -248,6 +248,21 @@ def test_cli_prints_all_modes_and_rejects_bad_input(capsys):
     assert "must be divisible" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, fp8_head_modes", [
+    ([], {"coat"}),  # auto, as training resolves it: coat's rows only
+    (["--fp8-output-layer"], {"fp8-linear", "coat"}),  # the flag alone: on, in every FP8 mode's rows
+    (["--fp8-output-layer", "off"], set()),
+    (["--tensor-model-parallel-size", "2"], set()),  # auto under TP: the BF16 head
+    (["--vocab-size", "1000"], set()),  # auto off the FP8 GEMM alignment
+])
+def test_cli_resolves_the_output_layer_as_training_does(capsys, argv, fp8_head_modes):
+    tool = load_tool("memory_estimator")
+    assert tool.main(["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256",
+                      "--num-attention-heads", "4", "--json", *argv]) == 0
+    rows = json.loads(capsys.readouterr().out)["estimates"]
+    assert {r["mode"] for r in rows if r["fp8_output_layer"]} == fp8_head_modes
+
+
 GPU_MODEL = ["--num-layers", "8", "--hidden-size", "1024", "--ffn-hidden-size", "2816", "--num-attention-heads", "16",
              "--seq-length", "1024", "--vocab-size", "32000"]
 
@@ -259,9 +274,10 @@ def test_estimate_within_15_percent_of_measured_peak_on_gpu(tmp_path):
     torch.cuda.max_memory_allocated after a few steps."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                MEGACOAT_CACHE=str(tmp_path / "cache"))
+    # the head in BF16 in every run, as the estimates below count it
     runs = {"bf16": ([], {}), "fp8-linear": (["--fp8-activations", "fp8-linear"], {}),
-            "coat": (["--fp8-activations", "coat"], {}),
-            "coat-remainder": (["--coat-fp8", "--main-params-dtype", "bf16-remainder"],
+            "coat": (["--fp8-activations", "coat", "--fp8-output-layer", "off"], {}),
+            "coat-remainder": (["--coat-fp8", "--main-params-dtype", "bf16-remainder", "--fp8-output-layer", "off"],
                                dict(fp8_optimizer=True, main_params_dtype="bf16-remainder"))}
     procs = {}
     for mode, (flags, _) in runs.items():
