@@ -20,7 +20,7 @@
 #               call's remaining time: a kernel change's check and the tiles to try next, on one machine start  issue 17
 #   suite-speed MB (~9.5 min, 1 GPU) every GPU test, then e2e MB speed without a profile in the call's remaining
 #               time: a kernel change's check and its speed point on one machine start (MODES=... to choose;
-#               "bf16+compile coat-delayed-all+cudagraph", the default alone, fits micro-batch 12)      issue 17
+#               "bf16+compile coat-fp8-head+cudagraph", the default alone, fits micro-batch 12)         issue 17
 #   optimizer   (~6 min, 1 GPU) CoatAdamW's GPU tests (the CUDA kernel), bench_optimizer          issues 5, 16
 #   layers      (~8 min, 1 GPU) bench_layer: new vs legacy fp8-linear (--ab), then compiled FP8 modes    issue 6
 #   mlp         (~6 min, 1 GPU) bench_mlp_block, with the last measured kernels (739ce90) beside the new
@@ -35,24 +35,25 @@
 #               (--fp8-fast-accum's speed); PART delayed: bf16+compile coat+cudagraph coat-delayed+cudagraph
 #               (--fp8-grad-scaling delayed's speed); PART delayedall: bf16+compile coat-delayed+cudagraph
 #               coat-delayed-all+cudagraph (--fp8-activation-scaling delayed on top); PART speed: bf16+compile
-#               coat+cudagraph coat-delayed-all+cudagraph (the default and the fastest); PART default: bf16+compile
-#               coat-delayed-all+cudagraph alone (the trainer's default, two modes: a larger micro-batch fits); PART peers:
-#               bf16+compile coat-delayed-all+cudagraph torchao-float8 (the default against torchao); PART fp8linear:
-#               bf16+compile fp8-linear+cudagraph (fp8-linear's speed and memory); PART state: coat-delayed-all+cudagraph
-#               coat-delayed-all-fp32-state+cudagraph (the default against an fp32 master, fp32 main gradients and
-#               both FP8 weight layouts kept: issue 18's speed reference; no bf16); PART largest: coat-delayed-all+cudagraph
-#               alone, at micro-batches bf16 cannot fit (24, 32; issue 18's largest-micro-batch throughput, against
-#               bf16's own largest, 16, from `e2e 16 default` on the same warm machine); PART workspace: bf16+compile
-#               and coat+cudagraph each with and without a cuBLAS workspace (--cublas-workspace); PART fp8head:
-#               bf16+compile coat-delayed-all+cudagraph coat-fp8-head+cudagraph (--fp8-output-layer's speed). Each but largest
-#               and state holds bf16+compile: ratios stay within one call                            issue 17
+#               coat+cudagraph coat-delayed-all+cudagraph (COAT's scaling against delayed, both with the BF16 head);
+#               PART default: bf16+compile coat-fp8-head+cudagraph alone (the trainer's default, two modes: a larger
+#               micro-batch fits); PART peers: bf16+compile coat-fp8-head+cudagraph torchao-float8 (the default against
+#               torchao); PART fp8linear: bf16+compile fp8-linear+cudagraph (fp8-linear's speed and memory); PART state:
+#               coat-fp8-head+cudagraph coat-fp8-head-fp32-state+cudagraph (the default against an fp32 master, fp32
+#               main gradients and both FP8 weight layouts kept: issue 18's speed reference; no bf16); PART largest:
+#               coat-fp8-head+cudagraph alone, at micro-batches bf16 cannot fit (24, 32; issue 18's largest-micro-batch
+#               throughput, against bf16's own largest, 16, from `e2e 16 default` on the same warm machine); PART
+#               workspace: bf16+compile and coat+cudagraph each with and without a cuBLAS workspace
+#               (--cublas-workspace); PART fp8head: bf16+compile coat-delayed-all+cudagraph coat-fp8-head+cudagraph
+#               (--fp8-output-layer's speed). Each but largest and state holds bf16+compile: ratios stay within one
+#               call                                                                             issue 17
 #   e2e-largest [MB] (~7 min, 1 GPU) compiled bf16 at 16 (the largest it fits on an H100) against the default
-#               (coat-delayed-all+cudagraph; LARGEST_MODE=coat-fp8-head for --fp8-output-layer) at MB (default
-#               32), 2 repeats each, interleaved, in one run: the throughput at each mode's largest micro-batch
+#               (coat-fp8-head+cudagraph; LARGEST_MODE=coat-delayed-all for the BF16 head) at MB (default 32),
+#               2 repeats each, interleaved, in one run: the throughput at each mode's largest micro-batch
 #               (bench_e2e.py --at-largest)                                                         issue 18
 #   suite-memory (~9 min, 1 GPU) every GPU test, then peak memory (allocated and reserved) at micro-batch 4 and 8:
-#               compiled bf16, the default compiled only (its allocated peak is the footprint) and with CUDA
-#               graphs                                                                           issue 18
+#               compiled bf16, the default (coat-fp8-head) compiled only (its allocated peak is the footprint) and
+#               with CUDA graphs                                                                 issue 18
 #   e2e-memory  (~7 min, 1 GPU) peak memory and speed at micro-batch 4 and 8: bf16+compile, coat,
 #               coat-fp32-master and coat-rowwise with CUDA graphs, one repeat (memory is
 #               deterministic)                                                                   issue 18
@@ -70,8 +71,8 @@
 #   gemm-workspace (~2 min, 1 GPU) bench_gemm_workspace.py: a layer's FP8 GEMMs in a CUDA graph, their memsets
 #               and time under cuBLAS(Lt) workspace settings                                     issue 17
 #   e2e-reserved ["MB ..."] (~7 min, 1 GPU) peak memory allocated and reserved at micro-batch 4 and 8 (or MB ...):
-#               compiled bf16, the default with CUDA graphs and compiled only, and the default with the row-major
-#               weight cache only (with CUDA graphs)                                              issue 18
+#               compiled bf16, coat-delayed-all (the default before the FP8 head) with CUDA graphs and compiled
+#               only, and with the row-major weight cache only (with CUDA graphs)                 issue 18
 #   e2e-equal   (~8 min, 1 GPU) 1.3 B model, the three modes at micro-batch 4, all compiled        issue 10 (a)
 #   e2e-eager   (~8 min, 1 GPU) the same, FP8 modes eager (compiled bf16 as the baseline)       issue 10 (a)
 #   e2e-search  (~9 min, 1 GPU) the largest micro-batch of the modes named after it (default: bf16 coat;
@@ -198,12 +199,12 @@ e2e)
     delayed) MODES="bf16+compile coat+cudagraph coat-delayed+cudagraph" ;;
     delayedall) MODES="bf16+compile coat-delayed+cudagraph coat-delayed-all+cudagraph" ;;
     speed) MODES="bf16+compile coat+cudagraph coat-delayed-all+cudagraph" ;;
-    default) MODES="bf16+compile coat-delayed-all+cudagraph" ;;
-    peers) MODES="bf16+compile coat-delayed-all+cudagraph torchao-float8" ;;
+    default) MODES="bf16+compile coat-fp8-head+cudagraph" ;;
+    peers) MODES="bf16+compile coat-fp8-head+cudagraph torchao-float8" ;;
     fp8linear) MODES="bf16+compile fp8-linear+cudagraph" ;;
-    largest) MODES="coat-delayed-all+cudagraph" ;;
+    largest) MODES="coat-fp8-head+cudagraph" ;;
     workspace) MODES="bf16+compile bf16-no-workspace+compile coat+cudagraph coat-workspace+cudagraph" ;;
-    state) MODES="coat-delayed-all+cudagraph coat-delayed-all-fp32-state+cudagraph" ;;
+    state) MODES="coat-fp8-head+cudagraph coat-fp8-head-fp32-state+cudagraph" ;;
     fp8head) MODES="bf16+compile coat-delayed-all+cudagraph coat-fp8-head+cudagraph" ;;
     *) echo "e2e: part must be baseline, fp8, cudagraph, fastaccum, delayed, delayedall, speed, default, peers, fp8linear, largest, workspace, state or fp8head (see the header of $0)"; exit 2 ;;
     esac
@@ -213,12 +214,13 @@ e2e)
         --out "$OUT/bench_e2e_speed_${3}_mb${MB//,/_}.json"
     ;;
 e2e-largest)
-    step e2e_at_largest 565 $E2E --at-largest bf16+compile@16 "${LARGEST_MODE:-coat-delayed-all}+cudagraph@${2:-32}" \
+    step e2e_at_largest 565 $E2E --at-largest bf16+compile@16 "${LARGEST_MODE:-coat-fp8-head}+cudagraph@${2:-32}" \
         --out "$OUT/bench_e2e_speed_at_largest_mb${2:-32}.json"
     ;;
 e2e-reserved)
     # what the device holds under CUDA graphs: the allocated peak misses the graphs' replays in their private pool,
-    # the reserved peak does not; the default graphed and compiled only, beside compiled bf16 (memory, not speed)
+    # the reserved peak does not; coat-delayed-all (the BF16 head) graphed and compiled only, beside compiled bf16
+    # (memory, not speed)
     step e2e_reserved 585 python3 benchmarks/bench_e2e.py speed --warmup 5 --iters 10 --log-interval 5 --repeats 1 \
         --timeout 100 --micro-batch-size ${2:-4 8} --modes bf16+compile coat-delayed-all+cudagraph coat-delayed-all+compile \
         coat-delayed-all-rowwise+cudagraph --out "$OUT/bench_e2e_memory_reserved.json"
@@ -230,7 +232,7 @@ suite-memory)
     cp "$LOGS/gpu_tests_all.txt" "$OUT/gpu_tests_all.txt"
     step e2e_memory_default $((585 - SECONDS)) python3 benchmarks/bench_e2e.py speed --warmup 5 --iters 10 \
         --log-interval 5 --repeats 1 --timeout 100 --micro-batch-size 4 8 --modes bf16+compile \
-        coat-delayed-all+compile coat-delayed-all+cudagraph --out "$OUT/bench_e2e_memory_default.json"
+        coat-fp8-head+compile coat-fp8-head+cudagraph --out "$OUT/bench_e2e_memory_default.json"
     ;;
 e2e-memory)
     step e2e_memory 585 python3 benchmarks/bench_e2e.py speed --warmup 5 --iters 30 --log-interval 5 --repeats 1 \

@@ -56,28 +56,31 @@ def load_script(relpath: str):
 stats = load_script("benchmarks/fidelity_stats.py")
 
 # Each name keeps the flags it was measured with, whatever the trainer's defaults become: "coat" and its variants
-# pin COAT's just-in-time (current) scaling; "coat-delayed-all" is --coat-fp8's default (delayed at both sites).
-COAT = ["--coat-fp8", "--fp8-grad-scaling", "current", "--fp8-activation-scaling", "current"]
+# pin COAT's just-in-time (current) scaling, and every coat name pins its head, the BF16 one but in
+# "coat-fp8-head-lx", which is --coat-fp8's default (delayed scaling at both sites, the FP8 head).
+HEAD_BF16 = ["--fp8-output-layer", "off"]
+COAT = ["--coat-fp8", "--fp8-grad-scaling", "current", "--fp8-activation-scaling", "current", *HEAD_BF16]
+DELAYED_ALL = ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling", "delayed"]
 MODES = {
     "bf16": [],
     "coat": COAT,
     "fp8-optimizer": ["--fp8-optimizer"],
     "fp8-activations": ["--fp8-activations", "coat", "--fp8-grad-scaling", "current", "--fp8-activation-scaling",
-                        "current"],
+                        "current", *HEAD_BF16],
     "fp8-linear": ["--fp8-activations", "fp8-linear"],
     "coat-no-expansion": [*COAT, "--fp8-no-expansion"],
     "coat-v-e5m2": [*COAT, "--fp8-v-dtype", "e5m2"],
     # forward GEMMs with fast accumulation: whether --fp8-fast-accum costs loss (it is off by default until shown)
     "coat-fast-accum": [*COAT, "--fp8-fast-accum"],
     # SwiGLU's gradient scaled by the amaxes of earlier backward calls: whether --fp8-grad-scaling delayed costs loss
-    "coat-delayed": ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling", "current"],
+    "coat-delayed": ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling", "current",
+                     *HEAD_BF16],
     # and the norms' and SwiGLU's FP8 outputs scaled by the amaxes of earlier forwards (--fp8-activation-scaling)
-    "coat-delayed-all": ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling", "delayed"],
+    "coat-delayed-all": [*DELAYED_ALL, *HEAD_BF16],
     # and the output layer in FP8 too, each label entry's rounding added back (--fp8-output-layer): whether it still
     # costs loss. Its runs without that residual are "coat-fp8-head" (+0.30% at 350 M): a new name, since report
     # pools runs by name and the flags did not change
-    "coat-fp8-head-lx": ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling", "delayed",
-                         "--fp8-output-layer"],
+    "coat-fp8-head-lx": [*DELAYED_ALL, "--fp8-output-layer", "on"],
 }
 MODEL_125M = ["--num-layers", "12", "--hidden-size", "768", "--ffn-hidden-size", "2048", "--num-attention-heads", "12"]
 MODEL_350M = ["--num-layers", "24", "--hidden-size", "1024", "--ffn-hidden-size", "2816", "--num-attention-heads", "16"]

@@ -15,7 +15,8 @@ from torch import nn
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 sys.path.insert(0, BENCH)
 
-from bench_e2e import COAT, MODEL_TINY, MODES, mode_command, mode_spec, summarize, timed_window  # noqa: E402
+from bench_e2e import (COAT, COAT_DEFAULT, FP32_STATE, MODEL_TINY, MODES, mode_command, mode_spec,  # noqa: E402
+                       summarize, timed_window)
 
 
 def _records(rates, every=5, mfu_per_rate=None):
@@ -29,12 +30,18 @@ def test_mode_labels_and_their_commands():
     for bad in ("bogus", "coat+eager", "bf16+", "plain-llama+cudagraph"):
         with pytest.raises(argparse.ArgumentTypeError, match="MODE, MODE\\+compile or MODE\\+cudagraph"):
             mode_spec(bad)
-    # "coat" pins COAT's just-in-time scaling: its name means what it measured before delayed became the default
-    assert COAT == ["--coat-fp8", "--fp8-grad-scaling", "current", "--fp8-activation-scaling", "current"]
+    # "coat" pins COAT's just-in-time scaling and the BF16 head: its name means what it measured before delayed
+    # scaling and the FP8 head became the default
+    assert COAT == ["--coat-fp8", "--fp8-grad-scaling", "current", "--fp8-activation-scaling", "current",
+                    "--fp8-output-layer", "off"]
     assert mode_command("coat") == ("pretrain_gpt.py", COAT)
     assert mode_command("coat+cudagraph") == ("pretrain_gpt.py", [*COAT, "--compile", "--enable-cuda-graph"])
     assert mode_command("coat-lean")[1][:len(COAT)] == COAT
     assert mode_command("bf16+compile") == ("pretrain_gpt.py", ["--compile"])
+    # the FP8 head, the default, pinned on; its fp32-state reference adds COAT's optimizer-side state to it alone
+    assert mode_command("coat-fp8-head") == ("pretrain_gpt.py", COAT_DEFAULT)
+    assert COAT_DEFAULT[-2:] == ["--fp8-output-layer", "on"]
+    assert mode_command("coat-fp8-head-fp32-state")[1] == [*COAT_DEFAULT, *FP32_STATE]
     assert mode_command("torchao-float8") == ("benchmarks/torchao_pretrain.py", ["--compile"])
 
 
@@ -118,7 +125,10 @@ def test_every_trainer_mode_parses():
 
     for mode, (script, flags) in MODES.items():
         if script == "pretrain_gpt.py":
-            assert parse_config(MODEL_TINY + list(flags)) is not None, mode
+            cfg = parse_config(MODEL_TINY + list(flags))
+            # every coat name pins its head: the FP8 one in the coat-fp8-head names alone
+            assert "--fp8-output-layer" in flags or cfg.fp8.mode != "coat", mode
+            assert cfg.fp8.output_layer == mode.startswith("coat-fp8-head"), mode
 
 
 def _bench(*args, timeout=60):

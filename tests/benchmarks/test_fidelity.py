@@ -106,7 +106,10 @@ def test_every_mode_is_a_valid_trainer_command():
 
     fidelity = load_benchmark("fidelity")
     for mode, flags in fidelity.MODES.items():
-        assert parse_config(list(flags)).fp8 is not None, mode
+        fp8 = parse_config(list(flags)).fp8
+        # every coat name pins the head it was measured with: the FP8 one in coat-fp8-head-lx alone
+        assert "--fp8-output-layer" in flags or fp8.mode != "coat", mode
+        assert fp8.output_layer == (mode == "coat-fp8-head-lx"), mode
 
 
 def _runs_doc(path, runs, data_id="d1"):
