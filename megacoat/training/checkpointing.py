@@ -264,15 +264,18 @@ def check_compatible(path: str, meta: dict, config_dict: dict, layout: Layout, t
 
 
 def scaling_changes(meta: dict, config_dict: dict) -> list[str]:
-    """The FP8 scaling switches that differ from the checkpoint's run, as notes: switching is allowed (the amax
-    histories start afresh, or are dropped), but a run resumed after the default changed should not switch silently."""
+    """The FP8 switches (scaling, the output layer) that differ from the checkpoint's run, as notes: switching is
+    allowed (the amax histories start afresh, or are dropped; the head's weight is the same parameter either way), but
+    a run resumed after the default changed should not switch silently."""
     saved = (meta.get("megacoat_config") or {}).get("fp8") or {}
     now = config_dict.get("fp8") or {}
     notes = []
-    for key, flag in (("grad_scaling", "--fp8-grad-scaling"), ("activation_scaling", "--fp8-activation-scaling")):
+    for key, flag in (("grad_scaling", "--fp8-grad-scaling"), ("activation_scaling", "--fp8-activation-scaling"),
+                      ("output_layer", "--fp8-output-layer")):
         if key in saved and key in now and saved[key] != now[key]:
-            notes.append(f"note: the checkpoint was trained with {flag} {saved[key]}, this run uses {now[key]} "
-                         f"(pass {flag} {saved[key]} to keep it)")
+            was, now_ = (("on" if v else "off") if isinstance(v, bool) else v for v in (saved[key], now[key]))
+            notes.append(f"note: the checkpoint was trained with {flag} {was}, this run uses {now_} "
+                         f"(pass {flag} {was} to keep it)")
     return notes
 
 

@@ -223,3 +223,13 @@ def test_a_changed_scaling_switch_is_a_note_not_an_error():
         "(pass --fp8-grad-scaling current to keep it)"]
     assert ckpt.scaling_changes(meta, {"fp8": meta["megacoat_config"]["fp8"]}) == []
     assert ckpt.scaling_changes({"megacoat_config": {"model": {}}}, now) == []  # e.g. a layout-free HF checkpoint
+
+
+def test_a_changed_output_layer_is_a_note_not_an_error():
+    """The FP8 head became coat's default (--fp8-output-layer auto): a run resumed from a checkpoint trained with the
+    BF16 head says so, and how to keep it."""
+    meta = {"megacoat_config": {"fp8": {"grad_scaling": "delayed", "output_layer": False}}}
+    now = {"fp8": {"grad_scaling": "delayed", "output_layer": True}}
+    assert ckpt.scaling_changes(meta, now) == [
+        "note: the checkpoint was trained with --fp8-output-layer off, this run uses on "
+        "(pass --fp8-output-layer off to keep it)"]
