@@ -6,7 +6,8 @@
 #
 # Results go to $OUT (at most 8 files come back: the JSON/PNG results plus one logs.tgz with every command's
 # output); copy them into benchmarks/results/ afterwards. Each command has its own time limit, so one that hangs
-# or fails leaves the others' results intact. Groups, in the order a session should take them:
+# or fails leaves the others' results intact. $DEFAULT_MODE below is the trainer's default as bench_e2e names it
+# (coat-delayed-all: the BF16 head). Groups, in the order a session should take them:
 #   kernels     (~8 min, 1 GPU) GPU tests (pytest -m gpu) but CoatAdamW's, bench_quant         issues 6, 16
 #   gpu-suite   (~4 min, 1 GPU) every GPU test (pytest -m gpu), then bench_delayed_scaling (SwiGLU's
 #               backward and the norm's and SwiGLU's forward per call, current vs delayed scaling)   issue 17
@@ -20,7 +21,7 @@
 #               call's remaining time: a kernel change's check and the tiles to try next, on one machine start  issue 17
 #   suite-speed MB (~9.5 min, 1 GPU) every GPU test, then e2e MB speed without a profile in the call's remaining
 #               time: a kernel change's check and its speed point on one machine start (MODES=... to choose;
-#               "bf16+compile coat-fp8-head+cudagraph", the default alone, fits micro-batch 12)         issue 17
+#               "bf16+compile coat-delayed-all+cudagraph", the default alone, fits micro-batch 12)      issue 17
 #   optimizer   (~6 min, 1 GPU) CoatAdamW's GPU tests (the CUDA kernel), bench_optimizer          issues 5, 16
 #   layers      (~8 min, 1 GPU) bench_layer: new vs legacy fp8-linear (--ab), then compiled FP8 modes    issue 6
 #   mlp         (~6 min, 1 GPU) bench_mlp_block, with the last measured kernels (739ce90) beside the new
@@ -36,23 +37,23 @@
 #               (--fp8-grad-scaling delayed's speed); PART delayedall: bf16+compile coat-delayed+cudagraph
 #               coat-delayed-all+cudagraph (--fp8-activation-scaling delayed on top); PART speed: bf16+compile
 #               coat+cudagraph coat-delayed-all+cudagraph (COAT's scaling against delayed, both with the BF16 head);
-#               PART default: bf16+compile coat-fp8-head+cudagraph alone (the trainer's default, two modes: a larger
-#               micro-batch fits); PART peers: bf16+compile coat-fp8-head+cudagraph torchao-float8 (the default against
+#               PART default: bf16+compile $DEFAULT_MODE+cudagraph alone (the trainer's default, two modes: a larger
+#               micro-batch fits); PART peers: bf16+compile $DEFAULT_MODE+cudagraph torchao-float8 (the default against
 #               torchao); PART fp8linear: bf16+compile fp8-linear+cudagraph (fp8-linear's speed and memory); PART state:
-#               coat-fp8-head+cudagraph coat-fp8-head-fp32-state+cudagraph (the default against an fp32 master, fp32
+#               $DEFAULT_MODE+cudagraph $DEFAULT_MODE-fp32-state+cudagraph (the default against an fp32 master, fp32
 #               main gradients and both FP8 weight layouts kept: issue 18's speed reference; no bf16); PART largest:
-#               coat-fp8-head+cudagraph alone, at micro-batches bf16 cannot fit (24, 32; issue 18's largest-micro-batch
+#               $DEFAULT_MODE+cudagraph alone, at micro-batches bf16 cannot fit (24, 32; issue 18's largest-micro-batch
 #               throughput, against bf16's own largest, 16, from `e2e 16 default` on the same warm machine); PART
 #               workspace: bf16+compile and coat+cudagraph each with and without a cuBLAS workspace
 #               (--cublas-workspace); PART fp8head: bf16+compile coat-delayed-all+cudagraph coat-fp8-head+cudagraph
 #               (--fp8-output-layer's speed). Each but largest and state holds bf16+compile: ratios stay within one
 #               call                                                                             issue 17
 #   e2e-largest [MB] (~7 min, 1 GPU) compiled bf16 at 16 (the largest it fits on an H100) against the default
-#               (coat-fp8-head+cudagraph; LARGEST_MODE=coat-delayed-all for the BF16 head) at MB (default 32),
+#               ($DEFAULT_MODE+cudagraph; LARGEST_MODE=coat-fp8-head for the FP8 head) at MB (default 32),
 #               2 repeats each, interleaved, in one run: the throughput at each mode's largest micro-batch
 #               (bench_e2e.py --at-largest)                                                         issue 18
 #   suite-memory (~9 min, 1 GPU) every GPU test, then peak memory (allocated and reserved) at micro-batch 4 and 8:
-#               compiled bf16, the default (coat-fp8-head) compiled only (its allocated peak is the footprint) and
+#               compiled bf16, the default ($DEFAULT_MODE) compiled only (its allocated peak is the footprint) and
 #               with CUDA graphs                                                                 issue 18
 #   e2e-memory  (~7 min, 1 GPU) peak memory and speed at micro-batch 4 and 8: bf16+compile, coat,
 #               coat-fp32-master and coat-rowwise with CUDA graphs, one repeat (memory is
@@ -71,8 +72,8 @@
 #   gemm-workspace (~2 min, 1 GPU) bench_gemm_workspace.py: a layer's FP8 GEMMs in a CUDA graph, their memsets
 #               and time under cuBLAS(Lt) workspace settings                                     issue 17
 #   e2e-reserved ["MB ..."] (~7 min, 1 GPU) peak memory allocated and reserved at micro-batch 4 and 8 (or MB ...):
-#               compiled bf16, coat-delayed-all (the default before the FP8 head) with CUDA graphs and compiled
-#               only, and with the row-major weight cache only (with CUDA graphs)                 issue 18
+#               compiled bf16, coat-delayed-all (the BF16 head) with CUDA graphs and compiled only, and with the
+#               row-major weight cache only (with CUDA graphs)                                   issue 18
 #   e2e-equal   (~8 min, 1 GPU) 1.3 B model, the three modes at micro-batch 4, all compiled        issue 10 (a)
 #   e2e-eager   (~8 min, 1 GPU) the same, FP8 modes eager (compiled bf16 as the baseline)       issue 10 (a)
 #   e2e-search  (~9 min, 1 GPU) the largest micro-batch of the modes named after it (default: bf16 coat;
@@ -128,6 +129,9 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__, t
     >> "$LOGS/gpu.txt" 2>&1
 cat "$LOGS/gpu.txt"
 
+# The trainer's default as bench_e2e names it (the BF16 head, --fp8-output-layer off); coat-fp8-head once
+# --fp8-output-layer defaults to auto (megacoat.fp8.config.DEFAULT_OUTPUT_LAYER). DEFAULT_MODE=... to measure another.
+DEFAULT_MODE=${DEFAULT_MODE:-coat-delayed-all}
 # issue 17's method (warm-up, 30 timed iterations, 2 repeats) and the quick single runs of the issue-10 groups
 E2E="python3 benchmarks/bench_e2e.py speed --warmup 5 --iters 30 --log-interval 5 --repeats 2 --timeout 200"
 E2E_QUICK="python3 benchmarks/bench_e2e.py speed --warmup 2 --iters 10 --log-interval 2 --repeats 1 --timeout 240"
@@ -199,12 +203,12 @@ e2e)
     delayed) MODES="bf16+compile coat+cudagraph coat-delayed+cudagraph" ;;
     delayedall) MODES="bf16+compile coat-delayed+cudagraph coat-delayed-all+cudagraph" ;;
     speed) MODES="bf16+compile coat+cudagraph coat-delayed-all+cudagraph" ;;
-    default) MODES="bf16+compile coat-fp8-head+cudagraph" ;;
-    peers) MODES="bf16+compile coat-fp8-head+cudagraph torchao-float8" ;;
+    default) MODES="bf16+compile $DEFAULT_MODE+cudagraph" ;;
+    peers) MODES="bf16+compile $DEFAULT_MODE+cudagraph torchao-float8" ;;
     fp8linear) MODES="bf16+compile fp8-linear+cudagraph" ;;
-    largest) MODES="coat-fp8-head+cudagraph" ;;
+    largest) MODES="$DEFAULT_MODE+cudagraph" ;;
     workspace) MODES="bf16+compile bf16-no-workspace+compile coat+cudagraph coat-workspace+cudagraph" ;;
-    state) MODES="coat-fp8-head+cudagraph coat-fp8-head-fp32-state+cudagraph" ;;
+    state) MODES="$DEFAULT_MODE+cudagraph $DEFAULT_MODE-fp32-state+cudagraph" ;;
     fp8head) MODES="bf16+compile coat-delayed-all+cudagraph coat-fp8-head+cudagraph" ;;
     *) echo "e2e: part must be baseline, fp8, cudagraph, fastaccum, delayed, delayedall, speed, default, peers, fp8linear, largest, workspace, state or fp8head (see the header of $0)"; exit 2 ;;
     esac
@@ -214,7 +218,7 @@ e2e)
         --out "$OUT/bench_e2e_speed_${3}_mb${MB//,/_}.json"
     ;;
 e2e-largest)
-    step e2e_at_largest 565 $E2E --at-largest bf16+compile@16 "${LARGEST_MODE:-coat-fp8-head}+cudagraph@${2:-32}" \
+    step e2e_at_largest 565 $E2E --at-largest bf16+compile@16 "${LARGEST_MODE:-$DEFAULT_MODE}+cudagraph@${2:-32}" \
         --out "$OUT/bench_e2e_speed_at_largest_mb${2:-32}.json"
     ;;
 e2e-reserved)
@@ -232,7 +236,7 @@ suite-memory)
     cp "$LOGS/gpu_tests_all.txt" "$OUT/gpu_tests_all.txt"
     step e2e_memory_default $((585 - SECONDS)) python3 benchmarks/bench_e2e.py speed --warmup 5 --iters 10 \
         --log-interval 5 --repeats 1 --timeout 100 --micro-batch-size 4 8 --modes bf16+compile \
-        coat-fp8-head+compile coat-fp8-head+cudagraph --out "$OUT/bench_e2e_memory_default.json"
+        $DEFAULT_MODE+compile $DEFAULT_MODE+cudagraph --out "$OUT/bench_e2e_memory_default.json"
     ;;
 e2e-memory)
     step e2e_memory 585 python3 benchmarks/bench_e2e.py speed --warmup 5 --iters 30 --log-interval 5 --repeats 1 \

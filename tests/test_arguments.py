@@ -3,6 +3,7 @@ import argparse
 import pytest
 
 from megacoat.arguments import parse_config
+from megacoat.fp8.config import DEFAULT_OUTPUT_LAYER, OUTPUT_LAYER_CHOICES
 
 
 def _error(capsys, argv):
@@ -76,7 +77,15 @@ def test_output_layer_on_and_off_reach_the_fp8_config():
     ([], False),
 ])
 def test_output_layer_auto_is_fp8_in_coat_mode_where_the_fp8_head_runs(argv, fp8_head):
-    assert parse_config(argv).fp8.output_layer is fp8_head
+    assert parse_config([*argv, "--fp8-output-layer", "auto"]).fp8.output_layer is fp8_head
+
+
+@pytest.mark.parametrize("argv", [["--coat-fp8"], ["--coat-fp8", "--tensor-model-parallel-size", "2"],
+                                  ["--fp8-activations", "fp8-linear"], []])
+def test_output_layer_default_is_the_library_constant(argv):
+    """The trainer's default is DEFAULT_OUTPUT_LAYER (off until the FP8 head's loss meets the bar, see its comment)."""
+    assert DEFAULT_OUTPUT_LAYER in OUTPUT_LAYER_CHOICES
+    assert parse_config(argv) == parse_config([*argv, "--fp8-output-layer", DEFAULT_OUTPUT_LAYER])
 
 
 def test_grad_scaling_reaches_the_fp8_config():

@@ -17,8 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megacoat.fp8.config import (AUTO, DEFAULT_WEIGHT_CACHE, OUTPUT_LAYER_CHOICES, WEIGHT_CACHES,  # noqa: E402
-                                 resolve_output_layer)
+from megacoat.fp8.config import (DEFAULT_OUTPUT_LAYER, DEFAULT_WEIGHT_CACHE, OUTPUT_LAYER_CHOICES,  # noqa: E402
+                                 WEIGHT_CACHES, resolve_output_layer)
 from megacoat.model.config import ModelConfig  # noqa: E402
 from megacoat.optim.config import default_main_params_dtype  # noqa: E402
 from megacoat.training.memory import MAIN_GRADS_DTYPES, MAIN_PARAMS_DTYPES, MODES, estimate_memory  # noqa: E402
@@ -57,11 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--enable-cuda-graph runs with more than one micro-batch a step (their gradients are copied out "
                         "of the graph pool after the first micro-batch and lie flat: ZeRO-1 on one rank reads them "
                         "in place)")
-    p.add_argument("--fp8-output-layer", nargs="?", const="on", default=AUTO, choices=OUTPUT_LAYER_CHOICES,
+    p.add_argument("--fp8-output-layer", nargs="?", const="on", default=DEFAULT_OUTPUT_LAYER,
+                   choices=OUTPUT_LAYER_CHOICES,
                    help="the output layer in FP8 too (its input saved as E4M3, its weight cached like the block "
-                        "linears'): auto (default) as training resolves it, in the coat rows without TP or PP and "
-                        "with vocabulary and hidden sizes multiples of 16; on (the flag alone): in every FP8 mode's "
-                        "rows; off: in none")
+                        "linears'), as training takes the flag: off (default): in no row; on (the flag alone): in "
+                        "every FP8 mode's rows; auto: in the coat rows without TP or PP and with vocabulary and "
+                        "hidden sizes multiples of 16")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 

@@ -16,8 +16,8 @@ def _precision(bf16: bool, on_cuda: bool, precision: str, main_params_dtype: str
 
 
 def _bf16_head_reason(cfg: MegacoatConfig) -> str:
-    """Why coat mode's head stays in high precision: --fp8-output-layer auto keeps it there where the FP8 head
-    does not run (megacoat.fp8.config.resolve_output_layer), and otherwise it was turned off by name."""
+    """Why coat mode's head stays in high precision: where the FP8 head does not run (TP or PP, sizes off the FP8
+    GEMM alignment: auto keeps the BF16 head there, megacoat.fp8.config.resolve_output_layer), else the flag."""
     if cfg.fp8.mode != "coat":
         return ""
     m, p = cfg.model, cfg.parallel

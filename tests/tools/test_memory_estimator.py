@@ -249,11 +249,12 @@ def test_cli_prints_all_modes_and_rejects_bad_input(capsys):
 
 
 @pytest.mark.parametrize("argv, fp8_head_modes", [
-    ([], {"coat"}),  # auto, as training resolves it: coat's rows only
+    ([], set()),  # off by default, as in training
+    (["--fp8-output-layer", "auto"], {"coat"}),  # as training resolves it: coat's rows only
     (["--fp8-output-layer"], {"fp8-linear", "coat"}),  # the flag alone: on, in every FP8 mode's rows
     (["--fp8-output-layer", "off"], set()),
-    (["--tensor-model-parallel-size", "2"], set()),  # auto under TP: the BF16 head
-    (["--vocab-size", "1000"], set()),  # auto off the FP8 GEMM alignment
+    (["--fp8-output-layer", "auto", "--tensor-model-parallel-size", "2"], set()),  # auto under TP: the BF16 head
+    (["--fp8-output-layer", "auto", "--vocab-size", "1000"], set()),  # auto off the FP8 GEMM alignment
 ])
 def test_cli_resolves_the_output_layer_as_training_does(capsys, argv, fp8_head_modes):
     tool = load_tool("memory_estimator")

@@ -39,8 +39,9 @@ def test_plain_run_on_cpu():
     assert "FP8: fp8-linear: FP8 GEMMs" in fp8_linear and "(--bf16)" in fp8_linear
     assert "fast accumulation" not in fp8_linear
     assert "the output layer in high precision" in fp8_linear
-    head = startup_banner(parse_config(["--coat-fp8"]), ParallelState(), 1, 2, bf16=True, on_cuda=True)
-    assert "the output layer in FP8 too (--fp8-output-layer)" in head  # coat's default where the FP8 head runs
+    head = startup_banner(parse_config(["--coat-fp8", "--fp8-output-layer", "auto"]), ParallelState(), 1, 2, bf16=True,
+                          on_cuda=True)
+    assert "the output layer in FP8 too (--fp8-output-layer)" in head  # auto, where the FP8 head runs
     fast = startup_banner(parse_config(["--coat-fp8", "--fp8-fast-accum"]), ParallelState(), 1, 2, bf16=True,
                           on_cuda=True)
     assert "gradients E5M2; forward GEMMs with fast accumulation (--fp8-fast-accum))" in fast
@@ -57,8 +58,8 @@ def test_plain_run_on_cpu():
 def test_coat_says_why_its_head_stays_in_bf16():
     """--fp8-output-layer auto keeps coat's head in BF16 where the FP8 head does not run; the banner says why."""
     def head(argv, state=ParallelState()):
-        return startup_banner(parse_config(["--coat-fp8", "--zero-stage", "0", *argv]), state, 2, 1, bf16=True,
-                              on_cuda=True)
+        return startup_banner(parse_config(["--coat-fp8", "--zero-stage", "0", "--fp8-output-layer", "auto", *argv]),
+                              state, 2, 1, bf16=True, on_cuda=True)
 
     tp = head(["--tensor-model-parallel-size", "2"], ParallelState(tp_size=2))
     assert "the output layer in high precision (the FP8 head runs without tensor and pipeline parallelism only)" in tp
