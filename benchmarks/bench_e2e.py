@@ -5,8 +5,8 @@ Modes (`--modes`; `MODE+compile` compiles each transformer block, torchtitan-sty
 and replays each block's forward and backward as CUDA graphs, `--enable-cuda-graph`):
   bf16, fp8-linear, coat, coat-lean   pretrain_gpt.py: BF16; FP8 GEMMs with BF16 activations; CoatAdamW + the FP8
                                       precision flow; coat without the per-step FP8 weight copies
-  coat-delayed-all, coat-fp8-head     pretrain_gpt.py: coat with delayed scaling, the head in BF16; and with the head
-                                      in FP8 too, --coat-fp8's default (MODES lists every variant)
+  coat-delayed-all, coat-fp8-head     pretrain_gpt.py: coat with delayed scaling and the head in BF16, --coat-fp8's
+                                      default; and with the head in FP8 too (MODES lists every variant)
   torchao-float8                      benchmarks/torchao_pretrain.py: the same trainer and model with torchao's
                                       float8 linears (tensorwise), always compiled; skipped when torchao is absent
   plain-llama                         benchmarks/plain_llama.py: the same model and device work, no DeepSpeed and
@@ -18,7 +18,7 @@ and replays each block's forward and backward as CUDA graphs, `--enable-cuda-gra
     # the largest micro-batch of each mode (one run per size, up to the first that runs out of memory)
     python benchmarks/bench_e2e.py speed --micro-batch-size 8 --search 8,12,16,24 --modes bf16+compile coat+compile
     # each mode at its own largest micro-batch, measured as a point is (repeats interleaved)
-    python benchmarks/bench_e2e.py speed --at-largest bf16+compile@16 coat-fp8-head+cudagraph@32
+    python benchmarks/bench_e2e.py speed --at-largest bf16+compile@16 coat-delayed-all+cudagraph@32
 
 Speed method: each point (mode, micro-batch) runs --repeats times, each in its own process, repeats interleaved
 with the other modes so that a drift of the machine spreads over all of them. A run trains --warmup iterations
@@ -55,20 +55,19 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 # Each name keeps the flags it was measured with, whatever the trainer's defaults become: "coat" and its variants
 # pin COAT's just-in-time (current) scaling, and every coat name pins its head, the BF16 one but in the
-# coat-fp8-head names. "coat-fp8-head" is --coat-fp8's default (delayed scaling at both sites, the FP8 head).
+# coat-fp8-head names. "coat-delayed-all" is --coat-fp8's default (delayed scaling at both sites, the BF16 head).
 HEAD_BF16 = ["--fp8-output-layer", "off"]
 COAT = ["--coat-fp8", "--fp8-grad-scaling", "current", "--fp8-activation-scaling", "current", *HEAD_BF16]
 DELAYED_ALL = ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling", "delayed"]
 COAT_DELAYED_ALL = [*DELAYED_ALL, *HEAD_BF16]
-COAT_DEFAULT = [*DELAYED_ALL, "--fp8-output-layer", "on"]
+COAT_FP8_HEAD = [*DELAYED_ALL, "--fp8-output-layer", "on"]
 # COAT's optimizer-side state: an fp32 master, fp32 main gradients and both FP8 weight layouts kept
 FP32_STATE = ["--main-params-dtype", "fp32", "--main-grads-dtype", "fp32", "--fp8-weight-cache", "step"]
 # mode -> (script, flags)
 MODES = {
     "bf16": ("pretrain_gpt.py", []),
     "fp8-linear": ("pretrain_gpt.py", ["--fp8-activations", "fp8-linear"]),
-    # the defaults but scaling and the head: bf16 main gradients, no fp32 master (bf16 weights + CoatAdamW's int16
-    # remainders)
+    # the defaults but scaling: bf16 main gradients, no fp32 master (bf16 weights + CoatAdamW's int16 remainders)
     "coat": ("pretrain_gpt.py", COAT),
     # COAT's own layout: an fp32 master copy (and the fp32 round trip of the gradients in DeepSpeed's step)
     "coat-fp32-master": ("pretrain_gpt.py", [*COAT, "--main-params-dtype", "fp32"]),
@@ -83,20 +82,19 @@ MODES = {
     "coat-delayed": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling",
                                          "current", *HEAD_BF16]),
     # the norms' and SwiGLU's FP8 outputs with delayed scaling too (each written in the launch that reads its
-    # input): the default before the FP8 head
+    # input): the default
     "coat-delayed-all": ("pretrain_gpt.py", COAT_DELAYED_ALL),
-    # the row-major FP8 weight copy only (backward transposes its bytes): the default cache since it was measured
-    # so, now coat-delayed-all itself
+    # the row-major FP8 weight copy only (backward transposes its bytes): the default since it was measured so
     "coat-delayed-all-rowwise": ("pretrain_gpt.py", [*COAT_DELAYED_ALL, "--fp8-weight-cache", "rowwise"]),
-    # coat-delayed-all with both FP8 weight layouts kept from step to step (the default before rowwise): 1 B/param
-    # more
+    # the default with both FP8 weight layouts kept from step to step (the default before rowwise): 1 B/param more
     "coat-delayed-all-step": ("pretrain_gpt.py", [*COAT_DELAYED_ALL, "--fp8-weight-cache", "step"]),
-    # the default: coat-delayed-all with the output layer in FP8 too (--fp8-output-layer)
-    "coat-fp8-head": ("pretrain_gpt.py", COAT_DEFAULT),
+    # the default with the output layer in FP8 too (--fp8-output-layer on; auto, the default once its loss meets the
+    # bar, resolves to it here)
+    "coat-fp8-head": ("pretrain_gpt.py", COAT_FP8_HEAD),
     # issue 18's speed reference: the default's activations with COAT's optimizer-side state (FP32_STATE)
-    "coat-fp8-head-fp32-state": ("pretrain_gpt.py", [*COAT_DEFAULT, *FP32_STATE]),
-    # the same reference for coat-delayed-all, the default before the FP8 head
     "coat-delayed-all-fp32-state": ("pretrain_gpt.py", [*COAT_DELAYED_ALL, *FP32_STATE]),
+    # the same reference for coat-fp8-head
+    "coat-fp8-head-fp32-state": ("pretrain_gpt.py", [*COAT_FP8_HEAD, *FP32_STATE]),
     # cuBLAS(Lt)'s workspace against the mode's default (FP8 modes: none, statically scheduled FP8 GEMMs without a
     # memset before each; bf16: torch's workspace)
     "bf16-no-workspace": ("pretrain_gpt.py", ["--cublas-workspace", "none"]),

@@ -52,8 +52,8 @@ MODEL_TINY = ["--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", 
 MODEL_7B = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "11008", "--num-attention-heads", "32",
             "--seq-length", "2048", "--vocab-size", "32000"]
 MODELS = {"tiny": MODEL_TINY, "1.3b": MODEL_1P3B, "7b": MODEL_7B}
-# coat with the BF16 head in every layout: the FP8 head (--coat-fp8's default on one stage) runs without TP and PP
-# only, so the layouts would otherwise not run the same work
+# coat with the BF16 head in every layout, pinned: the FP8 head (--fp8-output-layer auto on one stage) runs without
+# TP and PP only, so under auto the layouts would not run the same work
 MODES = {"bf16": [], "coat": ["--coat-fp8", "--fp8-output-layer", "off"]}
 _LAYOUT = re.compile(r"(?:(tp|pp|dp)(\d*))")
 

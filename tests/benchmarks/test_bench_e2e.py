@@ -15,7 +15,7 @@ from torch import nn
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 sys.path.insert(0, BENCH)
 
-from bench_e2e import (COAT, COAT_DEFAULT, FP32_STATE, MODEL_TINY, MODES, mode_command, mode_spec,  # noqa: E402
+from bench_e2e import (COAT, COAT_FP8_HEAD, FP32_STATE, MODEL_TINY, MODES, mode_command, mode_spec,  # noqa: E402
                        summarize, timed_window)
 
 
@@ -31,17 +31,17 @@ def test_mode_labels_and_their_commands():
         with pytest.raises(argparse.ArgumentTypeError, match="MODE, MODE\\+compile or MODE\\+cudagraph"):
             mode_spec(bad)
     # "coat" pins COAT's just-in-time scaling and the BF16 head: its name means what it measured before delayed
-    # scaling and the FP8 head became the default
+    # scaling became the default, and whatever the head's default becomes
     assert COAT == ["--coat-fp8", "--fp8-grad-scaling", "current", "--fp8-activation-scaling", "current",
                     "--fp8-output-layer", "off"]
     assert mode_command("coat") == ("pretrain_gpt.py", COAT)
     assert mode_command("coat+cudagraph") == ("pretrain_gpt.py", [*COAT, "--compile", "--enable-cuda-graph"])
     assert mode_command("coat-lean")[1][:len(COAT)] == COAT
     assert mode_command("bf16+compile") == ("pretrain_gpt.py", ["--compile"])
-    # the FP8 head, the default, pinned on; its fp32-state reference adds COAT's optimizer-side state to it alone
-    assert mode_command("coat-fp8-head") == ("pretrain_gpt.py", COAT_DEFAULT)
-    assert COAT_DEFAULT[-2:] == ["--fp8-output-layer", "on"]
-    assert mode_command("coat-fp8-head-fp32-state")[1] == [*COAT_DEFAULT, *FP32_STATE]
+    # the FP8 head pinned on; its fp32-state reference adds COAT's optimizer-side state to it alone
+    assert mode_command("coat-fp8-head") == ("pretrain_gpt.py", COAT_FP8_HEAD)
+    assert COAT_FP8_HEAD[-2:] == ["--fp8-output-layer", "on"]
+    assert mode_command("coat-fp8-head-fp32-state")[1] == [*COAT_FP8_HEAD, *FP32_STATE]
     assert mode_command("torchao-float8") == ("benchmarks/torchao_pretrain.py", ["--compile"])
 
 
