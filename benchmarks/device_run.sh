@@ -100,19 +100,29 @@
 set -uo pipefail
 GROUP=${1:?usage: bash benchmarks/device_run.sh GROUP (see the header)}
 OUT=${OUT:-$PWD/device_out}
-mkdir -p "$OUT" /tmp/megacoat_logs
-LOGS=/tmp/megacoat_logs
+# Two groups may run at once on a machine of several GPUs, each given its own by CUDA_VISIBLE_DEVICES:
+#     CUDA_VISIBLE_DEVICES=0 bash benchmarks/device_run.sh A > $OUT/gpu0.txt 2>&1 &
+#     CUDA_VISIBLE_DEVICES=1 bash benchmarks/device_run.sh B; wait
+# Each then keeps its own logs (logs_gpuN.tgz) and corpus cache; the wheels are installed once, under a lock, and
+# the kernel builds share one cache (torch's builds lock it). A timing run so has its GPU alone but shares the host.
+TAG=${CUDA_VISIBLE_DEVICES:+_gpu${CUDA_VISIBLE_DEVICES//,/_}}
+LOGS=/tmp/megacoat_logs$TAG
+mkdir -p "$OUT" "$LOGS"
 
-if ! python3 -c "import deepspeed, torchao" 2>/dev/null && [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
-        || { echo "wheel install failed"; exit 1; }
+if [ -d .whl ]; then
+    # once per set of wheels: torchao is not always among them, so an import check would reinstall every call
+    LOCK=(); command -v flock >/dev/null && LOCK=(flock /tmp/device_run_wheels.lock)
+    "${LOCK[@]}" bash -c 'ls .whl > /tmp/device_run_wheels.txt
+        cmp -s /tmp/device_run_wheels.txt .site/.wheels && exit 0
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
+            && cp /tmp/device_run_wheels.txt .site/.wheels' || { echo "wheel install failed"; exit 1; }
     export PYTHONPATH=$PWD/.site:$PWD:${PYTHONPATH:-}
 else
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
 fi
 # DeepSpeed's op_builder cannot parse the machine's '9.0a'; builds are cached for the whole call.
-export TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/ext MEGACOAT_CACHE=/tmp/megacoat_cache
-trap 'tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null' EXIT
+export TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/ext MEGACOAT_CACHE=/tmp/megacoat_cache$TAG
+trap 'tar czf "$OUT/logs$TAG.tgz" -C "$LOGS" . 2>/dev/null' EXIT
 
 step() {  # step NAME SECONDS CMD...: run with a time limit, log to $LOGS/NAME.txt, say how it ended
     local name=$1 limit=$2; shift 2

@@ -27,7 +27,7 @@ ACTIVATION_SCALINGS = ("current", "delayed")
 AUTO = "auto"
 # --fp8-output-layer: auto resolves by resolve_output_layer; on and off as they say.
 OUTPUT_LAYER_CHOICES = (AUTO, "on", "off")
-# The trainer's default. auto becomes it once the FP8 head's loss meets the bar that the default's met (seed-paired
+# The trainer's default. auto becomes it once the FP8 head's loss meets the bar the default met (seed-paired
 # gap to bf16: mean within 0.25%, 95% interval inside +-0.5%). At 8 seed pairs it is +0.18% [-0.18, +0.53]
 # (benchmarks/results/fidelity_notes.md, last section).
 DEFAULT_OUTPUT_LAYER = "off"
