@@ -599,10 +599,11 @@ def main(argv=None) -> int:
         for mode, m in result["modes"].items():
             gap = m.get("gap_to_bf16")
             ci = gap["ci95_pct"] if gap else None
-            print(f"{mode:18s} n={len(m['seeds'])} mean {m['mean']:.4f}" + (
-                f"  gap {gap['mean_pct']:+.3f}% over {len(gap['seeds'])} seed pairs" if gap else "") + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "")
-                + (f", ~{gap['seeds_for_interval']} seeds for +-{stats.TARGET_CI_PCT}%"
-                   if ci and gap.get("seeds_for_interval") else ""))
+            print(f"{mode:18s} n={len(m['seeds'])} mean {m['mean']:.4f}"
+                  + (f"  gap {gap['mean_pct']:+.3f}% over {len(gap['seeds'])} seed pairs" if gap else "")
+                  + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "")
+                  + (f", ~{gap['seeds_for_interval']} seeds for +-{stats.TARGET_CI_PCT}%"
+                     if ci and gap.get("seeds_for_interval") else ""))
     return 0
 
 
