@@ -33,6 +33,9 @@ OUTPUT_LAYER_CHOICES = (AUTO, "on", "off")
 DEFAULT_OUTPUT_LAYER = "off"
 # FP8 GEMMs (torch._scaled_mm / cuBLASLt) need their matrix sizes to be multiples of this.
 FP8_GEMM_MULTIPLE = 16
+# Elements per piece of the FP8 head's label corrections (megacoat.fp8.head_loss): their float32 rows [piece, K] stay
+# at 64 MiB, not 4 T K bytes. Here, not there, so that the memory estimator counts it without loading the kernels.
+LABEL_PIECE_ELEMENTS = 1 << 24
 
 
 def resolve_scaling(choice: str, mode: str, pipeline_model_parallel_size: int) -> str:
@@ -66,9 +69,18 @@ def resolve_output_layer(choice: str, mode: str, tensor_model_parallel_size: int
         raise ValueError(f"--fp8-output-layer must be one of {OUTPUT_LAYER_CHOICES}, got {choice!r}")
     if choice != AUTO:
         return choice == "on"
-    one_stage = tensor_model_parallel_size == 1 and pipeline_model_parallel_size == 1
-    aligned = vocab_size % FP8_GEMM_MULTIPLE == 0 and hidden_size % FP8_GEMM_MULTIPLE == 0
-    return mode == "coat" and one_stage and aligned
+    return mode == "coat" and fp8_head_obstacle(tensor_model_parallel_size, pipeline_model_parallel_size, vocab_size,
+                                                hidden_size) is None
+
+
+def fp8_head_obstacle(tensor_model_parallel_size: int, pipeline_model_parallel_size: int, vocab_size: int,
+                      hidden_size: int) -> str | None:
+    """Why the FP8 head cannot run in this layout, in words for the banner, or None where it can (auto's test)."""
+    if tensor_model_parallel_size > 1 or pipeline_model_parallel_size > 1:
+        return "the FP8 head runs without tensor and pipeline parallelism only"
+    if vocab_size % FP8_GEMM_MULTIPLE or hidden_size % FP8_GEMM_MULTIPLE:
+        return f"the FP8 head needs vocabulary and hidden sizes that are multiples of {FP8_GEMM_MULTIPLE}"
+    return None
 
 
 @dataclass

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from megacoat.fp8.config import LABEL_PIECE_ELEMENTS
 from megacoat.fp8.formats import get_format
 from megacoat.fp8.linear import Fp8Linear, Fp8LinearFunction, check_gemm_dims, fp8_linear_grads, quantize_x, scaled_mm
 from megacoat.ops.cross_entropy_fp8 import cross_entropy_grad_fp8, cross_entropy_stats
@@ -51,10 +52,6 @@ class Fp8HeadLossFunction(torch.autograd.Function):
         label = torch.where(labels != ctx.ignore_index, labels, 0)  # an ignored token's residual is 0
         dx, dw = label_corrections(dx, dw, residual, label, weight, x8t, x_scale)
         return (dx, dw, *(None,) * 10)
-
-
-# Tokens per piece of the label corrections: their float32 rows [piece, K] stay at 64 MiB, not 4 T K bytes.
-LABEL_PIECE_ELEMENTS = 1 << 24
 
 
 def label_corrections(dx, dw, residual, label, weight, x8t, x_scale):

@@ -3,7 +3,7 @@ batch), in one block that rank 0 prints before the model is built."""
 from __future__ import annotations
 
 from megacoat.config import MegacoatConfig
-from megacoat.fp8.config import FP8_GEMM_MULTIPLE
+from megacoat.fp8.config import fp8_head_obstacle
 from megacoat.parallel import ParallelState
 
 
@@ -21,11 +21,8 @@ def _bf16_head_reason(cfg: MegacoatConfig) -> str:
     if cfg.fp8.mode != "coat":
         return ""
     m, p = cfg.model, cfg.parallel
-    if p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1:
-        return " (the FP8 head runs without tensor and pipeline parallelism only)"
-    if m.vocab_size % FP8_GEMM_MULTIPLE or m.hidden_size % FP8_GEMM_MULTIPLE:
-        return f" (the FP8 head needs vocabulary and hidden sizes that are multiples of {FP8_GEMM_MULTIPLE})"
-    return " (--fp8-output-layer off)"
+    why = fp8_head_obstacle(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, m.vocab_size, m.hidden_size)
+    return f" ({why or '--fp8-output-layer off'})"
 
 
 def _fp8(cfg: MegacoatConfig, bf16: bool) -> str:

@@ -66,8 +66,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from megacoat.fp8.config import DEFAULT_WEIGHT_CACHE, WEIGHT_CACHES
-from megacoat.fp8.head_loss import LABEL_PIECE_ELEMENTS
+from megacoat.fp8.config import DEFAULT_WEIGHT_CACHE, LABEL_PIECE_ELEMENTS, WEIGHT_CACHES
 from megacoat.model.config import ModelConfig
 
 MODES = ("bf16", "fp8-linear", "coat")
