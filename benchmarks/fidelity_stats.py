@@ -50,9 +50,10 @@ def student_t_quantile(p: float, df: float) -> float:
     return (lo + hi) / 2
 
 
-def paired_gap(mode_losses: dict[int, float], base_losses: dict[int, float]) -> dict | None:
-    """Relative gap (%) of a mode to the baseline over the seeds both finished: mean, std and the 95% t-interval of
-    the per-seed differences 100 * (mode - base) / base. None without a common seed; no interval with one."""
+def paired_gap(mode_losses: dict, base_losses: dict) -> dict | None:
+    """Relative gap (%) of a mode to the baseline over the keys both finished (a seed, or a (seed, card) pair): mean,
+    std and the 95% t-interval of the per-key differences 100 * (mode - base) / base. None without a common key; no
+    interval with one."""
     seeds = sorted(set(mode_losses) & set(base_losses))
     if not seeds:
         return None

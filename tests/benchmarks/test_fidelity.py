@@ -112,9 +112,9 @@ def test_every_mode_is_a_valid_trainer_command():
         assert fp8.output_layer == (mode == "coat-fp8-head-lx"), mode
 
 
-def _runs_doc(path, runs, data_id="d1"):
+def _runs_doc(path, runs, data_id="d1", device="cpu"):
     plan = {"preset": "tiny", "gbs": 8, "seq": 32, "eval_tokens": 2560, "tokens_per_run": 2560}  # what plot reads
-    doc = {"kind": "fidelity_runs", "environment": {"device": "cpu"}, "plan": plan,
+    doc = {"kind": "fidelity_runs", "environment": {"device": device}, "plan": plan,
            "data": {"data_id": data_id}, "common_flags": [],
            "runs": [{"mode": m, "seed": s, "status": "ok", "final_val_loss": v, "train_loss": [[1, v]],
                      "val_loss": [[1, v]]} for m, s, v in runs]}
@@ -124,13 +124,13 @@ def _runs_doc(path, runs, data_id="d1"):
 
 
 def test_repeats_reports_what_report_refuses(tmp_path):
-    """The same (mode, seed) in two files: report stops with one error line (a seed counts once in a paired
-    interval); repeats lists every run, its group's mean, spread and gap to bf16's mean at that seed."""
+    """The same (mode, seed) on one card in two files: report stops with one error line (a seed counts once in a
+    paired interval); repeats lists every run, its group's mean, spread and gap to bf16's mean at that seed."""
     a = _runs_doc(tmp_path / "a.json", [("bf16", 6, 2.0), ("coat", 6, 2.2)])
     b = _runs_doc(tmp_path / "b.json", [("bf16", 6, 2.1), ("coat", 6, 2.0), ("fp8-linear", 6, 2.05)])
     proc = run_script(SCRIPT, "report", a, b, "--out", str(tmp_path / "r.json"))
     assert proc.returncode == 1 and proc.stderr.startswith("error:")
-    assert "finished in both" in proc.stderr and "Traceback" not in proc.stderr
+    assert "finished on cpu in both" in proc.stderr and "Traceback" not in proc.stderr
     out = str(tmp_path / "rep.json")
     proc = run_script(SCRIPT, "repeats", a, b, "--out", out)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -150,6 +150,41 @@ def test_repeats_reports_what_report_refuses(tmp_path):
     c = _runs_doc(tmp_path / "c.json", [("bf16", 6, 2.0)], data_id="d2")
     proc = run_script(SCRIPT, "repeats", a, c, "--out", out)
     assert proc.returncode == 1 and proc.stderr.startswith("error:") and "data_id" in proc.stderr
+
+
+def test_report_pairs_a_seed_only_on_the_same_card(tmp_path):
+    """A seed on another card is another run (other kernels, other rounding): report pairs (seed, device) with
+    (seed, device), lists the runs without a same-card bf16 run, and takes one seed once on each card."""
+    h200 = _runs_doc(tmp_path / "h200.json", [("bf16", 1, 2.00), ("bf16", 2, 2.00), ("bf16", 3, 2.00),
+                                              ("coat", 1, 2.02), ("coat", 2, 2.04)], device="H200")
+    h100 = _runs_doc(tmp_path / "h100.json", [("bf16", 3, 2.10), ("coat", 3, 2.00), ("coat", 4, 2.00)],
+                     device="H100")
+    out = str(tmp_path / "r.json")
+    proc = run_script(SCRIPT, "report", h200, h100, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(out) as f:
+        rep = json.load(f)
+    coat = rep["modes"]["coat"]
+    gap = coat["gap_to_bf16"]
+    assert gap["seeds"] == [[1, "H200"], [2, "H200"], [3, "H100"]]
+    assert gap["relative_gap_pct"] == pytest.approx([1.0, 2.0, 100 * (2.00 / 2.10 - 1)])
+    assert coat["unpaired"] == ["seed 4 on H100: bf16 ran it on no card"]
+    assert rep["modes"]["bf16"]["seeds"] == [1, 2, 3] and len(rep["modes"]["bf16"]["final_val_loss"]) == 4
+    assert rep["modes"]["bf16"]["mean"] == pytest.approx((2.0 * 3 + 2.1) / 4)
+    assert "3 same-card seed pairs" in proc.stdout and "seed 4 on H100" in proc.stdout
+    # bf16 at seed 3 on the H200 only: coat's H100 run at seed 3 pairs with nothing, and says where bf16 ran
+    h100_coat = _runs_doc(tmp_path / "h100c.json", [("coat", 3, 2.00)], device="H100")
+    proc = run_script(SCRIPT, "report", h200, h100_coat, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(out) as f:
+        rep = json.load(f)
+    assert rep["modes"]["coat"]["gap_to_bf16"]["seeds"] == [[1, "H200"], [2, "H200"]]
+    assert rep["modes"]["coat"]["unpaired"] == ["seed 3 on H100: bf16 ran it on H200"]
+    # the same seed twice on one card is a repeat, still refused
+    again = _runs_doc(tmp_path / "again.json", [("coat", 4, 2.01)], device="H100")
+    proc = run_script(SCRIPT, "report", h100, again, "--out", out)
+    assert proc.returncode == 1 and "coat seed 4 finished on H100 in both" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_a_mode_since_removed_from_the_table_is_still_reported(tmp_path):
