@@ -424,10 +424,12 @@ def report(paths: list[str]) -> dict:
                        "mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else None}
         if mode != "bf16" and "bf16" in finals:
             modes[mode]["gap_to_bf16"] = stats.paired_gap(finals[mode], finals["bf16"])
-            modes[mode]["unpaired"] = [
-                f"seed {seed} on {dev}: bf16 ran it on "
-                + (", ".join(sorted(d for s, d in finals["bf16"] if s == seed)) or "no card")
-                for seed, dev in sorted(finals[mode]) if (seed, dev) not in finals["bf16"]]
+            modes[mode]["unpaired"] = []
+            for seed, dev in sorted(finals[mode]):
+                if (seed, dev) not in finals["bf16"]:
+                    elsewhere = ", ".join(sorted(d for s, d in finals["bf16"] if s == seed))
+                    modes[mode]["unpaired"].append(f"seed {seed} on {dev}: "
+                                                   + (f"bf16 ran it on {elsewhere}" if elsewhere else "no bf16 run"))
     devices = sorted({doc["environment"]["device"] for _, doc in runs_files})
     return {"kind": "fidelity_report", "inputs": paths, "devices": devices,
             "environment": first["environment"], "plan": first["plan"], "data": first["data"],

@@ -168,7 +168,7 @@ def test_report_pairs_a_seed_only_on_the_same_card(tmp_path):
     gap = coat["gap_to_bf16"]
     assert gap["seeds"] == [[1, "H200"], [2, "H200"], [3, "H100"]]
     assert gap["relative_gap_pct"] == pytest.approx([1.0, 2.0, 100 * (2.00 / 2.10 - 1)])
-    assert coat["unpaired"] == ["seed 4 on H100: bf16 ran it on no card"]
+    assert coat["unpaired"] == ["seed 4 on H100: no bf16 run"]
     assert rep["modes"]["bf16"]["seeds"] == [1, 2, 3] and len(rep["modes"]["bf16"]["final_val_loss"]) == 4
     assert rep["modes"]["bf16"]["mean"] == pytest.approx((2.0 * 3 + 2.1) / 4)
     assert "3 same-card seed pairs" in proc.stdout and "seed 4 on H100" in proc.stdout
