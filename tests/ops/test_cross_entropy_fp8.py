@@ -179,3 +179,46 @@ def test_gpu_vocabulary_shape_matches_reference(dtype):
     c8, c8t, cscale, cres = compiled(logits, labels, lse_r, amax_r, coef, torch.float8_e5m2, IGNORE)
     assert torch.equal(cscale, scale) and torch.equal(c8.view(torch.uint8), g8.view(torch.uint8)) \
         and torch.equal(c8t.view(torch.uint8), g8t.view(torch.uint8)) and torch.equal(cres, res)
+
+
+def _kernels_against_reference_by_rows(logits, labels, chunk):
+    """The kernels on the whole [T, V] against the reference on `chunk` rows at a time (the reference's float32
+    temporaries of a whole 128 k-vocabulary batch would be ~9 GB each): stats, both layouts' codes, the label
+    entries."""
+    t = logits.shape[0]
+    loss_k, lse_k, amax_k = C.cross_entropy_stats_triton(logits, labels, IGNORE)
+    coef = torch.tensor([1.0], device=logits.device) / (labels != IGNORE).sum()
+    g8, g8t, scale, res = C.cross_entropy_grad_fp8_triton(logits, labels, lse_k, amax_k, coef, torch.float8_e5m2,
+                                                          IGNORE)
+    amax_r = torch.zeros_like(amax_k)
+    for lo in range(0, t, chunk):
+        rows = slice(lo, min(lo + chunk, t))
+        loss_r, lse_r, row_amax = C.cross_entropy_stats_ref(logits[rows], labels[rows], IGNORE)
+        torch.testing.assert_close(lse_k[rows], lse_r, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(loss_k[rows], loss_r, rtol=1e-5, atol=1e-5)
+        amax_r = torch.maximum(amax_r, row_amax)
+        r8, _, rscale, rres = C.cross_entropy_grad_fp8_ref(logits[rows], labels[rows], lse_k[rows], amax_k, coef,
+                                                           torch.float8_e5m2, IGNORE, transpose=False)
+        assert torch.equal(scale, rscale)
+        assert_fp8_close(g8[rows], r8)
+        assert torch.equal(g8t[:, rows].view(torch.uint8), g8[rows].t().view(torch.uint8))
+        y = labels[rows].clamp(min=0)[:, None]
+        entry, rentry = (q.float().gather(1, y)[:, 0] * scale + r for q, r in ((g8[rows], res[rows]), (r8, rres)))
+        torch.testing.assert_close(entry, rentry, rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(amax_k, amax_r, rtol=1e-5, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_logits_past_2_31_elements():
+    """Llama 3's 128 k vocabulary at 16,768 tokens: T x V passes 2^31 (micro-batch 8 at sequence 2,048 stays just
+    below it; 16 is twice past), so a 32-bit offset would wrap in both layouts (rows x V in g8, columns x T in
+    g8^T). Every row against the reference, an ignored token past the wrap included."""
+    if DEV != "cuda":
+        pytest.skip("needs CUDA")
+    t, v = 16768, 128256
+    assert t * v > 2 ** 31 and (t - 3) * v > 2 ** 31
+    g = torch.Generator(device=DEV).manual_seed(0)
+    logits = 3 * torch.randn(t, v, device=DEV, dtype=torch.bfloat16, generator=g)
+    labels = torch.randint(0, v, (t,), device=DEV, generator=g)
+    labels[[5, t - 3]] = IGNORE
+    _kernels_against_reference_by_rows(logits, labels, chunk=2048)
