@@ -28,8 +28,7 @@ AUTO = "auto"
 # --fp8-output-layer: auto resolves by resolve_output_layer; on and off as they say.
 OUTPUT_LAYER_CHOICES = (AUTO, "on", "off")
 # The trainer's default. auto becomes it once the FP8 head's loss meets the bar the default met (seed-paired
-# gap to bf16: mean within 0.25%, 95% interval inside +-0.5%). At 8 seed pairs it is +0.18% [-0.18, +0.53]
-# (benchmarks/results/fidelity_notes.md, last section).
+# gap to bf16: mean within 0.25%, 95% interval inside +-0.5%); where it stands: resolve_output_layer.
 DEFAULT_OUTPUT_LAYER = "off"
 # FP8 GEMMs (torch._scaled_mm / cuBLASLt) need their matrix sizes to be multiples of this.
 FP8_GEMM_MULTIPLE = 16
@@ -63,8 +62,8 @@ def resolve_output_layer(choice: str, mode: str, tensor_model_parallel_size: int
     fidelity_notes.md, last sections):
       speed: ~2% faster steps; the 1.3 B model on an H100 at its largest micro-batch, 1.501x compiled bf16 against
              1.467x with the BF16 head
-      loss: 350 M over 60 M tokens, +0.18% [-0.18, +0.53] against bf16 over 8 seed pairs, with the head's label
-            correction (megacoat.fp8.head_loss); the BF16 head's -0.13% [-0.48, +0.21]"""
+      loss: 350 M over 60 M tokens, +0.14% [-0.40, +0.69] against bf16 over 8 seed pairs (each pair on one kind of
+            card), with the head's label correction (megacoat.fp8.head_loss); the BF16 head's -0.13% [-0.48, +0.21]"""
     if choice not in OUTPUT_LAYER_CHOICES:
         raise ValueError(f"--fp8-output-layer must be one of {OUTPUT_LAYER_CHOICES}, got {choice!r}")
     if choice != AUTO:
