@@ -118,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=OUTPUT_LAYER_CHOICES,
                    help="the output layer (vocabulary head) in FP8 too: current scaling, the loss writing the logits' "
                         "FP8 gradient and the label entries' rounding error, added back in float32 (~2%% faster "
-                        "steps for a 1.3 B model on an H100; final loss against bf16 at 350 M +0.14%% [-0.40, "
-                        "+0.69] over 8 same-card seed pairs, the default's -0.13%%). off (default): the head in BF16, "
+                        "steps for a 1.3 B model on an H100; final loss against bf16 at 350 M +0.22%% [-0.13, "
+                        "+0.57] over 16 same-card seed pairs, the default's -0.13%%). off (default): the head in BF16, "
                         "as COAT, Megatron and torchtitan keep it; on (the flag alone); auto: on in coat mode without "
                         "tensor or pipeline parallelism and with vocabulary and hidden sizes multiples of 16, off "
                         "elsewhere")

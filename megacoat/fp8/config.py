@@ -62,7 +62,7 @@ def resolve_output_layer(choice: str, mode: str, tensor_model_parallel_size: int
     fidelity_notes.md, last sections):
       speed: ~2% faster steps; the 1.3 B model on an H100 at its largest micro-batch, 1.501x compiled bf16 against
              1.467x with the BF16 head
-      loss: 350 M over 60 M tokens, +0.14% [-0.40, +0.69] against bf16 over 8 seed pairs (each pair on one kind of
+      loss: 350 M over 60 M tokens, +0.22% [-0.13, +0.57] against bf16 over 16 seed pairs (each pair on one kind of
             card), with the head's label correction (megacoat.fp8.head_loss); the BF16 head's -0.13% [-0.48, +0.21]"""
     if choice not in OUTPUT_LAYER_CHOICES:
         raise ValueError(f"--fp8-output-layer must be one of {OUTPUT_LAYER_CHOICES}, got {choice!r}")
