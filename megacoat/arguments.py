@@ -8,7 +8,7 @@ import re
 from megacoat.config import MegacoatConfig
 from megacoat.data.config import DataConfig
 from megacoat.fp8.config import (ACTIVATION_MODES, ACTIVATION_SCALINGS, AUTO, DEFAULT_OUTPUT_LAYER, FP8_DTYPES,
-                                 FP8_GEMM_MULTIPLE, GRAD_SCALINGS, OUTPUT_LAYER_CHOICES, WEIGHT_CACHES, FP8Config,
+                                 GRAD_SCALINGS, OUTPUT_LAYER_CHOICES, WEIGHT_CACHES, FP8Config, fp8_head_obstacle,
                                  resolve_output_layer, resolve_scaling)
 from megacoat.model.config import ModelConfig
 from megacoat.optim.config import DECAY_STYLES, MAIN_GRADS_DTYPES, MAIN_PARAMS_DTYPES, OptimizerConfig
@@ -284,12 +284,12 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         raise ValueError("--mock-data and --data-path are exclusive")
     if fp8.fast_accum and not fp8.enabled:
         raise ValueError("--fp8-fast-accum needs FP8 GEMMs: add --coat-fp8 or --fp8-activations")
-    if fp8.output_layer and (model.vocab_size % FP8_GEMM_MULTIPLE or model.hidden_size % FP8_GEMM_MULTIPLE):
-        raise ValueError(f"--fp8-output-layer needs --vocab-size and --hidden-size to be multiples of 16 (FP8 GEMMs), "
-                         f"got {model.vocab_size} and {model.hidden_size}")
-    if fp8.output_layer and (parallel.tensor_model_parallel_size > 1 or parallel.pipeline_model_parallel_size > 1):
-        raise ValueError("--fp8-output-layer is not supported with --tensor-model-parallel-size or "
-                         "--pipeline-model-parallel-size > 1 yet (the head in FP8 is tested on one stage, unsplit)")
+    head_obstacle = fp8_head_obstacle(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                                      model.vocab_size, model.hidden_size)
+    if fp8.output_layer and head_obstacle:  # auto never gets here: it keeps the BF16 head where there is an obstacle
+        raise ValueError(f"--fp8-output-layer on: {head_obstacle} (got --vocab-size {model.vocab_size}, --hidden-size "
+                         f"{model.hidden_size}, --tensor-model-parallel-size {parallel.tensor_model_parallel_size}, "
+                         f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size})")
     if fp8.grad_scaling == "delayed" and parallel.pipeline_model_parallel_size > 1:
         raise ValueError("--fp8-grad-scaling delayed is not supported with --pipeline-model-parallel-size > 1 (the "
                          "pipeline schedule runs several forwards before the first backward records an amax)")
