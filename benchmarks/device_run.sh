@@ -65,6 +65,9 @@
 #               (KERNEL_ROWS=N of them printed; KERNEL_SOURCE_ROWS=N for trace_kernels.py's own print)    issue 17
 #   e2e-capture-trace MB (~3 min, 1 GPU) the first step of coat+cudagraph profiled: which operators launch the
 #               graphs' memsets and fills (kernels by launcher)                                    issue 17
+#   head-kernels (~5 min, 1 GPU) the FP8 head's GPU tests (its loss, label corrections, the estimator), then
+#               bench_head_loss.py: the label corrections' kernel against the torch path it replaced, and tile sweeps
+#               of it, of the loss's stats pass and of its gradient cast, at micro-batch 32            issue 18
 #   attention-fp8 (~1 min, 1 GPU) bench_attention_fp8.py: one layer's causal attention at micro-batch 32, torch's
 #               BF16 SDPA against cuDNN's FP8 SDPA graphs (needs the nvidia-cudnn-frontend wheel in .whl)  issue 18
 #   gemm-peak   (~1.5 min, 1 GPU) bench_gemm_peak.py: a layer's FP8 GEMMs at micro-batch 32 alone, beside square
@@ -287,6 +290,17 @@ e2e-capture-trace)
     python3 benchmarks/trace_kernels.py /tmp/capture/trace_rank0.json 1 "$OUT/kernels_capture_mb$MB.json" \
         > "$LOGS/kernels_capture.txt" 2>&1
     grep -E "Memset|Fill|memset|fill" "$LOGS/kernels_capture.txt" | head -${KERNEL_ROWS:-40}
+    ;;
+head-kernels)
+    step gpu_tests_head 240 python3 -m pytest -m gpu -q --no-header -p no:cacheprovider -rfE \
+        tests/ops/test_label_corrections.py tests/ops/test_cross_entropy_fp8.py tests/fp8/test_head_loss.py \
+        tests/tools/test_memory_estimator.py
+    cp "$LOGS/gpu_tests_head.txt" "$OUT/gpu_tests_head.txt"
+    step bench_head_loss $((585 - SECONDS)) python3 benchmarks/bench_head_loss.py --repeats 3 \
+        --sweep-corrections 64:128:4 16:128:4 32:256:4 32:64:4 64:64:4 32:128:8 64:256:8 \
+        --sweep-stats 8192:8 8192:16 2048:4 4096:4 4096:16 16384:16 2048:8 \
+        --sweep-grad 128:64:4 64:128:4 128:128:8 128:64:8 64:128:8 128:256:8 32:128:4 \
+        --out "$OUT/bench_head_loss.json"
     ;;
 attention-fp8)
     step attention_fp8 240 python3 benchmarks/bench_attention_fp8.py --out "$OUT/bench_attention_fp8.json"

@@ -32,9 +32,6 @@ OUTPUT_LAYER_CHOICES = (AUTO, "on", "off")
 DEFAULT_OUTPUT_LAYER = "off"
 # FP8 GEMMs (torch._scaled_mm / cuBLASLt) need their matrix sizes to be multiples of this.
 FP8_GEMM_MULTIPLE = 16
-# Elements per piece of the FP8 head's label corrections (megacoat.fp8.head_loss): their float32 rows [piece, K] stay
-# at 64 MiB, not 4 T K bytes. Here, not there, so that the memory estimator counts it without loading the kernels.
-LABEL_PIECE_ELEMENTS = 1 << 24
 
 
 def resolve_scaling(choice: str, mode: str, pipeline_model_parallel_size: int) -> str:

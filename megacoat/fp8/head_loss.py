@@ -9,8 +9,8 @@ The logits' gradient loses most to FP8 in each row's label entry c (p_y - 1), th
 sees it in steps of c/7 near the amax, so p_y below 1/14 counts as 0, an error of one sign (benchmarks/
 head_grad_error.py; at 350 M the head in FP8 without this ended +0.30% above bf16). The loss's backward therefore
 also returns each label entry's rounding error r, and the head adds it back in float32 through its BF16 weight and
-its FP8 input: dx_t += r_t W[y_t], dW[y] += sum over tokens t labelled y of r_t x_t. The row's other entries keep
-E5M2's rounding.
+its FP8 input: dx_t += r_t W[y_t], dW[y] += sum over tokens t labelled y of r_t x_t (one kernel,
+megacoat.ops.label_corrections). The row's other entries keep E5M2's rounding.
 
 The GPT calls `fp8_head_loss` through its `head_loss` attribute (set by convert_to_fp8) when it has labels; without
 labels the head is the Fp8Linear it is, and returns the logits.
@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import torch
 
-from megacoat.fp8.config import LABEL_PIECE_ELEMENTS
 from megacoat.fp8.formats import get_format
 from megacoat.fp8.linear import Fp8Linear, Fp8LinearFunction, check_gemm_dims, fp8_linear_grads, quantize_x, scaled_mm
 from megacoat.ops.cross_entropy_fp8 import cross_entropy_grad_fp8, cross_entropy_stats
+from megacoat.ops.label_corrections import label_corrections
 
 
 class Fp8HeadLossFunction(torch.autograd.Function):
     """mean cross-entropy(x @ W^T, labels) over the counted tokens, the GEMMs in FP8 as Fp8LinearFunction's. x
     [T, K] in the activation dtype, labels [T] int64; the weight's and x's FP8 copies made by the caller. Saves the
     logits (in x's dtype, as a compiled loss does), their log-sum-exp, x8^T and a few scalars; the label entries'
-    rounding is added back in backward (label_corrections)."""
+    rounding is added back in backward (megacoat.ops.label_corrections)."""
 
     @staticmethod
     def forward(ctx, x, weight, labels, w8, w8t, w_scale, x8, x8t, x_scale, grad_dtype, ignore_index, fast_accum):
@@ -50,31 +50,8 @@ class Fp8HeadLossFunction(torch.autograd.Function):
                                                             transpose=need_dw)
         dx, dw = fp8_linear_grads(ctx, g8, g8t, g_scale, x8t, x_scale, ctx.x_dtype)
         label = torch.where(labels != ctx.ignore_index, labels, 0)  # an ignored token's residual is 0
-        dx, dw = label_corrections(dx, dw, residual, label, weight, x8t, x_scale)
+        label_corrections(dx, dw, residual, label, weight, x8t, x_scale)  # into the GEMMs' own outputs
         return (dx, dw, *(None,) * 10)
-
-
-def label_corrections(dx, dw, residual, label, weight, x8t, x_scale):
-    """dx [T, K] and dW [V, K] of the FP8 GEMMs with each label entry's rounding error r [T] added back:
-    dx_t += r_t W[y_t] (W the BF16 weight; addcmul sums in float32 and rounds once), dW[y] += sum_{t: y_t = y} r_t
-    x_t in float32 (x the FP8 input wgrad read, x8^T [K, T] times its scale, so both parts of dW see the same x;
-    frequent labels sum thousands of rows, hence not in bf16; on CUDA index_add sums them with atomics, in no fixed
-    order, as attention's backward does, unless torch's deterministic mode is on). None: that gradient is not
-    needed. The tokens go in pieces, and both gradients are updated in the GEMMs' own outputs, so the transient is
-    one V x K float32 sum plus a piece's rows, whatever the micro-batch."""
-    piece = max(1, LABEL_PIECE_ELEMENTS // weight.shape[1])
-    if dx is not None:
-        for t0 in range(0, dx.shape[0], piece):
-            sl = slice(t0, t0 + piece)
-            dx[sl].addcmul_(residual[sl, None].to(dx.dtype), weight.index_select(0, label[sl]))
-    if dw is not None:
-        total = torch.zeros(dw.shape, dtype=torch.float32, device=dw.device)
-        factor = residual * x_scale
-        for t0 in range(0, x8t.shape[1], piece):
-            sl = slice(t0, t0 + piece)
-            total.index_add_(0, label[sl], x8t[:, sl].t().float().mul_(factor[sl, None]))
-        dw.copy_(total.add_(dw))  # into the wgrad GEMM's own output (the weight's dtype): no second V x K copy
-    return dx, dw
 
 
 def fp8_head_loss(head: Fp8Linear, x: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from megacoat.fp8.config import DEFAULT_WEIGHT_CACHE, LABEL_PIECE_ELEMENTS, WEIGHT_CACHES
+from megacoat.fp8.config import DEFAULT_WEIGHT_CACHE, WEIGHT_CACHES
 from megacoat.model.config import ModelConfig
 
 MODES = ("bf16", "fp8-linear", "coat")
@@ -189,8 +189,8 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
     if fp8_output_layer:
         norm_bytes -= 1  # the head saves its input as E4M3
     head = (norm_bytes * cfg.hidden_size + logit_bytes * cfg.vocab_size / tp) * tokens
-    if fp8_output_layer:  # its backward's label corrections: a float32 V x h sum and one piece's float32 rows
-        head += 4 * cfg.vocab_size * cfg.hidden_size + 4 * min(tokens * cfg.hidden_size, LABEL_PIECE_ELEMENTS)
+    if fp8_output_layer:  # its backward's label corrections (megacoat.ops.label_corrections): a float32 copy of dW
+        head += 4 * cfg.vocab_size * cfg.hidden_size
     activations = per_layer * tokens * layers_per_stage * in_flight + (head if pp == 1 else 0)
     if pp > 1:  # the last stage: one micro-batch of its layers plus the head, if that is the larger
         activations = max(activations, per_layer * tokens * layers_per_stage + head)

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import megacoat.fp8.head_loss as head_loss
 import megacoat.fp8.linear as linear
 import megacoat.fp8.precision_flow as flow
-from megacoat.ops import cast_transpose, cross_entropy_fp8, rmsnorm, rope, rope_grad_cast, swiglu
+from megacoat.ops import cast_transpose, cross_entropy_fp8, label_corrections, rmsnorm, rope, rope_grad_cast, swiglu
 
 _SWAPS = [(linear, "quantize_transpose", cast_transpose.quantize_transpose_triton),
           (linear, "cast_transpose_delayed", cast_transpose.cast_transpose_delayed_triton),
@@ -27,6 +27,7 @@ _SWAPS += [(flow, "rope_rotate", rope.rope_triton),
            (flow, "rope_qkv_grad_fp8", rope_grad_cast.rope_qkv_grad_fp8_triton)]
 _SWAPS += [(head_loss, n, getattr(cross_entropy_fp8, n + "_triton"))
            for n in ("cross_entropy_stats", "cross_entropy_grad_fp8")]
+_SWAPS += [(head_loss, "label_corrections", label_corrections.label_corrections_triton)]
 
 
 @contextlib.contextmanager

@@ -74,7 +74,7 @@ def test_label_entries_are_added_back_through_the_bf16_weight_and_the_fp8_input(
     with the BF16 weight, dW[y] += the sum of r_t x_t over the tokens labelled y (x as wgrad's E4M3 copy), repeated
     labels summed. Emulated in float64 from the codes and residuals of the same ops (head_loss's names, which the
     kernels' path swaps); the library rounds dx and dW to bf16 twice (the GEMM's output, then the sum), so 2^-8
-    relative."""
+    relative; under the CPU interpreter the corrections kernel's bf16 cast truncates (up to a whole step, 2^-7)."""
     from megacoat.fp8 import head_loss
     head, x, labels = _head_and_batch()
     labels[labels != IGNORE_INDEX] %= 7  # few distinct labels: dW's scatter sums many tokens into one row
@@ -92,25 +92,8 @@ def test_label_entries_are_added_back_through_the_bf16_weight_and_the_fp8_input(
     dx = g @ wd + r.double()[:, None] * head.weight.detach().double()[y]
     dw = g.t() @ xd + torch.zeros(V, H, dtype=torch.float64, device=DEV).index_add_(0, y, r.double()[:, None] * xd)
     assert r.abs().max() > 0 and r[[3, 40]].eq(0).all()
-    assert rel_err(x.grad, dx) <= 2 ** -8 and rel_err(head.weight.grad, dw) <= 2 ** -8
-
-
-def test_label_corrections_in_pieces_are_those_of_one_piece(monkeypatch):
-    """The corrections go over the tokens in pieces (a bounded transient): dx row by row, so bit for bit; dW's
-    float32 sums of repeated labels only change order (on CUDA atomics order them anyway), then round to bf16 once:
-    within 2^-8 norm-wise."""
-    from megacoat.fp8 import head_loss
-    torch.manual_seed(0)
-    dx, dw = torch.randn(T, H, device=DEV, dtype=torch.bfloat16), torch.randn(V, H, device=DEV, dtype=torch.bfloat16)
-    weight = torch.randn(V, H, device=DEV, dtype=torch.bfloat16)
-    residual = torch.randn(T, device=DEV) * 1e-2
-    label = torch.randint(0, 7, (T,), device=DEV)  # repeated labels: dW's rows sum many tokens
-    x8t, xs = (torch.randn(H, T, device=DEV) * 100).to(torch.float8_e4m3fn), torch.tensor(0.01, device=DEV)
-    one = head_loss.label_corrections(dx.clone(), dw.clone(), residual, label, weight, x8t, xs)
-    monkeypatch.setattr(head_loss, "LABEL_PIECE_ELEMENTS", 5 * H)  # 5 tokens a piece: 13 pieces, the last one short
-    many = head_loss.label_corrections(dx.clone(), dw.clone(), residual, label, weight, x8t, xs)
-    assert torch.equal(many[0], one[0]) and not torch.equal(one[0], dx)
-    assert rel_err(many[1], one[1]) <= 2 ** -8 and not torch.equal(one[1], dw)
+    bound = 2 ** -7 if path == "triton" and DEV == "cpu" else 2 ** -8
+    assert rel_err(x.grad, dx) <= bound and rel_err(head.weight.grad, dw) <= bound
 
 
 def test_keeps_the_logits_their_log_sum_exp_and_the_inputs_fp8_transpose():
@@ -162,28 +145,3 @@ def test_gpu_loss_gradients_and_no_sync():
         fp8_head_loss(head, x, labels, IGNORE_INDEX).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-
-
-@pytest.mark.gpu
-def test_gpu_label_corrections_hold_one_float32_sum_and_one_piece():
-    """What the memory estimator adds for the corrections (megacoat.training.memory): a float32 V x K sum and one
-    piece of float32 rows, 4 V K + 4 min(T K, LABEL_PIECE_ELEMENTS) bytes, with T K twice a piece here; the
-    allocator's rounding and the per-token vectors (a few MiB) on top. Putting all T rows in float32 at once
-    (4 T K) would exceed it by 64 MiB."""
-    if DEV != "cuda":
-        pytest.skip("needs CUDA")
-    from megacoat.fp8.head_loss import LABEL_PIECE_ELEMENTS, label_corrections
-    tokens, hidden, vocab = 2 * LABEL_PIECE_ELEMENTS // 2048, 2048, 8192
-    dx = torch.randn(tokens, hidden, device=DEV, dtype=torch.bfloat16)
-    dw = torch.randn(vocab, hidden, device=DEV, dtype=torch.bfloat16)
-    weight = torch.randn(vocab, hidden, device=DEV, dtype=torch.bfloat16)
-    residual, label = torch.randn(tokens, device=DEV) * 1e-2, torch.randint(0, vocab, (tokens,), device=DEV)
-    x8t, xs = torch.randn(hidden, tokens, device=DEV).to(torch.float8_e4m3fn), torch.tensor(0.01, device=DEV)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    label_corrections(dx, dw, residual, label, weight, x8t, xs)
-    torch.cuda.synchronize()
-    transient = torch.cuda.max_memory_allocated() - before
-    bound = 4 * vocab * hidden + 4 * min(tokens * hidden, LABEL_PIECE_ELEMENTS)
-    assert bound * 0.9 <= transient <= bound + (4 << 20), (transient, bound)
