@@ -11,8 +11,9 @@ One kernel does both, over tiles of tokens x hidden columns: it reads each token
 updates dx in place, and adds r_t x_t into a float32 copy of dW with atomics (frequent labels sum thousands of rows,
 hence float32, not bf16; the atomics sum in no fixed order, as attention's backward does). dW is then rounded back
 into the wgrad GEMM's own output. Done in torch, the same sums take eight kernels a piece of tokens (gather,
-addcmul, the FP8 rows' float copy, their scaling, index_add, then the sum's zero fill, add and copy), ~3.5 ms a
-micro-batch of 65,536 tokens of the 1.3 B model on an H100 where the kernel moves ~1.5 GB.
+addcmul, the FP8 rows' float copy, their scaling, index_add, then the sum's zero fill, add and copy): ~3.5 ms a
+micro-batch of 65,536 tokens of the 1.3 B model in an H100 step, where this kernel takes ~1 ms
+(benchmarks/results/bench_head_loss_notes.md).
 
 The torch reference goes over the tokens in pieces of LABEL_PIECE_ELEMENTS (a bounded transient on the CPU); it is
 also the path under torch's deterministic mode, where index_add_ sums in a fixed order.
@@ -34,8 +35,9 @@ def _check(dx, dw, residual, label, weight, x8t, x_scale) -> None:
     if label.shape != (t,) or x8t.shape != (k, t):
         raise ValueError(f"label_corrections: label {tuple(label.shape)} and x8t {tuple(x8t.shape)} do not match "
                          f"{t} tokens of hidden size {k}")
-    if dx is not None and dx.shape != (t, k):
-        raise ValueError(f"label_corrections: dx {tuple(dx.shape)} is not [{t}, {k}]")
+    if dx is not None and (dx.shape != (t, k) or not dx.is_contiguous()):
+        raise ValueError(f"label_corrections: dx {tuple(dx.shape)} is not a contiguous [{t}, {k}] (the kernel "
+                         "writes it in place, row by row)")
     if dw is not None and dw.shape != (v, k):
         raise ValueError(f"label_corrections: dw {tuple(dw.shape)} is not the weight's [{v}, {k}]")
 

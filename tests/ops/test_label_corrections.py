@@ -106,6 +106,8 @@ def test_shapes_that_do_not_match_are_refused():
         L.label_corrections(dx, dw[:-1], residual, label, weight, x8t, xs)
     with pytest.raises(ValueError, match="dx"):
         L.label_corrections(dx[:, :-1], dw, residual, label, weight, x8t, xs)
+    with pytest.raises(ValueError, match="contiguous"):
+        L.label_corrections(dx.t().contiguous().t(), dw, residual, label, weight, x8t, xs)
 
 
 def test_compiled_caller_traces_the_operator():
