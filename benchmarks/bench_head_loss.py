@@ -97,10 +97,9 @@ def corrections_rows(shape, tiles, repeats, device):
 
 
 def _logits(shape, device):
-    name, t, h, v = shape
-    g = torch.Generator(device="cpu").manual_seed(0)
-    logits = (3 * torch.randn(t, v, generator=g)).bfloat16().to(device) if device == "cpu" else \
-        (3 * torch.randn(t, v, device=device, generator=torch.Generator(device=device).manual_seed(0))).bfloat16()
+    _, t, _, v = shape
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = (3 * torch.randn(t, v, device=device, generator=g)).bfloat16()
     return logits, _labels(t, v, "zipf", device)
 
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megacoat.ops.numerics import fp8_operator, launcher, traced_body
+from megacoat.ops.numerics import dispatch, fp8_operator, launcher, traced_body
 
 LABEL_PIECE_ELEMENTS = 1 << 24  # the reference's piece: its float32 rows [piece, K] stay at 64 MiB, not 4 T K bytes
 
@@ -95,11 +95,10 @@ def label_corrections_triton(dx: torch.Tensor | None, dw: torch.Tensor | None, r
     t, k = residual.shape[0], weight.shape[1]
     bt, bk, warps = tile or (_BT, _BK, _WARPS)
     total = dw.float() if dw is not None else None
-    dummy = dx if dx is not None else total
     launcher(_label_corrections_kernel)[(triton.cdiv(t, bt), triton.cdiv(k, bk))](
-        dx if dx is not None else dummy, total if total is not None else dummy, residual.contiguous(),
-        label.contiguous(), weight.contiguous(), x8t.contiguous(), x_scale.float().reshape(1), t, k,
-        DX=dx is not None, DW=dw is not None, BT=bt, BK=bk, num_warps=warps)
+        dx if dx is not None else total, total if total is not None else dx,  # an unused pointer: the other tensor
+        residual.contiguous(), label.contiguous(), weight.contiguous(), x8t.contiguous(), x_scale.float().reshape(1),
+        t, k, DX=dx is not None, DW=dw is not None, BT=bt, BK=bk, num_warps=warps)
     if dw is not None:
         dw.copy_(total)
 
@@ -112,17 +111,16 @@ def label_corrections(dx: torch.Tensor | None, dw: torch.Tensor | None, residual
     label [T] int64 in [0, V), weight [V, K] (BF16), x8t [K, T] FP8, x_scale float32 [1]. The kernel on CUDA (the
     reference under torch's deterministic mode), the reference elsewhere; a registered operator under
     torch.compile."""
-    if torch.compiler.is_compiling():
-        return _label_corrections_op(dx, dw, residual, label, weight, x8t, x_scale)
-    _body(dx, dw, residual, label, weight, x8t, x_scale)
+    dispatch(_label_corrections_op, residual, _cuda_path, label_corrections_ref, dx, dw, residual, label, weight, x8t,
+             x_scale)
 
 
-def _body(dx, dw, residual, label, weight, x8t, x_scale) -> None:
-    kernel = label_corrections_ref if torch.are_deterministic_algorithms_enabled() else label_corrections_triton
-    (kernel if residual.is_cuda else label_corrections_ref)(dx, dw, residual, label, weight, x8t, x_scale)
+def _cuda_path(*args) -> None:
+    """pick's kernel: the Triton kernel, or the reference's fixed-order index_add_ under torch's deterministic mode."""
+    (label_corrections_ref if torch.are_deterministic_algorithms_enabled() else label_corrections_triton)(*args)
 
 
 @fp8_operator("megacoat::label_corrections", mutates_args=("dx", "dw"))
 def _label_corrections_op(dx: torch.Tensor | None, dw: torch.Tensor | None, residual: torch.Tensor,
                           label: torch.Tensor, weight: torch.Tensor, x8t: torch.Tensor, x_scale: torch.Tensor) -> None:
-    traced_body(residual, _body, _body, dx, dw, residual, label, weight, x8t, x_scale)
+    traced_body(residual, _cuda_path, label_corrections_ref, dx, dw, residual, label, weight, x8t, x_scale)
