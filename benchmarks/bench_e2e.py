@@ -5,8 +5,8 @@ Modes (`--modes`; `MODE+compile` compiles each transformer block, torchtitan-sty
 and replays each block's forward and backward as CUDA graphs, `--enable-cuda-graph`):
   bf16, fp8-linear, coat, coat-lean   pretrain_gpt.py: BF16; FP8 GEMMs with BF16 activations; CoatAdamW + the FP8
                                       precision flow; coat without the per-step FP8 weight copies
-  coat-delayed-all, coat-fp8-head     pretrain_gpt.py: coat with delayed scaling and the head in BF16, --coat-fp8's
-                                      default; and with the head in FP8 too (MODES lists every variant)
+  coat-delayed-all, coat-fp8-head     pretrain_gpt.py: coat with delayed scaling and the head in BF16; and with the
+                                      head in FP8 too, --coat-fp8's default (MODES lists every variant)
   torchao-float8                      benchmarks/torchao_pretrain.py: the same trainer and model with torchao's
                                       float8 linears (tensorwise), always compiled; skipped when torchao is absent
   plain-llama                         benchmarks/plain_llama.py: the same model and device work, no DeepSpeed and
@@ -55,7 +55,8 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 # Each name keeps the flags it was measured with, whatever the trainer's defaults become: "coat" and its variants
 # pin COAT's just-in-time (current) scaling, and every coat name pins its head, the BF16 one but in the
-# coat-fp8-head names. "coat-delayed-all" is --coat-fp8's default (delayed scaling at both sites, the BF16 head).
+# coat-fp8-head names. "coat-fp8-head" is --coat-fp8's default (delayed scaling at both sites, the FP8 head), and
+# "coat-delayed-all" the same with the BF16 head (the default before the FP8 head's loss met the bar).
 HEAD_BF16 = ["--fp8-output-layer", "off"]
 COAT = ["--coat-fp8", "--fp8-grad-scaling", "current", "--fp8-activation-scaling", "current", *HEAD_BF16]
 DELAYED_ALL = ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling", "delayed"]
@@ -82,18 +83,18 @@ MODES = {
     "coat-delayed": ("pretrain_gpt.py", ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling",
                                          "current", *HEAD_BF16]),
     # the norms' and SwiGLU's FP8 outputs with delayed scaling too (each written in the launch that reads its
-    # input): the default
+    # input), the head in BF16: the default before the FP8 head
     "coat-delayed-all": ("pretrain_gpt.py", COAT_DELAYED_ALL),
     # the row-major FP8 weight copy only (backward transposes its bytes): the default since it was measured so
     "coat-delayed-all-rowwise": ("pretrain_gpt.py", [*COAT_DELAYED_ALL, "--fp8-weight-cache", "rowwise"]),
-    # the default with both FP8 weight layouts kept from step to step (the default before rowwise): 1 B/param more
+    # coat-delayed-all with both FP8 weight layouts kept from step to step (the default before rowwise): 1 B/param more
     "coat-delayed-all-step": ("pretrain_gpt.py", [*COAT_DELAYED_ALL, "--fp8-weight-cache", "step"]),
-    # the default with the output layer in FP8 too (--fp8-output-layer on; auto, the default once its loss meets the
-    # bar, resolves to it here)
+    # the default: coat-delayed-all with the output layer in FP8 too (--fp8-output-layer on; auto, the default,
+    # resolves to it here)
     "coat-fp8-head": ("pretrain_gpt.py", COAT_FP8_HEAD),
-    # issue 18's speed reference: the default's activations with COAT's optimizer-side state (FP32_STATE)
+    # issue 18's speed reference: coat-delayed-all's activations with COAT's optimizer-side state (FP32_STATE)
     "coat-delayed-all-fp32-state": ("pretrain_gpt.py", [*COAT_DELAYED_ALL, *FP32_STATE]),
-    # the same reference for coat-fp8-head
+    # the same reference for coat-fp8-head, the default
     "coat-fp8-head-fp32-state": ("pretrain_gpt.py", [*COAT_FP8_HEAD, *FP32_STATE]),
     # cuBLAS(Lt)'s workspace against the mode's default (FP8 modes: none, statically scheduled FP8 GEMMs without a
     # memset before each; bf16: torch's workspace)

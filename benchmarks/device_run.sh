@@ -7,7 +7,7 @@
 # Results go to $OUT (at most 8 files come back: the JSON/PNG results plus one logs.tgz with every command's
 # output); copy them into benchmarks/results/ afterwards. Each command has its own time limit, so one that hangs
 # or fails leaves the others' results intact. $DEFAULT_MODE below is the trainer's default as bench_e2e names it
-# (coat-delayed-all: the BF16 head). Groups, in the order a session should take them:
+# (coat-fp8-head: delayed scaling, the head in FP8). Groups, in the order a session should take them:
 #   kernels     (~8 min, 1 GPU) GPU tests (pytest -m gpu) but CoatAdamW's, bench_quant         issues 6, 16
 #   gpu-suite   (~4 min, 1 GPU) every GPU test (pytest -m gpu), then bench_delayed_scaling (SwiGLU's
 #               backward and the norm's and SwiGLU's forward per call, current vs delayed scaling)   issue 17
@@ -49,7 +49,7 @@
 #               (--fp8-output-layer's speed). Each but largest and state holds bf16+compile: ratios stay within one
 #               call                                                                             issue 17
 #   e2e-largest [MB] (~7 min, 1 GPU) compiled bf16 at 16 (the largest it fits on an H100) against the default
-#               ($DEFAULT_MODE+cudagraph; LARGEST_MODE=coat-fp8-head for the FP8 head) at MB (default 32),
+#               ($DEFAULT_MODE+cudagraph; LARGEST_MODE=coat-delayed-all for the BF16 head) at MB (default 32),
 #               2 repeats each, interleaved, in one run: the throughput at each mode's largest micro-batch
 #               (bench_e2e.py --at-largest)                                                         issue 18
 #   suite-memory (~9 min, 1 GPU) every GPU test, then peak memory (allocated and reserved) at micro-batch 4 and 8:
@@ -142,9 +142,10 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__, t
     >> "$LOGS/gpu.txt" 2>&1
 cat "$LOGS/gpu.txt"
 
-# The trainer's default as bench_e2e names it (the BF16 head, --fp8-output-layer off); coat-fp8-head once
-# --fp8-output-layer defaults to auto (megacoat.fp8.config.DEFAULT_OUTPUT_LAYER). DEFAULT_MODE=... to measure another.
-DEFAULT_MODE=${DEFAULT_MODE:-coat-delayed-all}
+# The trainer's default as bench_e2e names it: the FP8 head, since --fp8-output-layer defaults to auto
+# (megacoat.fp8.config.DEFAULT_OUTPUT_LAYER); coat-delayed-all is the same with the BF16 head. DEFAULT_MODE=... to
+# measure another.
+DEFAULT_MODE=${DEFAULT_MODE:-coat-fp8-head}
 # issue 17's method (warm-up, 30 timed iterations, 2 repeats) and the quick single runs of the issue-10 groups
 E2E="python3 benchmarks/bench_e2e.py speed --warmup 5 --iters 30 --log-interval 5 --repeats 2 --timeout 200"
 E2E_QUICK="python3 benchmarks/bench_e2e.py speed --warmup 2 --iters 10 --log-interval 2 --repeats 1 --timeout 240"

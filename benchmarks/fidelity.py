@@ -57,7 +57,8 @@ stats = load_script("benchmarks/fidelity_stats.py")
 
 # Each name keeps the flags it was measured with, whatever the trainer's defaults become: "coat" and its variants
 # pin COAT's just-in-time (current) scaling, and every coat name pins its head, the BF16 one but in
-# "coat-fp8-head-lx". "coat-delayed-all" is --coat-fp8's default (delayed scaling at both sites, the BF16 head).
+# "coat-fp8-head-lx". "coat-fp8-head-lx" is --coat-fp8's default (delayed scaling at both sites, the FP8 head with
+# its label correction), and "coat-delayed-all" the same with the BF16 head.
 HEAD_BF16 = ["--fp8-output-layer", "off"]
 COAT = ["--coat-fp8", "--fp8-grad-scaling", "current", "--fp8-activation-scaling", "current", *HEAD_BF16]
 DELAYED_ALL = ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling", "delayed"]

@@ -118,11 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=OUTPUT_LAYER_CHOICES,
                    help="the output layer (vocabulary head) in FP8 too: current scaling, the loss writing the logits' "
                         "FP8 gradient and the label entries' rounding error, added back in float32 (~2%% faster "
-                        "steps for a 1.3 B model on an H100; final loss against bf16 at 350 M +0.22%% [-0.13, "
-                        "+0.57] over 16 same-card seed pairs, the default's -0.13%%). off (default): the head in BF16, "
-                        "as COAT, Megatron and torchtitan keep it; on (the flag alone); auto: on in coat mode without "
-                        "tensor or pipeline parallelism and with vocabulary and hidden sizes multiples of 16, off "
-                        "elsewhere")
+                        "steps for a 1.3 B model on an H100; final loss against bf16 at 350 M +0.23%% [-0.01, "
+                        "+0.47] over 24 same-card seed pairs, the BF16 head's -0.13%% [-0.48, +0.21]). auto "
+                        "(default): on in coat mode without tensor or pipeline parallelism and with vocabulary and "
+                        "hidden sizes multiples of 16, off elsewhere; on (the flag alone); off: the head in BF16, as "
+                        "COAT, Megatron and torchtitan keep it")
     g.add_argument("--fp8-grad-scaling", choices=(AUTO, *GRAD_SCALINGS), default=AUTO,
                    help="auto (default): delayed in coat mode without pipeline parallelism, current otherwise; "
                         "current: every FP8 gradient scaled by its own amax; delayed (coat mode): SwiGLU's and the "

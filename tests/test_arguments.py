@@ -83,7 +83,7 @@ def test_output_layer_auto_is_fp8_in_coat_mode_where_the_fp8_head_runs(argv, fp8
 @pytest.mark.parametrize("argv", [["--coat-fp8"], ["--coat-fp8", "--tensor-model-parallel-size", "2"],
                                   ["--fp8-activations", "fp8-linear"], []])
 def test_output_layer_default_is_the_library_constant(argv):
-    """The trainer's default is DEFAULT_OUTPUT_LAYER (off until the FP8 head's loss meets the bar, see its comment)."""
+    """The trainer's default is DEFAULT_OUTPUT_LAYER (auto since the FP8 head's loss met the bar, see its comment)."""
     assert DEFAULT_OUTPUT_LAYER in OUTPUT_LAYER_CHOICES
     assert parse_config(argv) == parse_config([*argv, "--fp8-output-layer", DEFAULT_OUTPUT_LAYER])
 

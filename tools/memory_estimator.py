@@ -60,9 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-output-layer", nargs="?", const="on", default=DEFAULT_OUTPUT_LAYER,
                    choices=OUTPUT_LAYER_CHOICES,
                    help="the output layer in FP8 too (its input saved as E4M3, its weight cached like the block "
-                        "linears'), as training takes the flag: off (default): in no row; on (the flag alone): in "
-                        "every FP8 mode's rows; auto: in the coat rows without TP or PP and with vocabulary and "
-                        "hidden sizes multiples of 16")
+                        "linears'), as training takes the flag: auto (default): in the coat rows without TP or PP "
+                        "and with vocabulary and hidden sizes multiples of 16; on (the flag alone): in every FP8 "
+                        "mode's rows; off: in no row")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 

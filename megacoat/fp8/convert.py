@@ -8,10 +8,10 @@ and an optimizer built before or after see the same parameters:
                   block share one Fp8InputCache, so wq/wk/wv (and w1/w3) quantize and save their input once.
   * `coat`:       each TransformerBlock becomes a CoatTransformerBlock (the full FP8 precision flow), and the
                   blocks run through run_coat_layers (each block's output addition made by the next one's norm).
-The embedding stays in high precision in every mode, and so does the output head by default (as in COAT and
-TransformerEngine): the vocabulary need not meet FP8 GEMM alignment, and the logits feed a softmax over ~1e4-1e5
-classes. `FP8Config.output_layer` (--fp8-output-layer on, or auto in coat mode where the FP8 head runs:
-megacoat.fp8.config.resolve_output_layer) makes the head an Fp8Linear too, sharing its weight
+The embedding stays in high precision in every mode, and so does the output head in FP8Config's default (as in
+COAT and TransformerEngine): the vocabulary need not meet FP8 GEMM alignment, and the logits feed a softmax over
+~1e4-1e5 classes. `FP8Config.output_layer` (--fp8-output-layer on, or auto, the trainer's default, in coat mode where
+the FP8 head runs: megacoat.fp8.config.resolve_output_layer) makes the head an Fp8Linear too, sharing its weight
 (with the embedding's, where they are tied): its GEMMs are the step's largest BF16 ones. With labels the model then
 runs it through `model.head_loss` (megacoat.fp8.head_loss), whose loss writes the logits' gradient in FP8 itself.
 

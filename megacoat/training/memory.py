@@ -37,8 +37,9 @@ autograd's saved_tensors_hooks; tests/tools/test_memory_estimator.py re-measures
 The head (final norm, logits, fp32 log-softmax, and the logits' gradient at the start of backward): 8 h + 10 V
 per token on the last pipeline stage. With --fp8-output-layer the head saves its input as E4M3 (1 h instead of
 2 h), keeps an E4M3 copy of its weight like the block linears, and its fused loss (megacoat.fp8.head_loss) keeps
-the bf16 logits and writes their FP8 gradient in two layouts, 4 V, compiled or not. Its backward's label
-corrections hold a float32 V x h sum and one piece of float32 rows (at most 64 MiB) while they run.
+the bf16 logits and writes their FP8 gradient in two layouts, 4 V, compiled or not. Its backward frees the logits
+once that gradient is written and the gradient after the GEMMs, so its label corrections' float32 V x h copy of dW
+meets neither: the head's peak is the larger of the two, the copy's only below h tokens a micro-batch.
 
 Compiled (--compile, one graph per block): Inductor's min-cut partition recomputes cheap pointwise work in
 backward instead of saving it. What it saves (the backward graph's inputs, measured on CPU with the same
@@ -189,8 +190,10 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
     if fp8_output_layer:
         norm_bytes -= 1  # the head saves its input as E4M3
     head = (norm_bytes * cfg.hidden_size + logit_bytes * cfg.vocab_size / tp) * tokens
-    if fp8_output_layer:  # its backward's label corrections (megacoat.ops.label_corrections): a float32 copy of dW
-        head += 4 * cfg.vocab_size * cfg.hidden_size
+    if fp8_output_layer:  # its label corrections' float32 copy of dW (megacoat.ops.label_corrections) comes after
+        # the logits and their FP8 gradient (4 bytes a logit) are freed: it raises the head's peak only where it is
+        # the larger
+        head += max(0, 4 * cfg.vocab_size * (cfg.hidden_size - tokens))
     activations = per_layer * tokens * layers_per_stage * in_flight + (head if pp == 1 else 0)
     if pp > 1:  # the last stage: one micro-batch of its layers plus the head, if that is the larger
         activations = max(activations, per_layer * tokens * layers_per_stage + head)

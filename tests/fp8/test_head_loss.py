@@ -97,11 +97,55 @@ def test_label_entries_are_added_back_through_the_bf16_weight_and_the_fp8_input(
 
 
 def test_keeps_the_logits_their_log_sum_exp_and_the_inputs_fp8_transpose():
-    """Saved for backward: the bf16 logits (2 B a logit, as the compiled loss keeps them), their float32 log-sum-exp
-    and the labels (a view of the batch's), x8^T (1 B an element, not x) with its scale, and two scalars."""
+    """Kept for backward: the bf16 logits (2 B a logit, as the compiled loss keeps them; on ctx, which backward frees
+    early), and saved: their float32 log-sum-exp and the labels (a view of the batch's), x8^T (1 B an element, not x)
+    with its scale, and two scalars."""
     head, x, labels = _head_and_batch()
-    saved, by_dtype = saved_activation_bytes(lambda: fp8_head_loss(head, x, labels, IGNORE_INDEX), head.parameters())
-    assert saved == 2 * T * V + 4 * T + 8 * T + T * H + 4 + 4 + 8, by_dtype  # ... scale, amax, count
+    losses = []
+    saved, by_dtype = saved_activation_bytes(
+        lambda: losses.append(fp8_head_loss(head, x, labels, IGNORE_INDEX)) or losses[0], head.parameters())
+    assert saved == 4 * T + 8 * T + T * H + 4 + 4 + 8, by_dtype  # ... scale, amax, count
+    logits = losses[0].grad_fn.logits
+    assert logits.dtype == torch.bfloat16 and logits.shape == (T, V)
+
+
+def test_the_logits_and_their_fp8_gradient_are_freed_as_backward_goes(monkeypatch):
+    """The logits are gone once their FP8 gradient is written, before the GEMMs write dx and dW, and that gradient
+    (both layouts) is gone by the time the label corrections run, so their float32 copy of dW (4 V K) never sits
+    beside it: the head's peak is the logits and their gradient, as a compiled BF16 loss's, and the memory estimator
+    counts the larger of that and the copy, not their sum. A second backward through the same forward is refused."""
+    import weakref
+
+    import megacoat.fp8.head_loss as hl
+
+    grads, alive = [], []
+
+    def grad_fp8(logits, *args, **kwargs):
+        out = hl_cross_entropy_grad_fp8(logits, *args, **kwargs)
+        grads.extend(weakref.ref(g) for g in (logits, *out[:2]))
+        return out
+
+    def linear_grads(*args):
+        alive.append([g() is not None for g in grads])
+        return hl_fp8_linear_grads(*args)
+
+    def corrections(*args):
+        alive.append([g() is not None for g in grads])
+        return hl_label_corrections(*args)
+
+    hl_cross_entropy_grad_fp8, hl_label_corrections = hl.cross_entropy_grad_fp8, hl.label_corrections
+    hl_fp8_linear_grads = hl.fp8_linear_grads
+    monkeypatch.setattr(hl, "cross_entropy_grad_fp8", grad_fp8)
+    monkeypatch.setattr(hl, "fp8_linear_grads", linear_grads)
+    monkeypatch.setattr(hl, "label_corrections", corrections)
+    head, x, labels = _head_and_batch()
+    loss = fp8_head_loss(head, x, labels, IGNORE_INDEX)
+    loss.backward(retain_graph=True)
+    # at the GEMMs: the logits gone, their FP8 gradient alive; at the corrections: all three gone
+    assert len(grads) == 3 and alive == [[False, True, True], [False, False, False]]
+    assert x.grad is not None and head.weight.grad is not None
+    with pytest.raises(RuntimeError, match="runs once per forward"):
+        loss.backward()
 
 
 @pytest.mark.parametrize("path", ["reference", "triton"])

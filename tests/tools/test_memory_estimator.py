@@ -186,7 +186,8 @@ def test_the_fp8_output_layer_saves_one_byte_less_per_hidden_element_and_caches_
     """--fp8-output-layer: the head keeps x8^T (1 byte an element, measured here against the BF16 head's x) and
     an E4M3 copy of its weight (1 byte a parameter by default, 2 with step), which the estimate adds, and its
     backward's label corrections hold a float32 copy of dW, V x h (megacoat.ops.label_corrections: its GPU test
-    measures that transient)."""
+    measures that transient), after the logits and their FP8 gradient (4 bytes a logit) are freed
+    (tests/fp8/test_head_loss.py): the copy counts only by what it exceeds them by."""
     from megacoat.fp8.linear import Fp8Linear
     from megacoat.fp8.saved_memory import saved_activation_bytes
 
@@ -202,8 +203,14 @@ def test_the_fp8_output_layer_saves_one_byte_less_per_hidden_element_and_caches_
         plain = estimate_memory(cfg, "coat", fp8_weight_cache=cache, compiled=True)
         head8 = estimate_memory(cfg, "coat", fp8_weight_cache=cache, fp8_output_layer=True, compiled=True)
         assert head8.weights - plain.weights == per_param * vocab * hidden
-        corrections = 4 * vocab * hidden  # the float32 copy of dW
+        corrections = 4 * vocab * hidden - 4 * vocab * tokens  # the float32 copy of dW, less the logits' 4 bytes
+        assert corrections > 0  # 64 tokens < h: the copy is the head's peak
         assert plain.activations - head8.activations == tokens * hidden - corrections
+    # from h tokens on, the logits and their FP8 gradient are the larger and the copy adds nothing
+    cfg_long = ModelConfig(num_layers=2, hidden_size=hidden, ffn_hidden_size=256, num_attention_heads=4,
+                           vocab_size=vocab, seq_length=hidden)
+    plain, head8 = (estimate_memory(cfg_long, "coat", fp8_output_layer=h, compiled=True) for h in (False, True))
+    assert plain.activations - head8.activations == hidden * hidden
     # eager, the FP8 head's fused loss keeps the compiled loss's 4 bytes a logit (tests/fp8/test_head_loss.py),
     # where the eager loss keeps 10
     eager, head8 = (estimate_memory(cfg, "coat", fp8_output_layer=h) for h in (False, True))
@@ -250,8 +257,8 @@ def test_cli_prints_all_modes_and_rejects_bad_input(capsys):
 
 
 @pytest.mark.parametrize("argv, fp8_head_modes", [
-    ([], set()),  # off by default, as in training
-    (["--fp8-output-layer", "auto"], {"coat"}),  # as training resolves it: coat's rows only
+    ([], {"coat"}),  # auto by default, as in training: coat's rows only
+    (["--fp8-output-layer", "auto"], {"coat"}),
     (["--fp8-output-layer"], {"fp8-linear", "coat"}),  # the flag alone: on, in every FP8 mode's rows
     (["--fp8-output-layer", "off"], set()),
     (["--fp8-output-layer", "auto", "--tensor-model-parallel-size", "2"], set()),  # auto under TP: the BF16 head

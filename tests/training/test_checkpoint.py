@@ -226,8 +226,8 @@ def test_a_changed_scaling_switch_is_a_note_not_an_error():
 
 
 def test_a_changed_output_layer_is_a_note_not_an_error():
-    """A run resumed with the other head (--fp8-output-layer, or its default once auto becomes it) from a checkpoint
-    trained with the BF16 head says so, and how to keep it."""
+    """A run resumed with the other head (--fp8-output-layer, or its default auto, which became the default after such
+    checkpoints were written) from a checkpoint trained with the BF16 head says so, and how to keep it."""
     meta = {"megacoat_config": {"fp8": {"grad_scaling": "delayed", "output_layer": False}}}
     now = {"fp8": {"grad_scaling": "delayed", "output_layer": True}}
     assert ckpt.scaling_changes(meta, now) == [

@@ -41,12 +41,12 @@ def test_log_json_has_the_documented_keys_and_loss_falls(tmp_path):
     assert "iter     10/10" in proc.stdout and "validation loss" in proc.stdout
 
 
-def test_coat_with_the_output_layer_auto_trains_its_head_in_fp8_as_the_bf16_head_does(tmp_path):
-    """--coat-fp8 --fp8-output-layer auto (ZeRO-1) trains the tied head in FP8: the banner says so, and each logged
-    loss stays within issue 6's 2e-2 of the same run with the default, the head in BF16 (--fp8-output-layer off)."""
+def test_coat_by_default_trains_its_head_in_fp8_as_the_bf16_head_does(tmp_path):
+    """--coat-fp8 (ZeRO-1) trains the tied head in FP8 by default (--fp8-output-layer auto): the banner says so, and
+    each logged loss stays within issue 6's 2e-2 of the same run with the head in BF16 (--fp8-output-layer off)."""
     argv = TINY + ["--mock-data", "--train-iters", "10", "--zero-stage", "1", "--coat-fp8", "--eval-iters", "0"]
-    base_proc, base, _ = run(tmp_path, argv, name="bf16_head.json")
-    proc, head, _ = run(tmp_path, argv + ["--fp8-output-layer", "auto"], name="fp8_head.json")
+    base_proc, base, _ = run(tmp_path, argv + ["--fp8-output-layer", "off"], name="bf16_head.json")
+    proc, head, _ = run(tmp_path, argv, name="fp8_head.json")
     assert "the output layer in FP8 too (--fp8-output-layer)" in proc.stdout
     assert "the output layer in high precision (--fp8-output-layer off)" in base_proc.stdout
     assert [r["iteration"] for r in head] == [r["iteration"] for r in base] == list(range(1, 11))
