@@ -60,7 +60,7 @@
 #               deterministic)                                                                   issue 18
 #   e2e-profile (~5 min, 1 GPU) where a bf16 step's time goes: bf16+compile vs plain-llama at micro-batch 2
 #               (and bf16+compile under ZeRO-0), one profiled run each, Chrome traces kept (*.json.gz)    issue 17
-#   e2e-gaps MB (~6 min, 1 GPU) bf16+compile, coat+cudagraph, coat-delayed-all+cudagraph profiled at micro-batch
+#   e2e-gaps MB (~6 min, 1 GPU) bf16+compile, coat+cudagraph, $DEFAULT_MODE+cudagraph profiled at micro-batch
 #               MB with traces (MODES=... to choose): idle gaps by host stack (trace_gaps.py), kernels by launcher
 #               (KERNEL_ROWS=N of them printed; KERNEL_SOURCE_ROWS=N for trace_kernels.py's own print)    issue 17
 #   e2e-capture-trace MB (~3 min, 1 GPU) the first step of coat+cudagraph profiled: which operators launch the
@@ -270,7 +270,7 @@ e2e-gaps)
     mkdir -p /tmp/traces
     step e2e_gaps 420 python3 benchmarks/bench_e2e.py speed --micro-batch-size $MB --warmup 5 --iters 10 \
         --log-interval 5 --repeats 1 --profile --traces /tmp/traces --timeout 200 \
-        --modes ${MODES:-bf16+compile coat+cudagraph coat-delayed-all+cudagraph} --out "$OUT/bench_e2e_gaps_mb$MB.json"
+        --modes ${MODES:-bf16+compile coat+cudagraph $DEFAULT_MODE+cudagraph} --out "$OUT/bench_e2e_gaps_mb$MB.json"
     for t in /tmp/traces/*.json.gz; do
         n=$(basename "$t" .json.gz)
         python3 benchmarks/trace_gaps.py "$t" 3 "$OUT/gaps_$n.json" 10 > "$LOGS/gaps_$n.txt" 2>&1
