@@ -16,21 +16,16 @@ of the same bytes read, whose GB/s is the yardstick.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 
-if "--cpu-smoke" in sys.argv:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+# first: under --cpu-smoke it sets TRITON_INTERPRET before any kernel is defined, and it puts megacoat on sys.path
+from sweep_common import (best_rows, parse_tile, run_fields, same_bytes, sweep_device, time_call_ms,
+                          write_json)
 
-import torch  # noqa: E402
-import triton  # noqa: E402
+import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megacoat.ops import cast_transpose as ct  # noqa: E402
-from benchmarks.sweep_common import (best_rows, parse_tile, same_bytes, sweep_device, time_call_ms,  # noqa: E402
-                                     write_json)
+from megacoat.ops import cast_transpose as ct
 
 E5M2 = torch.float8_e5m2
 # (name, rows, columns): a [tokens, hidden] gradient of the 1.3 B model at micro-batch 4, 8 and 12 (seq 2048), and
@@ -108,9 +103,7 @@ def main() -> int:
         """The JSON so far: a step that runs out of time keeps the rows it measured."""
         write_json(args.out, {
             "what": "the FP8 cast launch of quantize_transpose given the amax, per tile and layout",
-            "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device == "cuda"
-            else platform.processor() or "cpu", "torch": torch.__version__, "triton": triton.__version__,
-            "timing": "cuda graph", "results": rows, "complete": complete})
+            **run_fields(device), "timing": "cuda graph", "results": rows, "complete": complete})
 
     for name, m, n in shapes:
         reference_bytes = {}  # this shape's reference outputs (the previous shape's freed)

@@ -34,22 +34,17 @@ the library comparison is only recorded ("same_bytes_as_library").
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 
-if "--cpu-smoke" in sys.argv:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+# first: under --cpu-smoke it sets TRITON_INTERPRET before any kernel is defined, and it puts megacoat on sys.path
+from sweep_common import (best_rows, parse_tile, run_fields, same_bytes, sweep_device, time_call_ms,
+                          write_json)
 
-import torch  # noqa: E402
-import triton  # noqa: E402
+import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megacoat.model.gpt import rope_tables  # noqa: E402
-from megacoat.ops import cast_transpose, rmsnorm, rope_grad_cast, swiglu  # noqa: E402
-from benchmarks.sweep_common import (best_rows, parse_tile, same_bytes, sweep_device, time_call_ms,  # noqa: E402
-                                     write_json)
+from megacoat.model.gpt import rope_tables
+from megacoat.ops import cast_transpose, rmsnorm, rope_grad_cast, swiglu
 
 E5M2 = torch.float8_e5m2
 GROUP = 128
@@ -216,10 +211,8 @@ def main() -> int:
         write_json(args.out, {
             "what": "delayed scaling per call: SwiGLU's backward, SwiGLU's and RMSNorm's forward, the [q|k|v] "
                     "gradient's RoPE backward and cast, current vs delayed",
-            "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device == "cuda"
-            else platform.processor() or "cpu", "torch": torch.__version__, "triton": triton.__version__,
-            "group_size": GROUP, "timing": "eager" if args.eager else "cuda graph", "results": rows,
-            "complete": complete})
+            **run_fields(device), "group_size": GROUP, "timing": "eager" if args.eager else "cuda graph",
+            "results": rows, "complete": complete})
 
     shapes = SMOKE if args.cpu_smoke else SHAPES
     repeats = 1 if args.cpu_smoke else args.repeats

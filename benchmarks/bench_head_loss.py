@@ -20,22 +20,17 @@ setting comes first in each group.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 
-if "--cpu-smoke" in sys.argv:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+# first: under --cpu-smoke it sets TRITON_INTERPRET before any kernel is defined, and it puts megacoat on sys.path
+from sweep_common import (best_rows, parse_tile, run_fields, same_bytes, sweep_device, time_call_ms,
+                          write_json)
 
-import torch  # noqa: E402
-import triton  # noqa: E402
+import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megacoat.ops import cross_entropy_fp8 as ce  # noqa: E402
-from megacoat.ops import label_corrections as lc  # noqa: E402
-from benchmarks.sweep_common import (best_rows, parse_tile, same_bytes, sweep_device, time_call_ms,  # noqa: E402
-                                     write_json)
+from megacoat.ops import cross_entropy_fp8 as ce
+from megacoat.ops import label_corrections as lc
 
 SHAPE = ("1.3B mb32", 32 * 2048, 2048, 32000)  # name, tokens, hidden, vocabulary
 SMOKE = ("smoke", 96, 64, 300)
@@ -191,10 +186,8 @@ def main() -> int:
         """The JSON so far: a step that runs out of time keeps the rows it measured."""
         write_json(args.out, {
             "what": "the FP8 head's kernels per call: label corrections, the loss's stats, the gradient's cast",
-            "command": "python " + " ".join(sys.argv), "shape": dict(zip(("name", "tokens", "hidden", "vocab"), shape)),
-            "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "triton": triton.__version__, "timing": "cuda graph", "results": rows,
-            "complete": complete})
+            **run_fields(device), "shape": dict(zip(("name", "tokens", "hidden", "vocab"), shape)),
+            "timing": "cuda graph", "results": rows, "complete": complete})
 
     def add(new):
         for r in new:

@@ -15,21 +15,16 @@ interleaved with a device-to-device copy of the same bytes, whose GB/s is the ya
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 
-if "--cpu-smoke" in sys.argv:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+# first: under --cpu-smoke it sets TRITON_INTERPRET before any kernel is defined, and it puts megacoat on sys.path
+from sweep_common import (best_rows, parse_tile, run_fields, same_bytes, sweep_device, time_call_ms,
+                          write_json)
 
-import torch  # noqa: E402
-import triton  # noqa: E402
+import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megacoat.ops import cast_transpose as ct  # noqa: E402
-from benchmarks.sweep_common import (best_rows, parse_tile, same_bytes, sweep_device, time_call_ms,  # noqa: E402
-                                     write_json)
+from megacoat.ops import cast_transpose as ct
 
 # (name, rows, columns): the [q|k|v] gradient [tokens, 3 x hidden] of the 1.3 B model at micro-batch 12 and 32
 # (seq 2048), and of one 7B layer (seq 4096)
@@ -78,10 +73,8 @@ def main() -> int:
     def write(complete: bool) -> None:
         """The JSON so far: a step that runs out of time keeps the rows it measured."""
         write_json(args.out, {
-            "what": "the FP8 byte transpose (transpose_fp8_triton) per tile", "command": "python " + " ".join(sys.argv),
-            "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "triton": triton.__version__, "timing": "cuda graph", "results": rows,
-            "complete": complete})
+            "what": "the FP8 byte transpose (transpose_fp8_triton) per tile", **run_fields(device),
+            "timing": "cuda graph", "results": rows, "complete": complete})
 
     for name, m, n in shapes:
         for tile in tiles:

@@ -1,15 +1,26 @@
-"""What the per-call kernel benchmarks that sweep tiles share (bench_cast_transpose.py, bench_delayed_scaling.py):
-one call's time, the byte comparison every swept setting must pass, tile parsing, the fastest setting per group
-against the library's, and the JSON written after every row. Import it after TRITON_INTERPRET is set."""
+"""What the per-call kernel benchmarks that sweep tiles share (bench_cast_transpose.py, bench_delayed_scaling.py,
+bench_transpose_fp8.py, bench_head_loss.py): their start (below), one call's time, the byte comparison every swept
+setting must pass, tile parsing, the fastest setting per group against the library's, and the JSON written after
+every row.
+
+A script imports it first, as `from sweep_common import ...` (a script's own folder is on sys.path): under
+--cpu-smoke it sets TRITON_INTERPRET=1 before anything defines a Triton kernel, and it puts the repository on
+sys.path, so that megacoat's kernels imported after it run under the interpreter there."""
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 
-import torch
-import triton
+if "--cpu-smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton and megacoat's kernels are imported
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import json  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
 
 
 def time_call_ms(fn, device: str, eager: bool = False) -> float:
@@ -68,6 +79,13 @@ def best_rows(rows: list[dict], group, ms, is_library) -> list[tuple]:
             best = min(ok, key=ms)
             out.append((key, best, ms(library[0]) / ms(best), len(ok)))
     return out
+
+
+def run_fields(device: str) -> dict:
+    """What every sweep's JSON records about its run: the command, the device, torch's and Triton's versions."""
+    return {"command": "python " + " ".join(sys.argv),
+            "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "triton": triton.__version__}
 
 
 def write_json(path: str, result: dict) -> None:
