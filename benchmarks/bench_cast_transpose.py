@@ -20,8 +20,7 @@ import statistics
 import sys
 
 # first: under --cpu-smoke it sets TRITON_INTERPRET before any kernel is defined, and it puts megacoat on sys.path
-from sweep_common import (best_rows, parse_tile, run_fields, same_bytes, sweep_device, time_call_ms,
-                          write_json)
+from sweep_common import SweepLog, best_rows, parse_tile, same_bytes, start, time_call_ms
 
 import torch
 
@@ -86,25 +85,14 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/results/bench_cast_transpose.json")
     p.add_argument("--cpu-smoke", action="store_true")
     args = p.parse_args()
-    try:
-        tiles = [(ct._BM, ct._BN, ct._WARPS)] + [parse_tile(t, "--sweep", ("BM", "BN", "WARPS"), 16)
-                                                 for t in args.sweep]
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    started = start(args.cpu_smoke, lambda: [(ct._BM, ct._BN, ct._WARPS)] + [
+        parse_tile(t, "--sweep", ("BM", "BN", "WARPS"), 16) for t in args.sweep])
+    if started is None:
         return 2
-    device = sweep_device(args.cpu_smoke)
-    if device is None:
-        return 2
+    device, tiles = started
     shapes, repeats = (SMOKE, 1) if args.cpu_smoke else (SHAPES, args.repeats)
     library = tiles[0]
-    rows = []
-
-    def write(complete: bool) -> None:
-        """The JSON so far: a step that runs out of time keeps the rows it measured."""
-        write_json(args.out, {
-            "what": "the FP8 cast launch of quantize_transpose given the amax, per tile and layout",
-            **run_fields(device), "timing": "cuda graph", "results": rows, "complete": complete})
-
+    log = SweepLog(args.out, device, "the FP8 cast launch of quantize_transpose given the amax, per tile and layout")
     for name, m, n in shapes:
         reference_bytes = {}  # this shape's reference outputs (the previous shape's freed)
         for tile in tiles:
@@ -112,17 +100,12 @@ def main() -> int:
             for layout in args.layouts:
                 r = measure(name, m, n, layout, repeats, device, reference_bytes)
                 r["tile"] = {"BM": tile[0], "BN": tile[1], "warps": tile[2], "library": tile == library}
-                rows.append(r)
-                write(False)
+                log.add(r)
                 print(f"{name:9s} {layout:9s} BM {tile[0]:3d} BN {tile[1]:3d} warps {tile[2]:2d}  "
                       f"{r['ms'] * 1e3:7.1f} us  {r['gb_per_s']:6.0f} GB/s ({r['fraction_of_copy']:.2f} of a copy)  "
                       f"same bytes: {r['same_bytes']}", flush=True)
         ct._BM, ct._BN, ct._WARPS = library
-    write(True)
-    for line in best_tiles(rows):
-        print(line)
-    print("wrote", args.out)
-    return 0 if all(r["same_bytes"] for r in rows) else 1
+    return log.finish(best_tiles(log.rows))
 
 
 if __name__ == "__main__":

@@ -38,8 +38,7 @@ import statistics
 import sys
 
 # first: under --cpu-smoke it sets TRITON_INTERPRET before any kernel is defined, and it puts megacoat on sys.path
-from sweep_common import (best_rows, parse_tile, run_fields, same_bytes, sweep_device, time_call_ms,
-                          write_json)
+from sweep_common import SweepLog, best_rows, parse_tile, same_bytes, start, time_call_ms
 
 import torch
 
@@ -190,30 +189,24 @@ def main() -> int:
                    help="also time RMSNorm's forward kernel with these row elements per warp (e.g. 512 2048)")
     p.add_argument("--ops", nargs="+", default=list(OPS), metavar="OP", help=f"which of {', '.join(OPS)} (all)")
     args = p.parse_args()
-    try:
-        configs = {"swiglu_bwd": [(swiglu._BM_T, swiglu._WARPS_T)] + [_tile(c, "--sweep") for c in args.sweep],
-                   "swiglu_fwd": [(swiglu._BM_F, swiglu._WARPS_F)] + [_tile(c, "--sweep-fwd") for c in args.sweep_fwd],
-                   "rmsnorm_fwd": [(rmsnorm._FWD_PER_WARP,)] + [_per_warp(c) for c in args.sweep_norm],
-                   "rope_qkv_bwd": [(cast_transpose._BM, cast_transpose._BN, cast_transpose._WARPS)]}
+
+    def settings():
         unknown = sorted(set(args.ops) - set(OPS))
         if unknown:
             raise ValueError(f"--ops: unknown {', '.join(unknown)} (choose from {', '.join(OPS)})")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    device = sweep_device(args.cpu_smoke)
-    if device is None:
-        return 2
-    rows = []
+        return {"swiglu_bwd": [(swiglu._BM_T, swiglu._WARPS_T)] + [_tile(c, "--sweep") for c in args.sweep],
+                "swiglu_fwd": [(swiglu._BM_F, swiglu._WARPS_F)] + [_tile(c, "--sweep-fwd") for c in args.sweep_fwd],
+                "rmsnorm_fwd": [(rmsnorm._FWD_PER_WARP,)] + [_per_warp(c) for c in args.sweep_norm],
+                "rope_qkv_bwd": [(cast_transpose._BM, cast_transpose._BN, cast_transpose._WARPS)]}
 
-    def write(complete: bool) -> None:
-        """The JSON so far: a step that runs out of time keeps the rows it measured."""
-        write_json(args.out, {
-            "what": "delayed scaling per call: SwiGLU's backward, SwiGLU's and RMSNorm's forward, the [q|k|v] "
-                    "gradient's RoPE backward and cast, current vs delayed",
-            **run_fields(device), "group_size": GROUP, "timing": "eager" if args.eager else "cuda graph",
-            "results": rows, "complete": complete})
-
+    started = start(args.cpu_smoke, settings)
+    if started is None:
+        return 2
+    device, configs = started
+    log = SweepLog(args.out, device,
+                   "delayed scaling per call: SwiGLU's backward, SwiGLU's and RMSNorm's forward, the [q|k|v] "
+                   "gradient's RoPE backward and cast, current vs delayed",
+                   timing="eager" if args.eager else "cuda graph", group_size=GROUP)
     shapes = SMOKE if args.cpu_smoke else SHAPES
     repeats = 1 if args.cpu_smoke else args.repeats
     for op in args.ops:
@@ -223,18 +216,13 @@ def main() -> int:
             for name, m, h, f in shapes:
                 r = measure(op, name, m, h, f, repeats, device, args.eager, library_bytes)
                 r["kernel_setting"] = {**dict(zip(SETTING_NAMES[op], setting)), "library": setting == configs[op][0]}
-                rows.append(r)
-                write(False)
+                log.add(r)
                 tile = " ".join(f"{k} {v:4d}" for k, v in zip(SETTING_NAMES[op], setting))
                 print(f"{op:11s} {name:9s} {tile:18s}  current {r['ms']['current'] * 1e3:8.1f} us  "
                       f"delayed {r['ms']['delayed'] * 1e3:8.1f} us  "
                       f"x{r['speedup']:.2f}  same bytes: {r['same_bytes']}", flush=True)
         _apply(op, configs[op][0])
-    write(True)
-    for line in best_settings(rows):
-        print(line)
-    print("wrote", args.out)
-    return 0 if all(r["same_bytes"] for r in rows) else 1
+    return log.finish(best_settings(log.rows))
 
 
 if __name__ == "__main__":

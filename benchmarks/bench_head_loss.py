@@ -24,8 +24,7 @@ import statistics
 import sys
 
 # first: under --cpu-smoke it sets TRITON_INTERPRET before any kernel is defined, and it puts megacoat on sys.path
-from sweep_common import (best_rows, parse_tile, run_fields, same_bytes, sweep_device, time_call_ms,
-                          write_json)
+from sweep_common import SweepLog, best_rows, parse_tile, same_bytes, start, time_call_ms
 
 import torch
 
@@ -156,6 +155,22 @@ def _describe(r) -> str:
     return f"{r['part']:11s}{labels} {setting:24s} {r['ms'] * 1e3:9.1f} us{rate}  ok: {r['same_bytes']}"
 
 
+def summary(rows: list[dict]) -> list[str]:
+    """The fastest setting per part (and label distribution) against the library's, then the corrections' kernel
+    against the torch path it replaced."""
+    group = (lambda r: (r["part"], r.get("labels")))
+    tiles = [r for r in rows if not isinstance(r["setting"], str)]  # not the torch path, not the copy
+    lines = [f"best {' '.join(k for k in key if k)}: {_describe(best)}, x{speedup:.3f} the library's"
+             for key, best, speedup, _ in best_rows(tiles, group, lambda r: r["ms"], lambda r: r["library"])]
+    for dist in ("uniform", "zipf"):
+        torch_ms = [r["ms"] for r in rows if r.get("labels") == dist and r["setting"] == "torch reference"]
+        kernel_ms = [r["ms"] for r in rows if r.get("labels") == dist and r["library"]]
+        if torch_ms and kernel_ms:
+            lines.append(f"corrections {dist}: the kernel x{torch_ms[0] / kernel_ms[0]:.2f} "
+                         "the torch reference's speed")
+    return lines
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
@@ -166,34 +181,25 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/results/bench_head_loss.json")
     p.add_argument("--cpu-smoke", action="store_true")
     args = p.parse_args()
-    try:
-        corr = [(lc._BT, lc._BK, lc._WARPS)] + [parse_tile(t, "--sweep-corrections", ("BT", "BK", "WARPS"), 16)
-                                               for t in args.sweep_corrections]
-        stats = [(ce._STATS_BLOCK, ce._STATS_WARPS)] + [parse_tile(t, "--sweep-stats", ("BLOCK", "WARPS"), 32)
-                                                        for t in args.sweep_stats]
-        grad = [(ce._BM, ce._BN, ce._WARPS)] + [parse_tile(t, "--sweep-grad", ("BM", "BN", "WARPS"), 16)
-                                                for t in args.sweep_grad]
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    started = start(args.cpu_smoke, lambda: (
+        [(lc._BT, lc._BK, lc._WARPS)] + [parse_tile(t, "--sweep-corrections", ("BT", "BK", "WARPS"), 16)
+                                         for t in args.sweep_corrections],
+        [(ce._STATS_BLOCK, ce._STATS_WARPS)] + [parse_tile(t, "--sweep-stats", ("BLOCK", "WARPS"), 32)
+                                                for t in args.sweep_stats],
+        [(ce._BM, ce._BN, ce._WARPS)] + [parse_tile(t, "--sweep-grad", ("BM", "BN", "WARPS"), 16)
+                                        for t in args.sweep_grad]))
+    if started is None:
         return 2
-    device = sweep_device(args.cpu_smoke)
-    if device is None:
-        return 2
+    device, (corr, stats, grad) = started
     shape, repeats = (SMOKE, 1) if args.cpu_smoke else (SHAPE, args.repeats)
-    rows = []
-
-    def write(complete: bool) -> None:
-        """The JSON so far: a step that runs out of time keeps the rows it measured."""
-        write_json(args.out, {
-            "what": "the FP8 head's kernels per call: label corrections, the loss's stats, the gradient's cast",
-            **run_fields(device), "shape": dict(zip(("name", "tokens", "hidden", "vocab"), shape)),
-            "timing": "cuda graph", "results": rows, "complete": complete})
+    log = SweepLog(args.out, device,
+                   "the FP8 head's kernels per call: label corrections, the loss's stats, the gradient's cast",
+                   shape=dict(zip(("name", "tokens", "hidden", "vocab"), shape)))
 
     def add(new):
         for r in new:
-            rows.append(r)
+            log.add(r)
             print(_describe(r), flush=True)
-        write(False)
 
     if "corrections" in args.parts:
         add(corrections_rows(shape, corr, repeats, device))
@@ -204,18 +210,7 @@ def main() -> int:
             add(stats_rows(shape, stats, repeats, device, logits, labels))
         if "grad" in args.parts:
             add(grad_rows(shape, grad, repeats, device, logits, labels))
-    write(True)
-    group = (lambda r: (r["part"], r.get("labels")))
-    tiles = [r for r in rows if not isinstance(r["setting"], str)]  # not the torch path, not the copy
-    for key, best, speedup, _ in best_rows(tiles, group, lambda r: r["ms"], lambda r: r["library"]):
-        print(f"best {' '.join(k for k in key if k)}: {_describe(best)}, x{speedup:.3f} the library's")
-    for dist in ("uniform", "zipf"):  # the library kernel against the torch path it replaced
-        torch_ms = [r["ms"] for r in rows if r.get("labels") == dist and r["setting"] == "torch reference"]
-        kernel_ms = [r["ms"] for r in rows if r.get("labels") == dist and r["library"]]
-        if torch_ms and kernel_ms:
-            print(f"corrections {dist}: the kernel x{torch_ms[0] / kernel_ms[0]:.2f} the torch reference's speed")
-    print("wrote", args.out)
-    return 0 if all(r["same_bytes"] for r in rows) else 1
+    return log.finish(summary(log.rows))
 
 
 if __name__ == "__main__":

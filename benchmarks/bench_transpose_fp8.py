@@ -19,8 +19,7 @@ import statistics
 import sys
 
 # first: under --cpu-smoke it sets TRITON_INTERPRET before any kernel is defined, and it puts megacoat on sys.path
-from sweep_common import (best_rows, parse_tile, run_fields, same_bytes, sweep_device, time_call_ms,
-                          write_json)
+from sweep_common import SweepLog, best_rows, parse_tile, same_bytes, start, time_call_ms
 
 import torch
 
@@ -59,42 +58,30 @@ def main() -> int:
     p.add_argument("--cpu-smoke", action="store_true")
     args = p.parse_args()
     library = (ct._TRANSPOSE_BM, ct._TRANSPOSE_BN, ct._TRANSPOSE_WARPS)
-    try:
-        tiles = [library] + [parse_tile(t, "--sweep", ("BM", "BN", "WARPS"), 16) for t in args.sweep]
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    started = start(args.cpu_smoke, lambda: [library] + [
+        parse_tile(t, "--sweep", ("BM", "BN", "WARPS"), 16) for t in args.sweep])
+    if started is None:
         return 2
-    device = sweep_device(args.cpu_smoke)
-    if device is None:
-        return 2
+    device, tiles = started
     shapes, repeats = (SMOKE, 1) if args.cpu_smoke else (SHAPES, args.repeats)
-    rows = []
-
-    def write(complete: bool) -> None:
-        """The JSON so far: a step that runs out of time keeps the rows it measured."""
-        write_json(args.out, {
-            "what": "the FP8 byte transpose (transpose_fp8_triton) per tile", **run_fields(device),
-            "timing": "cuda graph", "results": rows, "complete": complete})
-
+    log = SweepLog(args.out, device, "the FP8 byte transpose (transpose_fp8_triton) per tile")
     for name, m, n in shapes:
         for tile in tiles:
             ct._TRANSPOSE_BM, ct._TRANSPOSE_BN, ct._TRANSPOSE_WARPS = tile  # read at each launch
             r = {"shape": name, **measure(m, n, repeats, device),
                  "tile": {"BM": tile[0], "BN": tile[1], "warps": tile[2], "library": tile == library}}
-            rows.append(r)
-            write(False)
+            log.add(r)
             print(f"{name:9s} BM {tile[0]:3d} BN {tile[1]:3d} warps {tile[2]:2d}  {r['ms'] * 1e3:7.1f} us  "
                   f"{r['gb_per_s']:6.0f} GB/s ({r['fraction_of_copy']:.2f} of a copy)  same bytes: {r['same_bytes']}",
                   flush=True)
         ct._TRANSPOSE_BM, ct._TRANSPOSE_BN, ct._TRANSPOSE_WARPS = library
-    write(True)
-    for shape, best, speedup, _ in best_rows(rows, lambda r: r["shape"], lambda r: r["ms"],
+    lines = []
+    for shape, best, speedup, _ in best_rows(log.rows, lambda r: r["shape"], lambda r: r["ms"],
                                              lambda r: r["tile"]["library"]):
         t = best["tile"]
-        print(f"best {shape:9s} BM {t['BM']:3d} BN {t['BN']:3d} warps {t['warps']:2d}: {best['ms'] * 1e3:.1f} us, "
-              f"x{speedup:.3f} the library tile's")
-    print("wrote", args.out)
-    return 0 if all(r["same_bytes"] for r in rows) else 1
+        lines.append(f"best {shape:9s} BM {t['BM']:3d} BN {t['BN']:3d} warps {t['warps']:2d}: "
+                     f"{best['ms'] * 1e3:.1f} us, x{speedup:.3f} the library tile's")
+    return log.finish(lines)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What the per-call kernel benchmarks that sweep tiles share (bench_cast_transpose.py, bench_delayed_scaling.py,
-bench_transpose_fp8.py, bench_head_loss.py): their start (below), one call's time, the byte comparison every swept
-setting must pass, tile parsing, the fastest setting per group against the library's, and the JSON written after
-every row.
+bench_transpose_fp8.py, bench_head_loss.py): their start (below, and `start`: the settings and the device), one
+call's time, the byte comparison every swept setting must pass, tile parsing, the fastest setting per group against
+the library's, and their rows (`SweepLog`: the JSON written after every row, the exit status from the bytes).
 
 A script imports it first, as `from sweep_common import ...` (a script's own folder is on sys.path): under
 --cpu-smoke it sets TRITON_INTERPRET=1 before anything defines a Triton kernel, and it puts the repository on
@@ -45,6 +45,18 @@ def sweep_device(cpu_smoke: bool) -> str | None:
     return None
 
 
+def start(cpu_smoke: bool, settings):
+    """A sweep's settings (settings(): the library's and the swept ones, parsed; ValueError for a bad one) and its
+    device: (device, settings), or None after one error line (a bad setting, no GPU), for the script's exit 2."""
+    try:
+        chosen = settings()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    device = sweep_device(cpu_smoke)
+    return None if device is None else (device, chosen)
+
+
 def same_bytes(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     """Equal bytes (FP8 codes compared as uint8, so NaN codes compare too), or both absent."""
     if a is None or b is None:
@@ -86,6 +98,31 @@ def run_fields(device: str) -> dict:
     return {"command": "python " + " ".join(sys.argv),
             "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "triton": triton.__version__}
+
+
+class SweepLog:
+    """One sweep's rows and its JSON, written again after every row: a step that runs out of time keeps the rows it
+    measured."""
+
+    def __init__(self, path: str, device: str, what: str, timing: str = "cuda graph", **fields):
+        self.path, self.rows = path, []
+        self.head = {"what": what, **run_fields(device), **fields, "timing": timing}
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self.write(complete=False)
+
+    def write(self, complete: bool) -> None:
+        write_json(self.path, {**self.head, "results": self.rows, "complete": complete})
+
+    def finish(self, lines: list[str]) -> int:
+        """The whole JSON, then the summary lines; the exit status is 1 where a setting wrote other bytes than the
+        library's."""
+        self.write(complete=True)
+        for line in lines:
+            print(line)
+        print("wrote", self.path)
+        return 0 if all(r["same_bytes"] for r in self.rows) else 1
 
 
 def write_json(path: str, result: dict) -> None:
