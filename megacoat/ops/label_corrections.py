@@ -116,7 +116,8 @@ def label_corrections(dx: torch.Tensor | None, dw: torch.Tensor | None, residual
 
 
 def _cuda_path(*args) -> None:
-    """pick's kernel: the Triton kernel, or the reference's fixed-order index_add_ under torch's deterministic mode."""
+    """What runs for CUDA tensors (numerics.pick's kernel): the Triton kernel, or the reference's fixed-order
+    index_add_ under torch's deterministic mode."""
     (label_corrections_ref if torch.are_deterministic_algorithms_enabled() else label_corrections_triton)(*args)
 
 
