@@ -58,7 +58,8 @@ def resolve_output_layer(choice: str, mode: str, tensor_model_parallel_size: int
     What the FP8 head gives and costs in coat mode, as measured (benchmarks/results/bench_e2e_notes.md and
     fidelity_notes.md, last sections):
       speed: ~2% faster steps; the 1.3 B model on an H100 at its largest micro-batch, 1.49-1.50x compiled bf16
-             (1.498x at 17efaf3) against 1.467x with the BF16 head
+             (1.498x at 17efaf3) against 1.467x with the BF16 head; on an H200, 1.532x since SwiGLU's forward
+             reads whole rows
       loss: 350 M over 60 M tokens, +0.23% [-0.01, +0.47] against bf16 over 24 seed pairs (each pair on one kind of
             card), with the head's label correction (megacoat.fp8.head_loss), inside the bar the BF16 head met with
             -0.13% [-0.48, +0.21] (8 pairs). It likely costs ~0.2% of final loss: off keeps the BF16 head."""

@@ -59,7 +59,7 @@ def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, hist_p
     # transpose: refresh writes each part of a joined weight straight into its place). HIST > 0 (delayed scaling):
     # the scale from the amax history's maximum, written by the first program, and max|x| folded into amax_ptr.
     # A 1-D grid, column tiles fastest: the programs in flight read whole rows of a few row blocks (on an H200, 4-5%
-    # faster than row blocks fastest for a [65536, 2048] gradient into both layouts; bench_kernel_variants.py).
+    # faster than row blocks fastest for a [65536, 2048] gradient into both layouts; bench_kernel_variants_notes.md).
     tiles_n = tl.cdiv(N, BN)
     pid_m, pid_n = tl.program_id(0) // tiles_n, tl.program_id(0) % tiles_n
     if HIST > 0:

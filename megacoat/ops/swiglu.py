@@ -154,7 +154,7 @@ def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, y_pt
     written here (row-major, _out_kernel's bytes).
     A 1-D grid, group columns fastest: the programs in flight read and write whole rows of a few row blocks (every
     store is row-major), not one 256-byte piece of each of many rows; on an H200 at micro-batch 32 of the 1.3 B
-    model that is 0.70 ms a call against 0.98 (benchmarks/bench_kernel_variants.py, columns_first)."""
+    model that is 0.70 ms a call against 0.98 (benchmarks/results/bench_kernel_variants_notes.md)."""
     pid = tl.program_id(0)
     gi = pid % NG
     rm = ((pid // NG) * BM + tl.arange(0, BM)).to(tl.int64)
