@@ -11,7 +11,8 @@ copies of them made from their own source (the AST, rewritten), so nothing else 
                 one row block instead of the row blocks of one column;
   grouped4/8/16 the same kernels on a 1-D grid in super-rows of 4, 8 or 16 row blocks (column tile by column tile
                 within one), as Triton's matmul tutorial orders its tiles.
-Every variant must write the library's bytes.
+`--norm-out-tiles BM:WARPS ...` adds variants that keep the library's kernels and launch the norm's output pass with
+another tile (rmsnorm._OUT_BM, _OUT_WARPS), interleaved with the rest. Every variant must write the library's bytes.
 
     python benchmarks/bench_kernel_variants.py [--repeats 3] [--variants ...] [--out ...]
     python benchmarks/bench_kernel_variants.py --cpu-smoke   # the interpreter at a tiny shape: the script's check
@@ -22,7 +23,7 @@ timed in a CUDA graph), GB/s by the bytes the op moves, and whether the bytes eq
 from __future__ import annotations
 
 # first: under --cpu-smoke it sets TRITON_INTERPRET before any kernel is defined, and it puts megacoat on sys.path
-from sweep_common import SweepLog, same_bytes, start, time_call_ms
+from sweep_common import SweepLog, parse_tile, same_bytes, start, time_call_ms
 
 import argparse
 import ast
@@ -145,7 +146,8 @@ def _kernels(module) -> dict:
 
 
 def _use(kernels: dict) -> None:
-    """Point the library's launch sites at these kernels (each launch reads its module's global)."""
+    """Point the library's launch sites at these kernels and tile settings (each launch reads its module's
+    globals)."""
     for module in MODULES:
         for k, v in kernels.get(module.__name__, {}).items():
             setattr(module, k, v)
@@ -209,21 +211,31 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ops", nargs="*", default=list(OPS), choices=list(OPS))
     p.add_argument("--variants", nargs="*", default=list(VARIANTS)[1:], choices=list(VARIANTS)[1:])
+    p.add_argument("--norm-out-tiles", nargs="*", default=[], metavar="BM:WARPS")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--out", default="benchmarks/results/bench_kernel_variants.json")
     args = p.parse_args()
-    started = start(args.cpu_smoke, lambda: None)
+    started = start(args.cpu_smoke, lambda: [parse_tile(t, "--norm-out-tiles", ("BM", "warps"), 16)
+                                             for t in args.norm_out_tiles])
     if started is None:
         return 2
-    device = started[0]
-    folder = tempfile.mkdtemp(prefix="megacoat_hints_")
-    library = {m.__name__: _kernels(m) for m in MODULES}
-    kernels = {"library": library, **{v: {m.__name__: _variant(m, VARIANTS[v], folder, v) for m in MODULES}
-                                      for v in args.variants}}
+    device, tiles = started
+    folder = tempfile.mkdtemp(prefix="megacoat_variants_")
+    tile = {"_OUT_BM": rmsnorm._OUT_BM, "_OUT_WARPS": rmsnorm._OUT_WARPS}  # the library's, set by every variant
+    kernels = {"library": {m.__name__: _kernels(m) for m in MODULES},
+               **{v: {m.__name__: _variant(m, VARIANTS[v], folder, v) for m in MODULES} for v in args.variants}}
+    specs = {v: VARIANTS[v] and {k: sorted(x) if isinstance(x, set) else x for k, x in VARIANTS[v].items()}
+             for v in kernels}
+    for ks in kernels.values():
+        ks[rmsnorm.__name__].update(tile)
+    for bm, warps in tiles:
+        name = f"norm_out {bm}x{warps}"
+        library = kernels["library"]
+        kernels[name] = {**library, rmsnorm.__name__: {**library[rmsnorm.__name__], "_OUT_BM": bm, "_OUT_WARPS": warps}}
+        specs[name] = {"norm_out_tile": [bm, warps]}
     log = SweepLog(args.out, device, "the default's bandwidth-bound kernels per call, the library's against "
-                   "source-level variants (cache hints on every load and store, the tiled kernels' grid swapped)",
-                   group_size=GROUP, variants={v: VARIANTS[v] and {k: sorted(x) if isinstance(x, set) else x
-                                                                  for k, x in VARIANTS[v].items()} for v in kernels})
+                   "source-level variants (cache hints on every load and store, the tiled kernels' program order) "
+                   "and other tiles of the norm's output pass", group_size=GROUP, variants=specs)
     shapes = SMOKE if args.cpu_smoke else SHAPES
     repeats = 1 if args.cpu_smoke else args.repeats
     for op in args.ops:
@@ -249,7 +261,7 @@ def main() -> int:
                 log.add({"op": op, "shape": name, "tokens": m, "variant": v, "ms": ms, "ms_repeats": times[v],
                          "speedup": lib / ms, "bytes": moved, "gb_per_s": moved / (ms * 1e-3) / 1e9,
                          "same_bytes": same[v]})
-                print(f"{op:13s} {name:10s} {v:13s} {ms * 1e3:9.1f} us  {moved / (ms * 1e-3) / 1e9:7.0f} GB/s  "
+                print(f"{op:13s} {name:10s} {v:15s} {ms * 1e3:9.1f} us  {moved / (ms * 1e-3) / 1e9:7.0f} GB/s  "
                       f"x{lib / ms:.3f}  same bytes: {same[v]}", flush=True)
             del fn
     return log.finish([])

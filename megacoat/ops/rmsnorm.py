@@ -305,14 +305,19 @@ def rmsnorm_fp8_out_triton(x8, x_scales, rstd, weight, y_scale, group_size: int,
     return y
 
 
+# The output pass's tile: BM rows, so a transposed store writes BM-byte pieces of each row
+# (benchmarks/bench_kernel_variants.py --norm-out-tiles times others).
+_OUT_BM, _OUT_WARPS = 64, 4
+
+
 def _out_launch(x8, x_scales, rstd, weight, y_scale, y, group_size, transpose, amax=None):
     """y from the saved values with y_scale; amax given: y_scale is derived from it (and written) in the launch."""
     m, h = x8.shape
-    bm = 64
-    launcher(_out_kernel)[(triton.cdiv(m, bm), x_scales.shape[1])](
+    launcher(_out_kernel)[(triton.cdiv(m, _OUT_BM), x_scales.shape[1])](
         x8, x_scales, rstd, weight, y_scale, y_scale if amax is None else amax, y, m, h, x_scales.shape[1],
-        torch.finfo(y.dtype).max, AMAX_FLOOR, TRANSPOSE=transpose, G=group_size, BM=bm, FAST=FAST,
-        FROM_AMAX=amax is not None, num_warps=4)
+        torch.finfo(y.dtype).max, AMAX_FLOOR, TRANSPOSE=transpose, G=group_size, BM=_OUT_BM, FAST=FAST,
+        FROM_AMAX=amax is not None, num_warps=_OUT_WARPS)
+
 
 
 def _persistent_programs(m: int, warps: int, device) -> int:

@@ -11,17 +11,28 @@ from tests.benchmarks.conftest import BENCHMARKS, load_benchmark, run_script
 
 def test_cpu_smoke_variants_write_the_library_bytes(tmp_path):
     out = tmp_path / "bench.json"
-    # 320 rows are 5 row blocks of 64: grouped4's last super-row is short, where a wrong index would skip a tile
+    # 320 rows are 5 row blocks of 64: grouped4's last super-row is short, where a wrong index would skip a tile; the
+    # norm's output at 128 rows a tile has a partial last tile
     proc = run_script("benchmarks/bench_kernel_variants.py", "--cpu-smoke", "--ops", "cast_both", "norm_out_t",
-                      "--variants", "both", "columns_first", "grouped4", "--out", str(out))
+                      "--variants", "both", "columns_first", "grouped4", "--norm-out-tiles", "128:4",
+                      "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert result["complete"] is True and not (tmp_path / "bench.json.tmp").exists()
     rows = result["results"]
-    assert [(r["op"], r["variant"]) for r in rows] == [
-        (op, v) for op in ("cast_both", "norm_out_t") for v in ("library", "both", "columns_first", "grouped4")]
+    variants = ("library", "both", "columns_first", "grouped4", "norm_out 128x4")
+    assert [(r["op"], r["variant"]) for r in rows] == [(op, v) for op in ("cast_both", "norm_out_t") for v in variants]
     assert all(r["same_bytes"] is True for r in rows)
     assert result["variants"]["grouped4"] == {"order": 4} and result["variants"]["library"] is None
+    assert result["variants"]["norm_out 128x4"] == {"norm_out_tile": [128, 4]}
+
+
+@pytest.mark.parametrize("tile", ["128", "100:4", "128:3"])
+def test_bad_norm_out_tile_is_one_line_and_exit_2(tmp_path, tile):
+    proc = run_script("benchmarks/bench_kernel_variants.py", "--cpu-smoke", "--norm-out-tiles", tile,
+                      "--out", str(tmp_path / "bench.json"))
+    assert proc.returncode == 2 and "--norm-out-tiles" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "bench.json").exists()
 
 
 def test_rewrites_reach_the_source(tmp_path, monkeypatch):
