@@ -112,7 +112,7 @@ class _Reordered:
         self.kernel, self.fn, self.order = kernel, kernel.fn, order
 
     def __getitem__(self, grid):
-        n0, n1 = grid[0], grid[1] if len(grid) > 1 else 1
+        n0, n1 = grid  # every TILED kernel launches a 2-D grid
         if self.order == "swap":
             return self.kernel[(n1, n0)]
         return lambda *a, **k: self.kernel[(n0 * n1,)](*a, **k, _N0=n0, _N1=n1)
@@ -224,8 +224,7 @@ def main() -> int:
     tile = {"_OUT_BM": rmsnorm._OUT_BM, "_OUT_WARPS": rmsnorm._OUT_WARPS}  # the library's, set by every variant
     kernels = {"library": {m.__name__: _kernels(m) for m in MODULES},
                **{v: {m.__name__: _variant(m, VARIANTS[v], folder, v) for m in MODULES} for v in args.variants}}
-    specs = {v: VARIANTS[v] and {k: sorted(x) if isinstance(x, set) else x for k, x in VARIANTS[v].items()}
-             for v in kernels}
+    specs = {v: VARIANTS[v] for v in kernels}
     for ks in kernels.values():
         ks[rmsnorm.__name__].update(tile)
     for bm, warps in tiles:

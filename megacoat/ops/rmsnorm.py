@@ -319,7 +319,6 @@ def _out_launch(x8, x_scales, rstd, weight, y_scale, y, group_size, transpose, a
         FROM_AMAX=amax is not None, num_warps=_OUT_WARPS)
 
 
-
 def _persistent_programs(m: int, warps: int, device) -> int:
     """16 warps per SM (two programs of 8 at H = 4096): each program carries a [H] dw partial that torch then
     sums, so more programs cost more bytes (2 x 4 H each), while two rows in flight per program already cover
