@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import MutableMapping
 
-from megacoat.training.config import CUBLAS_WORKSPACES
+from megacoat.config import CUBLAS_WORKSPACES
 
 NO_WORKSPACE = {"CUBLASLT_WORKSPACE_SIZE": "0", "CUBLAS_WORKSPACE_CONFIG": ":0:0"}  # KiB; cuBLAS's size:count
 

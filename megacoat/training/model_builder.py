@@ -8,20 +8,18 @@ import torch
 from torch import nn
 
 from megacoat.config import MegacoatConfig
-from megacoat.fp8.convert import convert_to_fp8
+from megacoat.coat.convert import convert_to_coat
 from megacoat.model import GPT, cross_entropy_loss
 from megacoat.model.gpt import RMSNorm
 from megacoat.optim import WarmupDecayLR, build_optimizer, param_groups
 from megacoat.parallel import ParallelState, apply_tp
-from megacoat.training.zero_flat_grads import install_flat_grad_partition
-from megacoat.training.zero_single_rank import skip_single_rank_reduction
 
 ModelConverter = Callable[[nn.Module], nn.Module]
 
 
 def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState | None = None,
                 model_converter: ModelConverter | None = None) -> nn.Module:
-    """The model this rank trains: the plain GPT, FP8-converted (`convert_to_fp8`), then sharded over TP
+    """The model this rank trains: the plain GPT, FP8-converted (`convert_to_coat`), then sharded over TP
     (`apply_tp`) and, with pipelining, wrapped as this stage's deepspeed PipelineModule (which moves only its
     layers to `device`).
 
@@ -36,7 +34,7 @@ def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState 
     # is built on the CPU and each stage moves only its own layers.
     with torch.device("cpu" if pipelined else device):
         model = GPT(cfg.model)
-    model = convert_to_fp8(model, cfg.fp8)  # on the full model: apply_tp then shards the FP8 modules
+    model = convert_to_coat(model, cfg.fp8)  # on the full model: apply_tp then shards the FP8 modules
     if state is not None:
         model = apply_tp(model, state)
     if model_converter is not None:
@@ -61,7 +59,7 @@ def apply_compile(model: nn.Module, cuda_graph: bool = False) -> None:
 
     Every activation mode compiles a block as one graph (no graph break): the FP8 flow's kernels are megacoat::
     operators that torch.compile traces through. Compiled FP8 forwards read the FP8 weight copies without checking
-    them: call megacoat.fp8.linear.refresh_fp8_weights(model) once the weights are final (the trainer does, after
+    them: call megacoat.coat.linear.refresh_fp8_weights(model) once the weights are final (the trainer does, after
     building the engine, after each optimizer step and after loading a checkpoint).
 
     cuda_graph (--enable-cuda-graph): the blocks compile in mode "reduce-overhead" (cudagraph trees, see
@@ -87,10 +85,4 @@ def build_engine(cfg: MegacoatConfig, model: nn.Module, ds_config: dict, device:
         model=model, optimizer=optimizer, config=ds_config, dist_init_required=False,
         mpu=None if pipelined or state is None else state.mpu,
         lr_scheduler=lambda opt: WarmupDecayLR(opt, cfg.optim, cfg.training.train_iters))
-    if cfg.optim.main_params_dtype == "bf16-remainder":
-        from megacoat.training.zero_master import share_master_partitions
-
-        share_master_partitions(engine.optimizer)  # DeepSpeed's bf16 "master" becomes the model's own slice
-    install_flat_grad_partition(engine.optimizer)  # ZeRO-1/2: the step reads its gradient partition in place
-    skip_single_rank_reduction(engine.optimizer)  # ZeRO-1 with one data-parallel rank: nothing to reduce
     return engine, scheduler

@@ -4,7 +4,7 @@ the run stops without saving, so the last good checkpoint stays the newest.
 
 Who skips: DeepSpeed's ZeRO-1/2 and bf16 optimizers already refuse a non-finite gradient norm (they report
 it as an overflow: `engine.was_step_applied()` is False and the LR scheduler does not move). In bf16 under
-ZeRO-1/2 the refusal is decided on the device instead (device_skip.py: the weights and moments stay, the LR
+ZeRO-1/2 the refusal is decided on the device instead (deepspeed_patches.py: the weights and moments stay, the LR
 schedule moves on), and the guard learns of it when the trainer reads the counts (`absorb`). Plain fp32
 data parallelism (ZeRO-0 without bf16) hands the step straight to the torch optimizer, which would write NaN
 into the weights; `skip_fp32_step` makes that step a no-op the same way DeepSpeed's own skip behaves, so
@@ -54,7 +54,7 @@ class StabilityGuard:
         self.last = (iteration, loss, grad_norm)
 
     def absorb(self, refused: int, run: int, longest: int, iteration: int) -> None:
-        """Counts read from the device (device_skip.SkipCounter.read) at `iteration`: refused steps since the last
+        """Counts read from the device (deepspeed_patches.SkipCounter.read) at `iteration`: refused steps since the last
         read, the run in a row at its end, and the longest run. Which steps they were, and their loss, stay on the
         device: the stop message names the iteration of the read."""
         if refused:

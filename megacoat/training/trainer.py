@@ -3,6 +3,8 @@ engine (data parallelism with ZeRO-0/1/2, its pipeline engine under PP, bf16, gr
 clipping; tensor parallelism comes from megacoat.parallel), then train, evaluate, log and checkpoint."""
 from __future__ import annotations
 
+import functools
+
 import logging
 import math
 import os
@@ -15,19 +17,18 @@ import torch.distributed as dist
 
 from megacoat.config import MegacoatConfig
 from megacoat.data.config import parse_data_path
-from megacoat.fp8.delayed_scaling import AmaxHistorySync
-from megacoat.fp8.linear import refresh_fp8_weights
+from megacoat.coat import after_optimizer_step
 from megacoat.parallel import initialize_parallel_state
 from megacoat.parallel.grad_norm import global_grad_norm
-from megacoat.training.banner import startup_banner
+from megacoat.training.banner import run_summary, startup_banner
 from megacoat.training.checkpointing import (Layout, TrainState, check_compatible, file_identity, load_checkpoint,
                                              read_meta, resolve_load, save_checkpoint, scaling_changes)
 from megacoat.training.cublas_workspace import apply_cublas_workspace
 from megacoat.training.cuda_allocator import default_allocator_settings
-from megacoat.training.cuda_graph import GraphedWeightRefresh, gradient_groups, own_graph_gradients
+from megacoat.training.cuda_graph import gradient_groups, own_graph_gradients
 from megacoat.training.deepspeed_config import (build_deepspeed_config, quiet_tested_optimizer_warning,
                                                 resolve_main_params)
-from megacoat.training.device_skip import DEVICE_SKIP_LINE, install_device_skip
+from megacoat.training.deepspeed_patches import patch_zero_optimizer
 from megacoat.training.reshard import describe_resume
 from megacoat.training.distributed import all_reduce_mean, init_distributed, is_main_process
 from megacoat.training.flops import flops_per_token, peak_flops
@@ -116,7 +117,7 @@ class Trainer:
         # before the first GEMM; a model converter (torchao's float8 linears, the benchmarks' peer) has FP8 GEMMs too
         fp8_gemms = torch.cuda.is_available() and (cfg.fp8.enabled or model_converter is not None)
         self.cublas_workspace = apply_cublas_workspace(cfg.training.cublas_workspace, fp8_gemms)
-        self.device = init_distributed()
+        self.device = init_distributed(cfg.training.distributed_timeout_minutes)
         self.world_size = dist.get_world_size()
         # Groups before anything else: the DP rank/size (data sharding, batch arithmetic) come from them.
         self.parallel = initialize_parallel_state(cfg.parallel, cfg.model)
@@ -154,24 +155,25 @@ class Trainer:
 
         model = build_model(cfg, self.device, self.parallel, model_converter)
         self.engine, self.scheduler = build_engine(cfg, model, self.ds_config, self.device, self.parallel)
-        refresh_fp8_weights(self.engine.module)  # FP8 weight copies of the weights as the engine holds them
+        # FP8 upkeep after each optimizer step and load; as one CUDA graph under --enable-cuda-graph
+        self.after_optimizer_step = functools.partial(after_optimizer_step, self.engine.module, self.parallel.dp_group,
+                                                      self.dp_size, t.enable_cuda_graph)
+        self.after_optimizer_step()  # FP8 weight copies of the weights as the engine holds them
         # The optimizer's groups are fixed once the engine exists: found once, not at every step's copy
         self.grad_groups = gradient_groups(self.engine) if t.enable_cuda_graph else None
-        # After each optimizer step; as one CUDA graph under --enable-cuda-graph (the weights' addresses are fixed)
-        self.refresh_after_step = (GraphedWeightRefresh(self.engine.module) if t.enable_cuda_graph
-                                   else lambda: refresh_fp8_weights(self.engine.module))
-        self.sync_amax_histories = AmaxHistorySync(self.engine.module, self.parallel.dp_group, self.dp_size)
         if t.profile_dir:
             annotate_engine(self.engine)  # the profiled window's idle time, split by phase (profiling.py)
         # Plain fp32 data parallelism is the one engine that would apply a non-finite step (stability.py).
         self.plain_fp32 = not cfg.parallel.zero_stage and not self.ds_config["bf16"]["enabled"]
         self.guard = StabilityGuard(t.max_skipped_steps)
-        # bf16 ZeRO-1/2: the step's non-finite check on the device, read at log and save time (device_skip.py)
-        self.device_skips = None if t.host_overflow_check or self.pipelined else install_device_skip(self.engine)
-        if self.device_skips is not None:
-            self.logger.info(DEVICE_SKIP_LINE)
+        # DeepSpeed's ZeRO-1/2 step patched (deepspeed_patches.py); in bf16 it refuses a non-finite step on the
+        # device, and the refusals are read at log and save time
+        self.device_skips = patch_zero_optimizer(
+            self.engine, share_master=cfg.optim.main_params_dtype == "bf16-remainder",
+            device_skip=not (t.host_overflow_check or self.pipelined), log=self.logger.info)
         self.profiler = StepProfiler(t.profile_dir, t.profile_step_start, t.profile_step_end, dist.get_rank())
         self.state = TrainState()
+        self.saved_checkpoint: str | None = None  # the last checkpoint this run wrote (for the run summary)
         if self.resume:
             self.load_checkpoint(*self.resume)
         if t.load:
@@ -220,8 +222,7 @@ class Trainer:
                 applied = self.engine.was_step_applied()
                 if self.device_skips is not None:
                     self.device_skips.record()
-                self.refresh_after_step()  # in place: compiled forwards only read the copies
-                self.sync_amax_histories()  # delayed scaling: every replica keeps the group's amaxes
+                self.after_optimizer_step()  # FP8 weight copies in place, amax histories synced
             losses.append(loss.detach())
         norm = self.engine.get_global_grad_norm()
         if norm is None:
@@ -237,7 +238,7 @@ class Trainer:
         """One step of DeepSpeed's 1F1B schedule over grad_accum micro-batches; the loss it returns is already
         averaged over micro-batches and data-parallel ranks and broadcast to every stage."""
         loss = self.engine.train_batch(self._micro_batches(data_iter, self.grad_accum))
-        refresh_fp8_weights(self.engine.module)
+        self.after_optimizer_step()
         return loss.detach().float(), self.engine.get_global_grad_norm(), not self.engine.was_step_applied()
 
     def _grad_norm_if_boundary(self) -> float | None:
@@ -285,6 +286,7 @@ class Trainer:
         self.guard.check()  # never save after --max-skipped-steps refusals in a row
         path = save_checkpoint(self.engine, directory, self.state, self.cfg.to_dict(), self.layout,
                                self.tokenizer_identity, self.cfg.training.keep_last)
+        self.saved_checkpoint = path
         self.logger.info(f"saved checkpoint {path}")
 
     def check_load(self, meta: dict | None) -> None:
@@ -306,7 +308,10 @@ class Trainer:
         path, self.state = load_checkpoint(self.engine, directory, self.cfg.to_dict(), self.layout,
                                            self.tokenizer_identity, tag=tag, tp_rank=self.parallel.tp_rank,
                                            finetune=t.finetune, convert_optimizer=t.override_optimizer_state == "convert")
-        refresh_fp8_weights(self.engine.module)
+        self.after_optimizer_step()
+        schedule_note = self.scheduler.resume()  # the rates of the flags, not the ones the optimizer state holds
+        if schedule_note:
+            self.logger.info(schedule_note)
         for line in describe_resume(path, self.cfg.to_dict(), self.layout, t.finetune):
             self.logger.info(line)
         self.logger.info(f"{'fine-tuning from' if t.finetune else 'resumed from'} {path} "
@@ -319,6 +324,7 @@ class Trainer:
         tokens_per_step = t.global_batch_size * self.cfg.model.seq_length
         history = {"loss": [], "val_loss": []}
         last_time, last_iter = time.perf_counter(), self.state.iteration
+        start_time, start_iteration = last_time, last_iter
         while self.state.iteration < t.train_iters:
             lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler moves on after it)
             loss, grad_norm, skipped = self.train_step(data_iter)
@@ -370,6 +376,7 @@ class Trainer:
             if t.save and (not t.save_interval or self.state.iteration % t.save_interval):
                 self.save_checkpoint(t.save)
         self.exit.restore()
+        self.logger.info(run_summary(self, history, time.perf_counter() - start_time, start_iteration))
         self.logger.close()
         return history
 

@@ -1,33 +1,7 @@
-"""--enable-cuda-graph: settings CUDA graphs cannot run with are refused before any work, with one line naming
-the flag. (Capture and replay themselves need a GPU: tests/fp8/test_blocks.py and the commands in the report.)"""
+"""--enable-cuda-graph around the graphed blocks (megacoat/training/cuda_graph.py): gradients copied out of the graph
+pool, and graphed blocks equal to compiled ones (GPU). The refused settings: tests/test_config.py."""
 import pytest
 import torch
-
-from megacoat.arguments import parse_config
-from megacoat.parallel.config import ParallelConfig
-from megacoat.training.config import TrainingConfig
-from megacoat.training.cuda_graph import check_cuda_graph
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
-def test_no_cuda_device_is_refused_with_one_error_line(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        parse_config(["--enable-cuda-graph", "--mock-data"])
-    assert exit_info.value.code != 0
-    err = capsys.readouterr().err
-    assert "error: --enable-cuda-graph needs a CUDA device" in err and "Traceback" not in err
-
-
-def test_pipeline_parallelism_is_refused():
-    with pytest.raises(ValueError, match="--enable-cuda-graph does not support --pipeline-model-parallel-size"):
-        check_cuda_graph(ParallelConfig(pipeline_model_parallel_size=2), cuda_available=True)
-    check_cuda_graph(ParallelConfig(tensor_model_parallel_size=2), cuda_available=True)  # TP is fine
-
-
-def test_cuda_graph_needs_the_compiled_blocks():
-    with pytest.raises(ValueError, match="--enable-cuda-graph .* needs --compile"):
-        TrainingConfig(enable_cuda_graph=True, compile=False)
-    assert TrainingConfig(enable_cuda_graph=True, compile=True).enable_cuda_graph
 
 
 @pytest.mark.gpu
@@ -36,14 +10,14 @@ def test_gpu_graphed_block_equals_eager_and_never_syncs(mode):
     """One block compiled fullgraph in mode reduce-overhead (what --enable-cuda-graph does), three steps of fixed
     inputs (warm-up, capture, replay): every step equals the same block compiled without CUDA graphs bit for bit
     (the same Inductor kernels, launched by a graph instead of one by one) and, with Inductor rounding each bf16
-    intermediate as eager does (emulate_precision_casts, see tests/fp8/test_blocks.py), the eager block bit for
+    intermediate as eager does (emulate_precision_casts, see tests/coat/test_blocks.py), the eager block bit for
     bit. The replayed step makes no host sync (sync debug mode "error"). Results are cloned at once: a replay
     reuses its outputs' memory."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     import torch._inductor.config as inductor_config
 
-    from tests.fp8.test_blocks import _block
+    from tests.coat.test_blocks import _block
 
     block, x, cos, sin = _block(mode, dtype=torch.bfloat16, device="cuda")
 
@@ -81,7 +55,7 @@ def test_gpu_graphed_gradient_accumulation_equals_compiled(mode):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from megacoat.training.cuda_graph import own_graph_gradients
-    from tests.fp8.test_blocks import _block
+    from tests.coat.test_blocks import _block
 
     block, x, cos, sin = _block(mode, dtype=torch.bfloat16, device="cuda")
     x2 = torch.randn_like(x)
@@ -112,17 +86,17 @@ def test_gpu_graphed_deferred_block_outputs_equal_compiled():
     runs them: loss and every gradient bit for bit those of the same blocks compiled without graphs."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from megacoat.fp8.config import FP8Config
-    from megacoat.fp8.convert import convert_to_fp8
-    from megacoat.fp8.linear import refresh_fp8_weights
+    from tests.coat.recipes import recipe_of
+    from megacoat.coat.convert import convert_to_coat
+    from megacoat.coat.linear import refresh_fp8_weights
     from megacoat.model.config import ModelConfig
     from megacoat.model.gpt import GPT
     from megacoat.training.cuda_graph import own_graph_gradients
-    from tests.fp8.test_blocks import CFG
+    from tests.coat.test_blocks import CFG
 
     def build(mode):
         torch.manual_seed(0)
-        model = convert_to_fp8(GPT(ModelConfig(**{**CFG, "num_layers": 3})), FP8Config(mode="coat", group_size=32))
+        model = convert_to_coat(GPT(ModelConfig(**{**CFG, "num_layers": 3})), recipe_of(mode="coat", group_size=32))
         model = model.to(device="cuda", dtype=torch.bfloat16)
         refresh_fp8_weights(model)
         for block in model.layers:
@@ -155,7 +129,7 @@ def test_gpu_graphed_deferred_block_outputs_equal_compiled():
 
 def test_own_graph_gradients_copies_each_group_into_one_buffer_in_order():
     from megacoat.training.cuda_graph import own_graph_gradients
-    from megacoat.training.zero_flat_grads import flat_view
+    from megacoat.training.deepspeed_patches import flat_view
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     model(torch.randn(2, 4)).sum().backward()
@@ -203,9 +177,9 @@ def test_gpu_graphed_weight_refresh_equals_eager_refresh():
     place, as DeepSpeed does) the FP8 copies equal an eager refresh's bit for bit, in the same tensors."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from megacoat.fp8.linear import refresh_fp8_weights
-    from megacoat.training.cuda_graph import GraphedWeightRefresh
-    from tests.fp8.test_blocks import _block
+    from megacoat.coat.linear import refresh_fp8_weights
+    from megacoat.coat.convert import GraphedWeightRefresh
+    from tests.coat.test_blocks import _block
 
     block, *_ = _block("coat", dtype=torch.bfloat16, device="cuda")
     graphed = GraphedWeightRefresh(block)
@@ -225,8 +199,8 @@ def test_gpu_graphed_weight_refresh_equals_eager_refresh():
 
 
 def test_graphed_weight_refresh_is_a_no_op_without_fp8_copies():
-    from megacoat.training.cuda_graph import GraphedWeightRefresh
-    from tests.fp8.test_blocks import _block
+    from megacoat.coat.convert import GraphedWeightRefresh
+    from tests.coat.test_blocks import _block
 
     block, *_ = _block("bf16")
     refresh = GraphedWeightRefresh(block)

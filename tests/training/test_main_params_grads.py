@@ -93,8 +93,8 @@ SHARE_SCRIPT = r"""
 import os, sys, torch, deepspeed
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 deepspeed.init_distributed(dist_backend="gloo")
-from megacoat.optim.coat_adamw import CoatAdamW
-from megacoat.training.zero_master import share_master_partitions
+from megacoat.coat.adamw import CoatAdamW
+from megacoat.training.deepspeed_patches import share_master_partitions
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 200), torch.nn.GELU(), torch.nn.Linear(200, 8))
 cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
