@@ -23,7 +23,7 @@ from megacoat.data.tokenizer import train_sentencepiece
 
 CORPUS_FORMAT_VERSION = 2  # 2: tokenizer trained on runs of lines
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
-TOKENIZER_SAMPLE_SENTENCES = 60_000  # ~15 MB: all of the stdlib; bounds the training time on 2 cores
+TOKENIZER_SAMPLE_SENTENCES = 60_000  # all of the stdlib's sources; bounds the tokenizer's training time
 
 
 @dataclass

@@ -1,12 +1,8 @@
 """cuBLAS and cuBLASLt without a workspace (`--cublas-workspace none`; `auto`, the default, where FP8 GEMMs run).
 
-With a workspace (torch's default), cuBLASLt runs Hopper's FP8 GEMMs (`torch._scaled_mm`, kernels `nvjet_sm90_*`)
-with a dynamic tile scheduler whose counters live in the workspace, so each GEMM is preceded by a memset of it: 11
-of a layer's 12 FP8 GEMMs, ~600 memsets a step of the 1.3 B model. Without one, cuBLASLt picks the same tiles with
-a static schedule (`..._ssched_...`) and sets nothing: on the H100 a 1.3 B layer's 12 FP8 GEMMs at micro-batch 4,
-replayed as one CUDA graph, took 2.01 ms against 2.08 with no memset (benchmarks/bench_gemm_workspace.py), and the
-coat step at micro-batch 4 ran 1.0% faster. BF16's GEMMs do not gain (its step ran 0.4% slower without one), so
-`auto` leaves torch's workspace to runs without FP8 GEMMs (benchmarks/results/bench_e2e_notes.md).
+With a workspace, cuBLASLt runs Hopper's FP8 GEMMs with a dynamic tile scheduler whose counters live in the
+workspace, so each GEMM is preceded by a memset of it; without one it picks the same tiles with a static schedule
+and sets nothing. BF16's GEMMs do not gain, so `auto` keeps torch's workspace for runs without FP8 GEMMs.
 
 torch reads both variables once, at its first GEMM, so they are set before the trainer touches the GPU. A value the
 user already set is never overwritten: asking for `none` over a different one is an error naming it.

@@ -1,12 +1,9 @@
 """PyTorch's CUDA caching allocator with expandable segments, unless the user chose its settings.
 
-Under --enable-cuda-graph the blocks' activations live in the CUDA graphs' private memory pool, and everything
-else (weights, gradients, the loss's logits) in the allocator's ordinary segments. With fixed-size segments the
-two cannot lend each other free space, and the ordinary segments fragment around the large, short-lived logits:
-the 1.3 B model in coat at micro-batch 32 ran out of memory on an H100 asking for 3.9 GiB (the size of its bf16
-logits) with 57 GiB in the graph pool, 14.6 GiB elsewhere and 2.9 GiB reserved but unused. With expandable segments (segments
-that grow in place, so freed space is reused whatever its size) it trains at a 67.3 GiB peak, which is what the
-memory estimator predicts. torchtitan's launch script sets the same default.
+Under --enable-cuda-graph the blocks' activations live in the graphs' private pool and everything else in the
+allocator's ordinary segments; with fixed-size segments the two cannot lend each other free space, and the
+ordinary segments fragment around the large, short-lived logits. Expandable segments grow in place, so freed space
+is reused whatever its size (torchtitan's launch script sets the same default).
 
 A PYTORCH_CUDA_ALLOC_CONF set by the user is left exactly as it is.
 """

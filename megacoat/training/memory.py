@@ -1,79 +1,30 @@
-"""Per-GPU memory estimate of a megacoat run: weights, gradients, optimizer states and activations, for the
-activation modes bf16 / fp8-linear / coat, AdamW or CoatAdamW, ZeRO-0/1/2 and TP/PP sizes.
+"""Per-GPU memory estimate of a megacoat run (weights, gradients, optimizer states, activations) for the modes
+bf16 / fp8-linear / coat, AdamW or CoatAdamW, ZeRO-0/1/2 and TP/PP sizes; tools/memory_estimator.py is its CLI.
 
-Model state, bytes per parameter (P parameters on this rank, D data-parallel ranks), as DeepSpeed 0.19.8 holds it
-in a bf16 run (ZeRO-1 divides what is marked /D1 by D, ZeRO-2 also /D2):
-    weights: bf16 2
-    gradients, --main-grads-dtype bf16 (the default): the bf16 sums over micro-batches 2 /D2; inside the step
-        (`step_gradients`) the copy the optimizer reads: with an fp32 master the flattened bf16 partition 2 and
-        its fp32 conversion 4, alive together (DeepSpeed frees the first only after converting), 6 /D1; with
-        bf16-remainder the flattened bf16 partition 2 /D1. Under ZeRO-1 the step reads the reduced gradients in
-        place instead of flattening them (megacoat/training/zero_flat_grads.py): 4 /D1 with an fp32 master, none
-        with bf16-remainder. With one data-parallel rank there is no reduced buffer (zero_single_rank.py): the
-        step reads param.grad in place where it lies flat (CUDA graphs with gradient accumulation copy it so,
-        own_graph_gradients) and flattens it otherwise (2 more)
-    gradients, CUDA graphs with gradient accumulation: after a step's first micro-batch own_graph_gradients copies
-        them out of the graph pool, so the pool's gradients and their copy are alive at once (2 more), and so is
-        ZeRO-1's reduction bucket with several data-parallel ranks (DeepSpeed allocates reduce_bucket_size elements
-        of bf16 at the step's first gradient hook, 5e8 by default, and releases them at the accumulation boundary;
-        on one rank it holds nothing and zero_single_rank.py makes it empty)
-    gradients, --main-grads-dtype fp32: ZeRO-1 (DeepSpeed's BF16_Optimizer) bf16 2 + a whole fp32 accumulation
-        buffer 4; ZeRO-2 an fp32 partition 4 /D2; the optimizer reads them as they are
-    master weights: fp32 4 /D1, or with --main-params-dtype bf16-remainder CoatAdamW's int16 remainders 2 /D1 (the
-        bf16 half is the model's own weight: megacoat/training/zero_master.py)
-    moments: AdamW 8 (two fp32); CoatAdamW 2 * (1 + 6/G) (FP8 + per-group fp32 scale + bf16 k; G = group size) /D1
-    fp32 run (CPU default): weights 4 + grads 4 /D2, no master copy
-    FP8 modes: an E4M3 copy of every block linear (the weight cache), by default (--fp8-weight-cache rowwise) the
-    row-major copy only + 1; with step both layouts + 2; with none nothing
-The "optimizer" part is master weights + moments: with CoatAdamW and bf16-remainder 2 + 2.09 = 4.09 B/param.
+Model state is counted in bytes per parameter of this rank, as DeepSpeed holds it in a bf16 run: ZeRO-1 divides
+the master weights, moments and the step's gradient copy by the data-parallel size D, ZeRO-2 the gradients too.
+The step's gradient copy depends on what the ZeRO patches read in place (training/deepspeed_patches.py).
+Activations are bytes saved for backward per token per layer (ACTIVATION_BYTES, COMPILED_ACTIVATION_BYTES: per
+h hidden, f FFN hidden, a heads), measured from autograd's saved tensors and re-measured by
+tests/tools/test_memory_estimator.py; the head's logits and their gradient are added on the last stage.
 
-Activations saved for backward, bytes per token per layer (h hidden, f FFN hidden, a heads). These are the
-saved-tensor totals of one TransformerBlock in bf16 with flash-style attention (no seq^2 term), read from
-autograd's saved_tensors_hooks; tests/tools/test_memory_estimator.py re-measures them on every run:
-    bf16:        24 h + 8 f       (norm inputs kept in fp32, q/k/v/out, the SwiGLU inputs)
-    fp8-linear:  23 h + 7 f       (GEMM inputs saved once as E4M3, shared by sibling linears; bf16 elsewhere)
-    coat:        10 h + 2 f + 18 a  (the precision flow saves FP8 tensors with per-group scales; attention's
-                                     q, k, v and output in bf16, and wo keeps that output, not an FP8 copy)
-The head (final norm, logits, fp32 log-softmax, and the logits' gradient at the start of backward): 8 h + 10 V
-per token on the last pipeline stage. With --fp8-output-layer the head saves its input as E4M3 (1 h instead of
-2 h), keeps an E4M3 copy of its weight like the block linears, and its fused loss (megacoat.fp8.head_loss) keeps
-the bf16 logits and writes their FP8 gradient in two layouts, 4 V, compiled or not. Its backward frees the logits
-once that gradient is written and the gradient after the GEMMs, so its label corrections' float32 V x h copy of dW
-meets neither: the head's peak is the larger of the two, the copy's only below h tokens a micro-batch.
-
-Compiled (--compile, one graph per block): Inductor's min-cut partition recomputes cheap pointwise work in
-backward instead of saving it. What it saves (the backward graph's inputs, measured on CPU with the same
-partitioner, tests/tools/test_memory_estimator.py):
-    bf16:        16 h + 6 f + 4 a   (the block input, both norm outputs, roped q/k/v, the attention output, wo's
-                                     output, w1/w3 outputs and the SwiGLU product; no fp32 copies)
-    fp8-linear:  15 h + 5 f + 4 a   (the same bf16 tensors where a pointwise op's backward needs them, the GEMM
-                                     inputs for the weight gradients as E4M3, w2's instead of the SwiGLU product)
-    coat:        as eager          (its autograd functions decide what is saved, FP8 throughout)
-and the compiled final norm keeps its bf16 input (2 h, eager's fp32 copies 6 h) and the compiled loss the bf16
-logits only, which are still alive when backward writes their bf16 gradient: the head is 4 h + 4 V (measured: compiled
-bf16's peak grows by 3.31 GiB a micro-batch of 2048 tokens on the H100, 0.12 of it this gradient; a tensor-parallel
-model keeps its parallel norm and vocab-parallel loss, eager).
-
-Peak = weights + gradients + optimizer + the larger of: the activations of the micro-batches in flight (1; with
-1F1B pipelining the first stage holds `pp` micro-batches) + the head, or the step's gradient copy. This is what the
-device holds. torch.cuda.max_memory_allocated measures it without CUDA graphs (tests/tools/test_memory_estimator.py
-holds the estimate within 10% of the H100 runs, and within 15% in its GPU test); with --enable-cuda-graph
-(cudagraph trees) a replay's outputs, the saved activations and gradients among them, are rebuilt on the graph
-pool's memory without the allocator, which counts them only while a graph is recorded, so that count is a lower
-bound there. Allocator fragmentation is not modelled, nor DeepSpeed's communication buckets outside the copy out of
-the graph pool.
+Peak = weights + gradients + optimizer + the larger of: the activations of the micro-batches in flight (with
+1F1B the first stage holds `pp` of them) plus the head, or the step's gradient copy. Allocator fragmentation is
+not modelled, nor DeepSpeed's communication buckets outside the copy out of a CUDA graph's pool; under
+--enable-cuda-graph torch.cuda.max_memory_allocated undercounts the graph pool, so measured peaks are a lower
+bound there.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from megacoat.fp8.config import DEFAULT_WEIGHT_CACHE, WEIGHT_CACHES
+from megacoat.coat.recipe import DEFAULT_WEIGHT_CACHE, WEIGHT_CACHES
 from megacoat.model.config import ModelConfig
 
 MODES = ("bf16", "fp8-linear", "coat")
 MAIN_GRADS_DTYPES = ("fp32", "bf16")
 MAIN_PARAMS_DTYPES = ("fp32", "bf16-remainder")
-# DeepSpeed 0.19.8's reduce_bucket_size, which megacoat's generated config leaves at its default (elements)
+# DeepSpeed's reduce_bucket_size, which megacoat's generated config leaves at its default (elements)
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
 ACTIVATION_BYTES = {  # per token per layer: (per h, per f, per head)
     "bf16": (24, 8, 0),
@@ -184,7 +135,7 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
     in_flight = pp  # 1F1B: the first stage keeps pp micro-batches' activations
     per_layer = activation_bytes_per_token_per_layer(cfg, mode, compiled) / tp
     # the compiled loss keeps bf16 logits only, and backward starts with their bf16 gradient beside them; the FP8
-    # head's fused loss (megacoat.fp8.head_loss), compiled or not, keeps them and writes the FP8 gradient's 2 layouts
+    # head's fused loss (megacoat.coat.head), compiled or not, keeps them and writes the FP8 gradient's 2 layouts
     logit_bytes = 4 if (compiled or fp8_output_layer) and tp == 1 else 10
     norm_bytes = 4 if compiled and tp == 1 else 8  # the final norm's saved input (2 compiled, 6 eager) + the head's 2
     if fp8_output_layer:

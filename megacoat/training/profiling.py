@@ -2,19 +2,13 @@
 
 Each rank writes into the folder:
   trace_rank<r>.json      a Chrome/Perfetto trace of the window (open in ui.perfetto.dev)
-  top_ops_rank<r>.json    the operators and kernels ranked by self device time (CPU time where there is no GPU),
-                          with calls and the share of the window: where the step's time goes, in numbers
-                          that a benchmark can keep beside its throughput. Also the window's `device` summary
-                          (`device_summary`): GPU-busy fraction (time the GPU runs kernels, copies or memsets,
-                          over the window's wall time: well below 1 means the host does not keep the GPU fed),
-                          kernel launches and host synchronisations per step, and where the GPU sat idle:
-                          its idle time split by the training phase the host was in (`annotate_engine` names
-                          the DeepSpeed engine's forward, backward and step in the trace; the rest is the
-                          loop's own work: data, logging, bookkeeping).
+  top_ops_rank<r>.json    operators and kernels ranked by self device time (CPU time without a GPU), with calls
+                          and share of the window, and the window's `device` summary (`device_summary`): the
+                          GPU-busy fraction, kernel launches and host synchronisations per step, and the GPU's
+                          idle time split by the phase the host was in (`annotate_engine`).
 
-The window starts and ends with the GPU drained (a synchronize on both sides), so its wall time holds exactly
-its steps. The profiler's own per-operator bookkeeping slows the host a little, so a host-bound step reads a
-somewhat lower busy fraction under the profiler than it has without it; compare modes profiled the same way.
+The window starts and ends with the GPU drained, so its wall time holds exactly its steps. The profiler's own
+bookkeeping slows the host a little: compare modes profiled the same way.
 """
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ def max_memory_bytes(device: torch.device) -> int:
 def max_memory_reserved_bytes(device: torch.device) -> int | None:
     """The allocator's peak reservation on a GPU (None elsewhere): what it held from the device, private CUDA-graph
     pools included. A graph's replays do not call the allocator, so with --enable-cuda-graph max_memory_bytes may
-    fall below what the step really uses (benchmarks/results/bench_e2e_notes.md); this peak does not."""
+    fall below what the step really uses; this peak does not."""
     return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
 
 
