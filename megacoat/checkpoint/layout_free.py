@@ -12,7 +12,8 @@
     DIR/latest
 
 safetensors so that each rank of a large model reads only its own slice of each tensor (memory-mapped,
-`get_slice`), never the whole checkpoint. A directory is written under a temporary name and renamed when complete.
+`get_slice`), never the whole checkpoint. A directory is written under a temporary name and renamed when complete;
+its megacoat.json records every file's sha256 ("files"), checked when a run loads it.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import shutil
 
 import torch
 
-from megacoat.checkpoint.paths import META_FILE
+from megacoat.checkpoint.integrity import file_manifest
+from megacoat.checkpoint.paths import META_FILE, write_text_atomic
 from megacoat.checkpoint.sharding import tensor_parallel_dim
 
 LAYOUT_FREE = "layout-free"
@@ -63,13 +65,16 @@ def write_layout_free(tag_dir: str, meta: dict, weights: dict[str, torch.Tensor]
         _save({k: tensors[k] for k in weights}, os.path.join(tmp, state_file(key)))
     for path in rng_files:
         shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
-    with open(os.path.join(tmp, META_FILE), "w") as f:
-        json.dump({**meta, "format": LAYOUT_FREE}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    if os.path.exists(tag_dir):
-        shutil.rmtree(tag_dir)
+    files = file_manifest(tmp, sorted(os.listdir(tmp)))  # the source's manifest described the source's files
+    write_text_atomic(os.path.join(tmp, META_FILE), json.dumps({**meta, "format": LAYOUT_FREE, "files": files},
+                                                               indent=1))
+    # An existing one is moved aside, not deleted, until the new one is in place.
+    aside = os.path.join(parent, ".old-" + os.path.basename(tag_dir))
+    if os.path.lexists(tag_dir):
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(tag_dir, aside)
     os.rename(tmp, tag_dir)
+    shutil.rmtree(aside, ignore_errors=True)
     return tag_dir
 
 

@@ -5,20 +5,21 @@ files as `iter_N/layout_free/`, and every rank of the new layout loads its own s
 
 Rank 0 converts (offline work on the CPU: the same as `tools/convert_checkpoint.py`); the others wait. A
 conversion that fails (a read-only directory, a form the converter does not read) is one error on every rank
-naming the command that converts the checkpoint elsewhere.
+naming the command that converts the checkpoint elsewhere. Every file is read as data (weights_only) and
+checked against the sha256 its megacoat.json records.
 """
 from __future__ import annotations
 
 import json
 import os
 
-import torch
 import torch.distributed as dist
 
 from megacoat.checkpoint.from_deepspeed import to_layout_free
+from megacoat.checkpoint.integrity import verify_manifest_shared
 from megacoat.checkpoint.into_engine import load_into_engine
 from megacoat.checkpoint.layout_free import META_FILE, LayoutFreeCheckpoint
-from megacoat.training.rng_state import set_rng_state
+from megacoat.training.rng_state import load_rng_file
 
 LAYOUT_FREE_DIR = "layout_free"
 # CoatAdamW settings that give its stored state a meaning (OptimizerConfig names)
@@ -71,6 +72,8 @@ def load_layout_free(engine, path: str, tp_rank: int, num_layers: int, tp_size: 
     """Load the layout-free checkpoint at `path` into `engine`; returns its megacoat.json. With `finetune`
     only the weights: optimizer, LR schedule, RNG and position start fresh."""
     ckpt = LayoutFreeCheckpoint(path)
+    if ckpt.meta.get("files"):
+        verify_manifest_shared(path, ckpt.meta["files"])
     load_into_engine(engine, ckpt, tp_rank, tp_size, num_layers, load_optimizer=not finetune)
     if hasattr(engine, "global_steps") and not finetune:
         engine.global_steps, engine.global_samples = ckpt.meta["iteration"], ckpt.meta["consumed_samples"]
@@ -80,7 +83,7 @@ def load_layout_free(engine, path: str, tp_rank: int, num_layers: int, tp_size: 
             engine.lr_scheduler.load_state_dict(sched)
         rng = ckpt.rng_file(dist.get_rank())
         if rng is not None:
-            set_rng_state(torch.load(rng, weights_only=False))
+            load_rng_file(rng)
     return ckpt.meta
 
 

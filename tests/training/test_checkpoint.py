@@ -42,9 +42,11 @@ class FakeEngine:
         return os.path.join(directory, tag), {}
 
 
-def save(directory, iteration, value=0.0, keep_last=None, **kw):
-    return ckpt.save_checkpoint(FakeEngine(value, **kw), str(directory), TrainState(iteration, 8 * iteration),
-                                CONFIG, LAYOUT, keep_last=keep_last)
+def save(directory, iteration, value=0.0, keep_last=None, run_id="run-a", **kw):
+    """One save of run `run_id` (--keep-last prunes only the checkpoints of the run that saves)."""
+    return ckpt.save_checkpoint(FakeEngine(value, **kw), str(directory),
+                                TrainState(iteration, 8 * iteration, run_id=run_id), CONFIG, LAYOUT,
+                                keep_last=keep_last)
 
 
 def test_save_is_atomic_and_a_killed_save_leaves_the_previous_checkpoint(tmp_path):
