@@ -173,6 +173,7 @@ class Trainer:
             device_skip=not (t.host_overflow_check or self.pipelined), log=self.logger.info)
         self.profiler = StepProfiler(t.profile_dir, t.profile_step_start, t.profile_step_end, dist.get_rank())
         self.state = TrainState()
+        self.resumed_from = None  # the checkpoint loaded (load_checkpoint)
         self.saved_checkpoint: str | None = None  # the last checkpoint this run wrote (for the run summary)
         if self.resume:
             self.load_checkpoint(*self.resume)
@@ -284,10 +285,10 @@ class Trainer:
     def save_checkpoint(self, directory: str) -> None:
         self.read_device_skips()
         self.guard.check()  # never save after --max-skipped-steps refusals in a row
-        path = save_checkpoint(self.engine, directory, self.state, self.cfg.to_dict(), self.layout,
-                               self.tokenizer_identity, self.cfg.training.keep_last)
-        self.saved_checkpoint = path
-        self.logger.info(f"saved checkpoint {path}")
+        # logs "saved checkpoint ...", or why it was not saved again (resumed from it, no step since)
+        self.saved_checkpoint = save_checkpoint(self.engine, directory, self.state, self.cfg.to_dict(), self.layout,
+                                                self.tokenizer_identity, self.cfg.training.keep_last,
+                                                resumed_from=self.resumed_from, log=self.logger.info)
 
     def check_load(self, meta: dict | None) -> None:
         """Hold the metadata of the checkpoint to resume (self.resume) against the flags; without one, say why the
@@ -308,6 +309,7 @@ class Trainer:
         path, self.state = load_checkpoint(self.engine, directory, self.cfg.to_dict(), self.layout,
                                            self.tokenizer_identity, tag=tag, tp_rank=self.parallel.tp_rank,
                                            finetune=t.finetune, convert_optimizer=t.override_optimizer_state == "convert")
+        self.resumed_from = None if t.finetune else path  # not saved again until a step changes it
         self.after_optimizer_step()
         schedule_note = self.scheduler.resume()  # the rates of the flags, not the ones the optimizer state holds
         if schedule_note:
