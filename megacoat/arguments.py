@@ -4,17 +4,16 @@ from __future__ import annotations
 import argparse
 import copy
 import re
+import sys
+from dataclasses import replace
 
-from megacoat.config import MegacoatConfig
+from megacoat.config import CUBLAS_WORKSPACES, MegacoatConfig, TrainingConfig, check_cuda_graph
 from megacoat.data.config import DataConfig
-from megacoat.fp8.config import (ACTIVATION_MODES, ACTIVATION_SCALINGS, AUTO, DEFAULT_OUTPUT_LAYER, FP8_DTYPES,
-                                 GRAD_SCALINGS, OUTPUT_LAYER_CHOICES, WEIGHT_CACHES, FP8Config, fp8_head_obstacle,
-                                 resolve_output_layer, resolve_scaling)
+from megacoat.coat.recipe import (ACTIVATION_MODES, ACTIVATION_SCALINGS, AUTO, DEFAULT_WEIGHT_CACHE, FP8_DTYPES,
+                                  GRAD_SCALINGS, OUTPUT_LAYER_CHOICES, RECIPES, WEIGHT_CACHES, CoatRecipe)
 from megacoat.model.config import ModelConfig
 from megacoat.optim.config import DECAY_STYLES, MAIN_GRADS_DTYPES, MAIN_PARAMS_DTYPES, OptimizerConfig
 from megacoat.parallel.config import ParallelConfig
-from megacoat.training.config import CUBLAS_WORKSPACES, TrainingConfig
-from megacoat.training.cuda_graph import check_cuda_graph
 
 # A negative number, scientific notation included (-1e-3, -.5, -2E+4): a value, never a flag. argparse's own
 # pattern (`^-\d+$|^-\d*\.\d+$`) misses exponents and takes `--lr -1e-3` for a missing argument.
@@ -48,11 +47,21 @@ class HelpFormatter(argparse.HelpFormatter):
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with negative numbers in scientific notation accepted as values, so that `--lr -1e-3` reaches
-    the range check and its message instead of "expected one argument"."""
+    the range check and its message instead of "expected one argument"; without prefix matching (Megatron's
+    choice: a typo such as `--num-layer 3` is an error, not --num-layers); and a bad flag is one `error:` line
+    with exit status 1, as for every other user error (megacoat.training.errors), not a usage block."""
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = NEGATIVE_NUMBER  # the attribute argparse consults (3.10-3.13)
+
+    def error(self, message: str):
+        from megacoat.training.errors import EXIT_STATUS, error_line, prints_errors
+
+        if prints_errors():  # under a launcher, one line per node, not one per rank
+            print(error_line(ValueError(message)), file=sys.stderr, flush=True)
+        sys.exit(EXIT_STATUS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,50 +104,34 @@ def build_parser() -> argparse.ArgumentParser:
                         "each fp32 master beside the bf16 weight (exact; needs --fp8-optimizer, bf16, ZeRO-1/2)")
 
     g = p.add_argument_group("FP8 (COAT)")
-    g.add_argument("--coat-fp8", action="store_true",
-                   help="COAT: FP8 optimizer states (CoatAdamW) and the FP8 activation precision flow")
+    g.add_argument("--fp8-recipe", choices=sorted(RECIPES), default=None,
+                   help="named FP8 recipe the --fp8-* flags below override (default: coat with --coat-fp8, else bf16)")
+    g.add_argument("--coat-fp8", action="store_true", help="the coat recipe: FP8 optimizer states and precision flow")
     g.add_argument("--fp8-optimizer", action="store_true", help="CoatAdamW: FP8 Adam moments")
     g.add_argument("--fp8-activations", nargs="?", const="coat", default=None, choices=ACTIVATION_MODES,
                    help="activation precision mode (flag alone: coat)")
-    g.add_argument("--fp8-m-dtype", choices=FP8_DTYPES, default=o.fp8_m_dtype)
-    g.add_argument("--fp8-v-dtype", choices=FP8_DTYPES, default=o.fp8_v_dtype)
-    g.add_argument("--fp8-group-size", type=int, default=o.fp8_group_size)
+    g.add_argument("--fp8-m-dtype", choices=FP8_DTYPES, default=None, help="CoatAdamW's first moment (default: e4m3)")
+    g.add_argument("--fp8-v-dtype", choices=FP8_DTYPES, default=None, help="CoatAdamW's second moment (default: e4m3)")
+    g.add_argument("--fp8-group-size", type=int, default=None, help="1xG quantization group (default: 128)")
     g.add_argument("--fp8-no-expansion", action="store_true", help="CoatAdamW without dynamic range expansion")
-    g.add_argument("--fp8-grad-dtype", choices=FP8_DTYPES, default=FP8Config().grad_dtype)
-    g.add_argument("--fp8-weight-cache", choices=WEIGHT_CACHES, default=FP8Config().weight_cache,
-                   help="rowwise (the default): keep the FP8 weight copy W8 from one optimizer step to the next "
-                        "(+1 byte per block-linear parameter) and transpose its bytes in backward; step: keep W8^T "
-                        "too (+2 bytes, no transpose; the same results); none: make them per use (less memory, "
-                        "slower)")
+    g.add_argument("--fp8-grad-dtype", choices=FP8_DTYPES, default=None,
+                   help="FP8 format of the gradients fed to backward GEMMs (default: e5m2)")
+    g.add_argument("--fp8-weight-cache", choices=WEIGHT_CACHES, default=None,
+                   help="FP8 weight copies kept between optimizer steps: W8 (rowwise), W8 and W8^T (step), or none "
+                        f"(default: {DEFAULT_WEIGHT_CACHE})")
     g.add_argument("--fp8-fast-accum", action="store_true",
-                   help="forward FP8 GEMMs accumulate without the tensor cores' periodic fp32 promotion (less "
-                        "exact; TransformerEngine's and torchao's forward default; no gain measured for the 1.3 B "
-                        "model on an H100); backward GEMMs always promote")
-    g.add_argument("--fp8-output-layer", nargs="?", const="on", default=DEFAULT_OUTPUT_LAYER,
-                   choices=OUTPUT_LAYER_CHOICES,
-                   help="the output layer (vocabulary head) in FP8 too: current scaling, the loss writing the logits' "
-                        "FP8 gradient and the label entries' rounding error, added back in float32 (~2%% faster "
-                        "steps for a 1.3 B model on an H100; final loss against bf16 at 350 M +0.23%% [-0.01, "
-                        "+0.47] over 24 same-card seed pairs, the BF16 head's -0.13%% [-0.48, +0.21]). auto "
-                        "(default): on in coat mode without tensor or pipeline parallelism and with vocabulary and "
-                        "hidden sizes multiples of 16, off elsewhere; on (the flag alone); off: the head in BF16, as "
-                        "COAT, Megatron and torchtitan keep it")
-    g.add_argument("--fp8-grad-scaling", choices=(AUTO, *GRAD_SCALINGS), default=AUTO,
-                   help="auto (default): delayed in coat mode without pipeline parallelism, current otherwise; "
-                        "current: every FP8 gradient scaled by its own amax; delayed (coat mode): SwiGLU's and the "
-                        "[q|k|v] output's gradients scaled by the largest amax of their last --fp8-amax-history-len "
-                        "backward calls, recording their own in the same pass (TransformerEngine's delayed scaling: "
-                        "one pass of SwiGLU's backward instead of two, and RoPE's backward writes the FP8 [q|k|v] "
-                        "gradient without a BF16 copy; values beyond the history's amax saturate)")
-    g.add_argument("--fp8-activation-scaling", choices=(AUTO, *ACTIVATION_SCALINGS), default=AUTO,
-                   help="auto (default): delayed in coat mode without pipeline parallelism, current otherwise; "
-                        "current: every FP8 activation scaled by its own amax; delayed (coat mode): the FP8 outputs of "
-                        "RMSNorm and SwiGLU and wo's input (attention's output) scaled by the largest amax of their "
-                        "last --fp8-amax-history-len forwards with gradients, each cast in one pass that also records "
-                        "its amax (one launch instead of two; values beyond the history's amax saturate; evaluation "
-                        "scales just in time)")
-    g.add_argument("--fp8-amax-history-len", type=int, default=FP8Config().amax_history_len,
-                   help="delayed scaling: how many calls (micro-batches) of amaxes set the scale")
+                   help="forward FP8 GEMMs accumulate without periodic fp32 promotion (backward always promotes)")
+    g.add_argument("--fp8-output-layer", nargs="?", const="on", default=None, choices=OUTPUT_LAYER_CHOICES,
+                   help="the vocabulary head in FP8; auto: on in coat mode where it runs (one unsplit stage, sizes "
+                        "multiples of 16) (default: auto)")
+    g.add_argument("--fp8-grad-scaling", choices=(AUTO, *GRAD_SCALINGS), default=None,
+                   help="FP8 gradients scaled by their own amax (current) or an amax history (delayed, coat mode); "
+                        "auto: delayed in coat mode without pipeline parallelism (default: auto)")
+    g.add_argument("--fp8-activation-scaling", choices=(AUTO, *ACTIVATION_SCALINGS), default=None,
+                   help="as --fp8-grad-scaling, for the FP8 outputs of the norms and SwiGLU and wo's input "
+                        "(default: auto)")
+    g.add_argument("--fp8-amax-history-len", type=int, default=None,
+                   help="delayed scaling: how many calls (micro-batches) of amaxes set the scale (default: 16)")
 
     t = TrainingConfig()
     g = p.add_argument_group("training")
@@ -192,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-project", default=None, help="log to wandb (optional dependency; offline without "
                                                          "WANDB_API_KEY)")
     g.add_argument("--wandb-run-name", default=None)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=t.distributed_timeout_minutes,
+                   help="a collective waiting this long for a stopped or hung rank ends the run, in every process group")
     g.add_argument("--debug", action="store_true",
                    help="show the Python traceback of an error instead of its one `error:` line (also: "
                         "MEGACOAT_DEBUG=1)")
@@ -223,9 +218,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def recipe_from_args(args: argparse.Namespace) -> CoatRecipe:
+    """The named recipe (--fp8-recipe, else coat with --coat-fp8, else bf16) with the --fp8-* flags given on top,
+    every auto resolved for the run's layout."""
+    base = RECIPES[args.fp8_recipe or ("coat" if args.coat_fp8 else "bf16")]
+    given = {"mode": args.fp8_activations, "m_dtype": args.fp8_m_dtype, "v_dtype": args.fp8_v_dtype,
+             "group_size": args.fp8_group_size, "grad_dtype": args.fp8_grad_dtype,
+             "weight_cache": args.fp8_weight_cache, "grad_scaling": args.fp8_grad_scaling,
+             "activation_scaling": args.fp8_activation_scaling, "amax_history_len": args.fp8_amax_history_len,
+             "output_layer": {"on": True, "off": False}.get(args.fp8_output_layer, args.fp8_output_layer),
+             "optimizer": args.fp8_optimizer or args.coat_fp8 or None, "fast_accum": args.fp8_fast_accum or None,
+             "expand": False if args.fp8_no_expansion else None}
+    recipe = replace(base, **{k: v for k, v in given.items() if v is not None})
+    return recipe.for_layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.vocab_size,
+                             args.hidden_size)
+
+
 def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
     """Turn parsed flags into validated dataclasses. Errors name the flag."""
-    fp8_activations = args.fp8_activations or ("coat" if args.coat_fp8 else "bf16")
+    fp8 = recipe_from_args(args)
     model = ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
@@ -236,20 +247,12 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
         lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-        fp8_optimizer=args.fp8_optimizer or args.coat_fp8, fp8_m_dtype=args.fp8_m_dtype,
-        fp8_v_dtype=args.fp8_v_dtype, fp8_group_size=args.fp8_group_size, fp8_expand=not args.fp8_no_expansion,
+        fp8_optimizer=fp8.optimizer, fp8_m_dtype=fp8.m_dtype, fp8_v_dtype=fp8.v_dtype,
+        fp8_group_size=fp8.group_size, fp8_expand=fp8.expand,
         main_grads_dtype=args.main_grads_dtype, main_params_dtype=args.main_params_dtype)
     data = DataConfig(data_path=list(args.data_path), split=args.split, tokenizer_model=args.tokenizer_model,
                       cache_dir=args.data_cache_dir, num_workers=args.num_workers, mock_data=args.mock_data)
     pp = args.pipeline_model_parallel_size
-    fp8 = FP8Config(mode=fp8_activations, grad_dtype=args.fp8_grad_dtype, group_size=args.fp8_group_size,
-                    weight_cache=args.fp8_weight_cache, fast_accum=args.fp8_fast_accum,
-                    grad_scaling=resolve_scaling(args.fp8_grad_scaling, fp8_activations, pp),
-                    activation_scaling=resolve_scaling(args.fp8_activation_scaling, fp8_activations, pp),
-                    amax_history_len=args.fp8_amax_history_len,
-                    output_layer=resolve_output_layer(args.fp8_output_layer, fp8_activations,
-                                                      args.tensor_model_parallel_size, pp, args.vocab_size,
-                                                      args.hidden_size))
     parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                               pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                               sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage)
@@ -267,7 +270,8 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         host_overflow_check=args.host_overflow_check,
         profile_dir=args.profile_dir, profile_step_start=args.profile_step_start,
         profile_step_end=args.profile_step_end, debug=args.debug, finetune=args.finetune,
-        override_optimizer_state=args.override_optimizer_state)
+        override_optimizer_state=args.override_optimizer_state,
+        distributed_timeout_minutes=args.distributed_timeout_minutes)
     if precision == "fp32" and (optim.main_grads_dtype == "bf16" or optim.main_params_dtype == "bf16-remainder"):
         raise ValueError("--main-grads-dtype bf16 / --main-params-dtype bf16-remainder are bf16 training: drop --fp32")
     if optim.main_grads_dtype == "fp32" and precision != "fp32" and parallel.zero_stage == 0:
@@ -282,20 +286,6 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
                              "> 1 (untested with DeepSpeed's pipeline engine)")
     if data.mock_data and data.data_path:
         raise ValueError("--mock-data and --data-path are exclusive")
-    if fp8.fast_accum and not fp8.enabled:
-        raise ValueError("--fp8-fast-accum needs FP8 GEMMs: add --coat-fp8 or --fp8-activations")
-    head_obstacle = fp8_head_obstacle(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-                                      model.vocab_size, model.hidden_size)
-    if fp8.output_layer and head_obstacle:  # auto never gets here: it keeps the BF16 head where there is an obstacle
-        raise ValueError(f"--fp8-output-layer on: {head_obstacle} (got --vocab-size {model.vocab_size}, --hidden-size "
-                         f"{model.hidden_size}, --tensor-model-parallel-size {parallel.tensor_model_parallel_size}, "
-                         f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size})")
-    if fp8.grad_scaling == "delayed" and parallel.pipeline_model_parallel_size > 1:
-        raise ValueError("--fp8-grad-scaling delayed is not supported with --pipeline-model-parallel-size > 1 (the "
-                         "pipeline schedule runs several forwards before the first backward records an amax)")
-    if fp8.activation_scaling == "delayed" and parallel.pipeline_model_parallel_size > 1:
-        raise ValueError("--fp8-activation-scaling delayed is not supported with --pipeline-model-parallel-size > 1 "
-                         "(untested with DeepSpeed's pipeline engine)")
     if training.enable_cuda_graph:
         check_cuda_graph(parallel)
     return MegacoatConfig(model=model, optim=optim, data=data, fp8=fp8, parallel=parallel, training=training)

@@ -3,7 +3,7 @@ import argparse
 import pytest
 
 from megacoat.arguments import parse_config
-from megacoat.fp8.config import DEFAULT_OUTPUT_LAYER, OUTPUT_LAYER_CHOICES
+from megacoat.coat.recipe import DEFAULT_OUTPUT_LAYER, OUTPUT_LAYER_CHOICES
 
 
 def _error(capsys, argv):
@@ -133,7 +133,7 @@ def test_help_states_every_default_once(monkeypatch):
         assert "default" in help_text and help_text.count("default:") <= 1, (action.option_strings, help_text)
         assert help_text in text, (action.option_strings, help_text)
     assert "(default: heads) (default" not in text
-    assert "--lr LR (default: 0.001)" in text and "--coat-fp8 COAT: FP8" in text and "(default: off)" in text
+    assert "--lr LR (default: 0.001)" in text and "--coat-fp8 the coat recipe" in text and "(default: off)" in text
 
 
 @pytest.mark.parametrize("value", ["-1e-3", "-1E-3", "-2.5e+4", "-.5", "-1", "-1.0"])

@@ -17,8 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megacoat.fp8.config import (DEFAULT_OUTPUT_LAYER, DEFAULT_WEIGHT_CACHE, OUTPUT_LAYER_CHOICES,  # noqa: E402
-                                 WEIGHT_CACHES, resolve_output_layer)
+from megacoat.coat.recipe import (DEFAULT_OUTPUT_LAYER, DEFAULT_WEIGHT_CACHE, OUTPUT_LAYER_CHOICES,  # noqa: E402
+                                  WEIGHT_CACHES, CoatRecipe)
 from megacoat.model.config import ModelConfig  # noqa: E402
 from megacoat.optim.config import default_main_params_dtype  # noqa: E402
 from megacoat.training.memory import MAIN_GRADS_DTYPES, MAIN_PARAMS_DTYPES, MODES, estimate_memory  # noqa: E402
@@ -80,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
             for fp8_opt in [True] if only_coat else [False, True]:
                 master = args.main_params_dtype or default_main_params_dtype(
                     fp8_opt, True, args.zero_stage, args.pipeline_model_parallel_size, args.main_grads_dtype)
-                fp8_head = mode != "bf16" and resolve_output_layer(
-                    args.fp8_output_layer, mode, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                    cfg.vocab_size, cfg.hidden_size)
+                head = {"on": True, "off": False}.get(args.fp8_output_layer, args.fp8_output_layer)
+                fp8_head = mode != "bf16" and CoatRecipe(mode=mode, output_layer=head).for_layout(
+                    args.tensor_model_parallel_size, args.pipeline_model_parallel_size, cfg.vocab_size,
+                    cfg.hidden_size).output_layer
                 est = estimate_memory(cfg, mode, micro_batch_size=args.micro_batch_size,
                                       data_parallel_size=args.data_parallel_size, zero_stage=args.zero_stage,
                                       tensor_parallel_size=args.tensor_model_parallel_size,

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from megacoat.fp8.formats import get_format
+from megacoat.ops.formats import get_format
 from megacoat.ops.coat_adamw_ref import dequantize_moment_ref, quantize_moment_ref
 from megacoat.ops.numerics import num_groups
-from megacoat.optim.coat_adamw import STATE_CONFIG_KEYS, STATE_KEYS
+from megacoat.coat.adamw import STATE_CONFIG_KEYS, STATE_KEYS
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENT_FORMAT_KEY = {"exp_avg": "m_dtype", "exp_avg_sq": "v_dtype"}

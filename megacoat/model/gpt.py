@@ -1,7 +1,7 @@
 """A Llama-style decoder in plain PyTorch, read top to bottom: RMSNorm, rotary embeddings, grouped-query
 attention, SwiGLU MLP, blocks, the model and its loss.
 
-Nothing here knows about FP8, tensor parallelism or the training loop: `megacoat.fp8.convert_to_fp8` and
+Nothing here knows about FP8, tensor parallelism or the training loop: `megacoat.coat.convert_to_coat` and
 `megacoat.parallel.apply_tp` swap modules (and the loss) of this model from outside, by name (torchtitan's
 separation). The names follow Llama / torchtitan so checkpoints map one to one onto Hugging Face's
 `LlamaForCausalLM`.

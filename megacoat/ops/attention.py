@@ -1,7 +1,7 @@
 """Causal grouped-query attention over torch's scaled_dot_product_attention (flash / memory-efficient kernels
 on the GPU, the math kernel on CPU).
 
-Both the plain model (megacoat.model) and the COAT block (megacoat.fp8.blocks) run their attention core
+Both the plain model (megacoat.model) and the COAT block (megacoat.coat.flow) run their attention core
 through this one function, so the two compute the same thing.
 """
 from __future__ import annotations

@@ -264,7 +264,7 @@ def _cast_transpose_from_amax_op(x: torch.Tensor, amax: torch.Tensor, out_dtype:
 
 def cast_transpose_delayed_ref(x: torch.Tensor, history: torch.Tensor, out_dtype: torch.dtype, rowwise: bool = True,
                                transpose: bool = True, bootstrap: bool = False):
-    """Reference of delayed scaling (megacoat.fp8.delayed_scaling): (q or None, q^T or None, scale) with the scale
+    """Reference of delayed scaling (megacoat.coat.delayed_scaling): (q or None, q^T or None, scale) with the scale
     from max(history), the amaxes of earlier calls (bootstrap: from x's own amax, as quantize_transpose); values
     beyond it saturate. history [L] (float32, most recent first) is rolled in place, x's amax in front."""
     _check2d(x)

@@ -12,7 +12,7 @@ over it and a cast pass: 10 bytes moved per logit in backward. Here:
   both layouts, the scale that of c times the forward's amax. 4 bytes per logit (2 read, 2 written).
 
 The backward also returns each token's label residual r = g_y - dq(g8_y), the rounding error of its label's entry,
-for the head to add back (megacoat.fp8.head_loss). That entry, c (p_y - 1), is the row's largest, and near the
+for the head to add back (megacoat.coat.head). That entry, c (p_y - 1), is the row's largest, and near the
 per-tensor amax (~c, set by some token with p_y ~ 0), E5M2 sees it in steps of c/7: every p_y below 1/14 would
 count as 0, an error of one sign that does not average out over micro-batches (benchmarks/head_grad_error.py).
 

@@ -1,4 +1,4 @@
-"""The FP8 head's label corrections: each label entry's rounding error added back to dx and dW (megacoat.fp8.head_loss).
+"""The FP8 head's label corrections: each label entry's rounding error added back to dx and dW (megacoat.coat.head).
 
 The logits' gradient reaches the head's backward GEMMs as E5M2 codes; its label entries, the rows' largest, lose
 most to that rounding, so the loss also returns each token's residual r_t (the label entry's value less its code's)

@@ -8,7 +8,7 @@ Forward `rmsnorm_fp8_fwd`, two launches:
      amax (the first program also stores it for the GEMM).
 `rmsnorm_fp8_out` writes y again from the saved values and a known scale: transposed, the weight gradient's
 operand in backward (made again instead of saved).
-`rmsnorm_fp8_fwd_delayed` (delayed scaling, megacoat.fp8.delayed_scaling) does both in the first launch: the scale
+`rmsnorm_fp8_fwd_delayed` (delayed scaling, megacoat.coat.delayed_scaling) does both in the first launch: the scale
 comes from an amax history, the kernel writes y row-major beside x8, and a one-program launch after it rolls this
 call's amax into the history (x8 is not read again: 1 byte per element fewer).
 With `add` (the block's residual addition h = x + add, fused), the first launch also reads add and writes h,

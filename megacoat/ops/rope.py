@@ -43,7 +43,7 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: boo
 # all its heads. The same kernel writes the backward's rotated gradients (and v's, copied) straight into their
 # columns of the joined [q|k|v] gradient (row stride ld_out) with the amax folded in: megacoat.ops.rope_grad_cast.
 #
-# With an amax history (HIST > 0: the backward's delayed scaling, megacoat.fp8.delayed_scaling) the kernel also casts:
+# With an amax history (HIST > 0: the backward's delayed scaling, megacoat.coat.delayed_scaling) the kernel also casts:
 # each value is rounded to x's dtype, as the BF16 joined gradient would hold it, then stored as FP8 (out's dtype)
 # with the scale from the history's maximum, which the first program writes to scale_ptr. The amax folded in is that
 # of the rounded values, for the history's roll.
@@ -113,7 +113,7 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [batch, seq, heads, head_dim] (any strides, unit last stride) into a new contiguous tensor. No
-    autograd: the caller's backward runs the inverse (megacoat.fp8.precision_flow, ops.rope_grad_cast)."""
+    autograd: the caller's backward runs the inverse (megacoat.coat.flow, ops.rope_grad_cast)."""
     return dispatch(_rope_op, x, rope_triton, rope_ref, x, cos, sin)
 
 

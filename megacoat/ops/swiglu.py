@@ -9,7 +9,7 @@ Forward `swiglu_fp8_fwd`, two launches:
      each program derives from that amax (the first program also stores it for the GEMM).
 `swiglu_fp8_out` writes s again from the saved pair and a known scale (transposed: the down projection's weight
 gradient operand, made again in backward instead of saved).
-`swiglu_fp8_fwd_delayed` (delayed scaling, megacoat.fp8.delayed_scaling) does both in the first launch: the scale
+`swiglu_fp8_fwd_delayed` (delayed scaling, megacoat.coat.delayed_scaling) does both in the first launch: the scale
 comes from an amax history, the kernel writes s row-major beside the pair, and a one-program launch after it rolls
 this call's amax into the history (the pair is not read again: 2 bytes per pair fewer).
 Backward, two passes over ds and the saved pair (the per-tensor scale needs the whole tensor's amax before any
@@ -17,7 +17,7 @@ byte is written, so ds, a1, a3 are read twice; 12 bytes per (token, ffn) pair in
 kernel reduces max|da1|, |da3| into one float by atomic max; the second derives the scale from it and writes
 da13 [M, 2F] for the dgrad GEMM and da13^T [2F, M] for the wgrad GEMM from one read. `swiglu_fp8_bwd_out_t`
 also writes s^T in the first pass, in place of a `swiglu_fp8_out(transpose=True)` launch.
-`swiglu_fp8_bwd_delayed` (delayed scaling, megacoat.fp8.delayed_scaling) runs the second pass alone: its scale comes
+`swiglu_fp8_bwd_delayed` (delayed scaling, megacoat.coat.delayed_scaling) runs the second pass alone: its scale comes
 from an amax history, and the pass writes s^T and records this call's amax for the history's roll (8 bytes per
 pair instead of 12).
 On the GPU the kernels use the cheaper math of megacoat.ops.triton_math (fast sigmoid, saturating casts).

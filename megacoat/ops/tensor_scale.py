@@ -68,7 +68,7 @@ def cast_scale(scale_ptr, amax_ptr, fmax, amax_floor, FROM_AMAX: tl.constexpr):
     return scale
 
 
-# Delayed scaling (megacoat.fp8.delayed_scaling): the scale comes from an amax history [L] (float32, entries >= 0,
+# Delayed scaling (megacoat.coat.delayed_scaling): the scale comes from an amax history [L] (float32, entries >= 0,
 # most recent first), whose maximum each program reads itself; the call's own amax goes into a zeroed float by a
 # relaxed atomic max (record_program_amax), and one single-program launch rolls it into the history after the kernel
 # (not the kernel's last program: see the module docstring).

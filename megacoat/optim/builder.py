@@ -26,7 +26,7 @@ def build_optimizer(groups: list[dict], cfg: OptimizerConfig, device: torch.devi
     kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                   weight_decay=cfg.weight_decay)
     if cfg.fp8_optimizer:
-        from megacoat.optim.coat_adamw import CoatAdamW
+        from megacoat.coat.adamw import CoatAdamW
 
         return CoatAdamW(groups, m_dtype=cfg.fp8_m_dtype, v_dtype=cfg.fp8_v_dtype, group_size=cfg.fp8_group_size,
                          expand=cfg.fp8_expand, param_remainders=cfg.main_params_dtype == "bf16-remainder",

@@ -12,8 +12,8 @@
 `tensor_model_parallel = True`, which DeepSpeed's grad-norm and clipping read to count them on every TP rank
 (replicated ones, the norms, only on TP rank 0).
 
-The model is converted to FP8 (megacoat.fp8.convert_to_fp8) before it is sharded: a linear built from an
-Fp8Linear runs its shard through megacoat.fp8.linear.fp8_linear with the Fp8Linear's gradient format, weight
+The model is converted to FP8 (megacoat.coat.convert_to_coat) before it is sharded: a linear built from an
+Fp8Linear runs its shard through megacoat.coat.linear.fp8_linear with the Fp8Linear's gradient format, weight
 cache policy and shared input cache, and per-shard per-tensor scales: a column shard's input is replicated,
 so every rank computes the same input amax anyway; a row shard's output is a partial sum added in BF16 after
 the GEMM, so its own scales are exact for it.
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megacoat.fp8.linear import Fp8Linear, Fp8WeightCache, check_gemm_dims, fp8_linear
+from megacoat.coat.linear import Fp8Linear, Fp8WeightCache, check_gemm_dims, fp8_linear
 from megacoat.parallel.mappings import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
 
 
@@ -86,7 +86,7 @@ class _ShardedLinear(nn.Module):
                           input_scale=input_scale, save_input=self.save_input)
 
     def fp8_weight_caches(self):
-        """(cache, weights) pairs for megacoat.fp8.linear.refresh_fp8_weights."""
+        """(cache, weights) pairs for megacoat.coat.linear.refresh_fp8_weights."""
         return () if self.fp8_cache is None else ((self.fp8_cache, (self.weight,)),)
 
     def extra_repr(self) -> str:
@@ -115,7 +115,7 @@ class RowParallelLinear(_ShardedLinear):
         self.region = region
 
     def forward(self, x: torch.Tensor, input_scale=None) -> torch.Tensor:
-        """input_scale: x's delayed-scaling site (this rank's shard of x; megacoat.fp8.linear.fp8_linear)."""
+        """input_scale: x's delayed-scaling site (this rank's shard of x; megacoat.coat.linear.fp8_linear)."""
         return self.region.exit(self._matmul(x, input_scale))
 
 

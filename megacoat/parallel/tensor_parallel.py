@@ -7,7 +7,7 @@ torchtitan's parallelize.apply_tp). A plan per block:
     tok_embeddings                  → VocabParallelEmbedding (leaves onto sequence shards under SP)
     output                          → ColumnParallelLinear over the vocabulary (tied: the embedding's shard)
 
-FP8 is applied first (megacoat.fp8.convert_to_fp8, as torchtitan converts to float8 before apply_tp), and
+FP8 is applied first (megacoat.coat.convert_to_coat, as torchtitan converts to float8 before apply_tp), and
 apply_tp shards whatever blocks it finds: the linears of an `fp8-linear` block are Fp8Linears and their
 shards keep running FP8 GEMMs; a CoatTransformerBlock keeps its norms (fused into its GEMMs) and gets the TP
 region it runs in. The model's loss becomes the vocab-parallel cross-entropy and its logits are gathered over
@@ -20,8 +20,8 @@ import functools
 
 from torch import nn
 
-from megacoat.fp8.blocks import CoatTransformerBlock
-from megacoat.fp8.linear import check_gemm_dims
+from megacoat.coat.flow import CoatTransformerBlock
+from megacoat.coat.linear import check_gemm_dims
 from megacoat.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megacoat.parallel.layers import (ColumnParallelLinear, ParallelRMSNorm, RowParallelLinear, TPRegion,
                                       VocabParallelEmbedding, mark_replicated)
@@ -73,7 +73,7 @@ def apply_tp(model: nn.Module, state: ParallelState) -> nn.Module:
     for i, block in enumerate(model.layers):
         _parallelize_block(block, region, f"layers.{i}.")
     model.norm = ParallelRMSNorm(model.norm, region)
-    # The head stays high precision in every FP8 mode (as convert_to_fp8 leaves it).
+    # The head stays high precision in every FP8 mode (as convert_to_coat leaves it).
     model.output = ColumnParallelLinear(model.output, region, name="output")
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # the same vocabulary rows on this rank

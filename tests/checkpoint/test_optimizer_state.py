@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megacoat.checkpoint.optimizer_state import optimizer_kind, state_from_fp32, state_to_fp32
-from megacoat.fp8 import get_format
+from megacoat.ops.formats import get_format
 from megacoat.ops.coat_adamw_ref import dequantize_moment_ref, quantize_moment_ref
-from megacoat.optim.coat_adamw import CoatAdamW
+from megacoat.coat.adamw import CoatAdamW
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FP32_SLACK = 32 * 2.0 ** -24  # float32 log2/exp2 and scale arithmetic around the one FP8 rounding

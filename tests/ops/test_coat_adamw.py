@@ -18,7 +18,7 @@ With plain scaling (k = 1) no approximation is involved: codes are bit-exact.
 import pytest
 import torch
 
-from megacoat.fp8.formats import get_format
+from megacoat.ops.formats import get_format
 from megacoat.ops.coat_adamw import coat_adamw_step, resolve_backend
 from megacoat.ops.coat_adamw_ref import adam_scalars, coat_adamw_step_ref, dequantize_moment_ref, quantize_moment_ref
 from megacoat.ops.numerics import AMAX_FLOOR, K_MAX, K_MIN, num_groups

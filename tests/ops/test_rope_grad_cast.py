@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.ops.fp8_compare import DEV, assert_fp8_close, interpreted, rel_err  # noqa: I001
-from megacoat.fp8.formats import E4M3, E5M2
+from megacoat.ops.formats import E4M3, E5M2
 from megacoat.model.gpt import apply_rope, rope_tables
 from megacoat.ops import rope, rope_grad_cast as R
 from megacoat.ops.numerics import scale_from_amax

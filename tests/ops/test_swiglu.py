@@ -5,7 +5,7 @@ import torch
 from tests.ops.fp8_compare import (DEV, assert_close_f32, assert_delayed_meets_current,
                                    assert_delayed_scale_and_saturation, assert_fp8_close,  # noqa: I001
                                    interpreted, rel_err, same_bytes)
-from megacoat.fp8.formats import E4M3, E5M2
+from megacoat.ops.formats import E4M3, E5M2
 from megacoat.ops import swiglu as S
 from megacoat.ops.numerics import group_dequantize
 

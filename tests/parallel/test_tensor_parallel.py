@@ -7,9 +7,9 @@ are compared with the single-rank FP8 run at FP8 tolerance (see test_fp8_modes_m
 import pytest
 import torch
 
-from megacoat.fp8.config import FP8Config
-from megacoat.fp8.convert import convert_to_fp8
-from megacoat.fp8.delayed_scaling import DelayedScale
+from tests.coat.recipes import recipe_of
+from megacoat.coat.convert import convert_to_coat
+from megacoat.coat.delayed_scaling import DelayedScale
 from megacoat.model import GPT
 from megacoat.model.config import ModelConfig
 from megacoat.parallel.config import ParallelConfig
@@ -44,20 +44,20 @@ def _tp_case(model_kw: dict, sequence_parallel: bool, fp8_mode: str | None, scal
     import torch.distributed as dist
 
     cfg = ModelConfig(**model_kw)
-    fp8 = (FP8Config(mode=fp8_mode, group_size=64, grad_scaling=scaling, activation_scaling=scaling)
+    fp8 = (recipe_of(mode=fp8_mode, group_size=64, grad_scaling=scaling, activation_scaling=scaling)
            if fp8_mode else None)
     tokens, labels = _batch(cfg)
     torch.manual_seed(0)
     ref = GPT(cfg)
     if fp8 is not None:
-        convert_to_fp8(ref, fp8)
+        convert_to_coat(ref, fp8)
     torch.manual_seed(0)
     model = GPT(cfg)
     tp = dist.get_world_size()
     state = initialize_parallel_state(ParallelConfig(tensor_model_parallel_size=tp,
                                                      sequence_parallel=sequence_parallel), cfg)
     if fp8 is not None:
-        convert_to_fp8(model, fp8)  # FP8 first, on the full model; apply_tp shards what it finds
+        convert_to_coat(model, fp8)  # FP8 first, on the full model; apply_tp shards what it finds
     apply_tp(model, state)
     assert type(model) is GPT  # apply_tp swaps modules and the loss, never the model's class
     if fp8_mode == "coat":

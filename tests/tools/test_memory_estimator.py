@@ -22,14 +22,14 @@ SHAPES = [dict(hidden_size=256, ffn_hidden_size=768, num_attention_heads=4),
 @pytest.mark.parametrize("mode", ["bf16", "fp8-linear", "coat"])
 @pytest.mark.parametrize("shape", SHAPES, ids=["mha", "gqa"])
 def test_activation_coefficients_match_saved_tensors(mode, shape):
-    from megacoat.fp8.config import FP8Config
-    from megacoat.fp8.convert import convert_to_fp8
-    from megacoat.fp8.saved_memory import saved_activation_bytes
+    from tests.coat.recipes import recipe_of
+    from megacoat.coat.convert import convert_to_coat
+    from tests.coat.saved_memory import saved_activation_bytes
 
     cfg = ModelConfig(num_layers=1, seq_length=128, vocab_size=512, **shape)
     model = GPT(cfg)
     if mode != "bf16":
-        model = convert_to_fp8(model, FP8Config(mode=mode))
+        model = convert_to_coat(model, recipe_of(mode=mode))
     model = model.to(torch.bfloat16)
     x = torch.randn(2, 128, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     cos, sin = model._rope(x.device)
@@ -73,16 +73,16 @@ def _compiled_saved_bytes(block, x, cos, sin) -> int:
 def test_compiled_activation_coefficients_match_the_partitioners_choice(mode):
     """--compile: what Inductor's partitioner saves for one block (recomputing cheap pointwise work) against
     COMPILED_ACTIVATION_BYTES. Sequence 256 differs from every width, so no weight is mistaken for an activation."""
-    from megacoat.fp8.config import FP8Config
-    from megacoat.fp8.convert import convert_to_fp8
-    from megacoat.fp8.linear import refresh_fp8_weights
+    from tests.coat.recipes import recipe_of
+    from megacoat.coat.convert import convert_to_coat
+    from megacoat.coat.linear import refresh_fp8_weights
 
     cfg = ModelConfig(num_layers=1, seq_length=256, vocab_size=512, hidden_size=384, ffn_hidden_size=1024,
                       num_attention_heads=3)
     torch.manual_seed(0)
     model = GPT(cfg)
     if mode != "bf16":
-        model = convert_to_fp8(model, FP8Config(mode=mode))
+        model = convert_to_coat(model, recipe_of(mode=mode))
     model = model.to(torch.bfloat16)
     refresh_fp8_weights(model)
     x = torch.randn(1, 256, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
@@ -187,9 +187,9 @@ def test_the_fp8_output_layer_saves_one_byte_less_per_hidden_element_and_caches_
     an E4M3 copy of its weight (1 byte a parameter by default, 2 with step), which the estimate adds, and its
     backward's label corrections hold a float32 copy of dW, V x h (megacoat.ops.label_corrections: its GPU test
     measures that transient), after the logits and their FP8 gradient (4 bytes a logit) are freed
-    (tests/fp8/test_head_loss.py): the copy counts only by what it exceeds them by."""
-    from megacoat.fp8.linear import Fp8Linear
-    from megacoat.fp8.saved_memory import saved_activation_bytes
+    (tests/coat/test_head.py): the copy counts only by what it exceeds them by."""
+    from megacoat.coat.linear import Fp8Linear
+    from tests.coat.saved_memory import saved_activation_bytes
 
     tokens, hidden, vocab = 64, 128, 512
     head = torch.nn.Linear(hidden, vocab, bias=False).bfloat16()
@@ -211,7 +211,7 @@ def test_the_fp8_output_layer_saves_one_byte_less_per_hidden_element_and_caches_
                            vocab_size=vocab, seq_length=hidden)
     plain, head8 = (estimate_memory(cfg_long, "coat", fp8_output_layer=h, compiled=True) for h in (False, True))
     assert plain.activations - head8.activations == hidden * hidden
-    # eager, the FP8 head's fused loss keeps the compiled loss's 4 bytes a logit (tests/fp8/test_head_loss.py),
+    # eager, the FP8 head's fused loss keeps the compiled loss's 4 bytes a logit (tests/coat/test_head.py),
     # where the eager loss keeps 10
     eager, head8 = (estimate_memory(cfg, "coat", fp8_output_layer=h) for h in (False, True))
     assert eager.activations - head8.activations == tokens * hidden + 6 * tokens * vocab - corrections

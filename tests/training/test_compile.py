@@ -1,16 +1,16 @@
 """--compile (apply_compile: torch.compile per transformer block and of the loss) in every FP8 activation mode:
 the compiled model computes what the eager one does. Each block is one graph with the FP8 flow inside it (the
-megacoat:: operators; tests/fp8/test_blocks.py checks fullgraph), reading FP8 weight copies made by
+megacoat:: operators; tests/coat/test_blocks.py checks fullgraph), reading FP8 weight copies made by
 refresh_fp8_weights."""
 import copy
 
 import pytest
 import torch
 
-from megacoat.fp8.config import FP8Config
-from megacoat.fp8.convert import convert_to_fp8
-from megacoat.fp8.linear import refresh_fp8_weights
-from megacoat.fp8.saved_memory import saved_activation_bytes
+from tests.coat.recipes import recipe_of
+from megacoat.coat.convert import convert_to_coat
+from megacoat.coat.linear import refresh_fp8_weights
+from tests.coat.saved_memory import saved_activation_bytes
 from megacoat.model.config import ModelConfig
 from megacoat.model.gpt import GPT, RMSNorm, cross_entropy_loss
 from megacoat.training.model_builder import apply_compile
@@ -25,7 +25,7 @@ def test_compiled_blocks_match_eager(mode):
     torch._dynamo.reset()
     torch.manual_seed(0)
     mode, _, head = mode.partition("+")  # coat+fp8-head: --fp8-output-layer too
-    eager = convert_to_fp8(GPT(ModelConfig(**CFG)), FP8Config(mode=mode, group_size=32, output_layer=bool(head)))
+    eager = convert_to_coat(GPT(ModelConfig(**CFG)), recipe_of(mode=mode, group_size=32, output_layer=bool(head)))
     compiled = copy.deepcopy(eager)
     apply_compile(compiled)
     refresh_fp8_weights(compiled)  # what the trainer does before the first step

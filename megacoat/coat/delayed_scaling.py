@@ -1,0 +1,123 @@
+"""Delayed scaling of FP8 tensors that megacoat's own kernels produce: the amax history one cast site keeps.
+
+Just-in-time ("current") scaling needs a tensor's whole amax before its first FP8 byte is written, which for a
+tensor made by a fused kernel is a second pass: SwiGLU's backward reads ds and the saved pair twice (4.8 ms of a
+218 ms step for the 1.3 B model at micro-batch 4 on an H100, benchmarks/results/bench_e2e_kernels_mb4.json), and
+the forwards of RMSNorm and SwiGLU compute their output's amax in one kernel and write the output in another
+(`_out_kernel`, which reads their FP8 input again), and the [q|k|v] output gradient is written by RoPE's backward in
+BF16 only for a cast pass to read it again. With delayed scaling, TransformerEngine's default recipe, the
+cast takes its scale from the amaxes that earlier calls recorded and records its own in the same pass, so one
+pass does the work of two. A value beyond the recorded amaxes saturates at the format's largest value (never inf).
+
+Two switches use it (megacoat.coat.recipe): --fp8-grad-scaling delayed (the E5M2 gradients of SwiGLU and of the
+[q|k|v] output, two histories per block, one entry per backward call; RoPE's backward then writes the FP8 [q|k|v]
+gradient itself, megacoat.ops.rope_grad_cast) and --fp8-activation-scaling delayed (the E4M3 outputs of the two
+RMSNorms and of SwiGLU, and wo's input, attention's output, cast in one launch that records its amax instead of a
+reduction and a cast, megacoat.ops.cast_transpose.cast_transpose_delayed: four histories per block, one entry per
+forward call with gradients).
+
+`DelayedScale` holds one history [L] (float32, most recent first; the scale is the history's maximum,
+TransformerEngine's "max" rule). It is a buffer, so it is saved in checkpoints and an exact resume continues from
+it. The first call has nothing recorded: it scales by its own amax (both passes) and records it. Which call that
+is, the forward decides (a Python flag read where torch.compile can guard on it: the flag flips once, so a compiled
+block is traced once more, and never again). For the gradient's site, that needs each forward's backward before
+the next forward with gradients, which the trainer's micro-batch loop gives; DeepSpeed's pipeline schedule does
+not, so --pipeline-model-parallel-size > 1 refuses --fp8-grad-scaling delayed. A forward without gradients (evaluation)
+scales just in time and leaves every history alone, so evaluating never changes training.
+
+The other FP8 tensors keep current scaling, where their amax costs no pass of its own: the gradient of wo's
+output is folded into the MLP norm's backward kernel that writes it (megacoat.coat.linear's carrier), and the
+block output's gradient (w2's) into the next block's attention norm's (megacoat.coat.flow.run_coat_layers); only
+the last block's, whose consumer is the model's final norm, is a reduction of its own.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+HISTORY_KEY = "amax_history"
+
+
+class DelayedScale(nn.Module):
+    """One cast site's amax history (see the module's docstring)."""
+
+    def __init__(self, history_len: int):
+        super().__init__()
+        if history_len < 1:
+            raise ValueError(f"--fp8-amax-history-len must be at least 1, got {history_len}")
+        self.register_buffer(HISTORY_KEY, torch.zeros(history_len, dtype=torch.float32))
+        self.ready = False  # an amax is (or will be, by the pending call) in the history
+        self._register_load_state_dict_pre_hook(self._fit_loaded_history)
+        self.register_load_state_dict_post_hook(self._ready_from_history)
+
+    def _apply(self, fn, recurse=True):
+        """Module.to / .cuda / .bfloat16 move the history but keep it float32: the kernels read it as float32,
+        and an amax rounded to bf16 would move the scale by up to 2^-9 for nothing."""
+        history = self._buffers[HISTORY_KEY]
+        self._buffers[HISTORY_KEY] = history.to(device=fn(history).device, dtype=torch.float32)
+        return self
+
+    def bootstrap(self) -> bool:
+        """For a forward with gradients: whether the call it makes (the forward's own cast, or its backward's)
+        must scale by its own amax (nothing recorded yet)."""
+        if self.ready:
+            return False
+        self.ready = True
+        return True
+
+    def _fit_loaded_history(self, state_dict, prefix, *_):
+        """A checkpoint saved without delayed scaling starts from an empty history (the first call scales by its
+        own amax again); one with another --fp8-amax-history-len keeps its most recent entries."""
+        key = prefix + HISTORY_KEY
+        mine = getattr(self, HISTORY_KEY)
+        saved = state_dict.get(key)
+        fitted = torch.zeros_like(mine)
+        if saved is not None:
+            n = min(len(saved), len(fitted))
+            fitted[:n] = saved[:n]
+        state_dict[key] = fitted
+
+    @staticmethod
+    def _ready_from_history(module, _incompatible) -> None:
+        module.ready = bool(getattr(module, HISTORY_KEY).amax() > 0)  # one host read, at load time only
+
+
+def history_for_call(site: DelayedScale | None, grad: bool) -> tuple[torch.Tensor | None, bool]:
+    """(history, bootstrap) that a site's kernels take for one forward: (None, False), current scaling, without
+    the site or for a forward without gradients (evaluation leaves the history alone)."""
+    if site is None or not grad:
+        return None, False
+    return getattr(site, HISTORY_KEY), site.bootstrap()
+
+
+def drop_saved_history(module: nn.Module, attr: str):
+    """A load_state_dict pre-hook for a module without delayed scaling: forget the history a checkpoint saved
+    with it (current scaling resumes a delayed run), instead of failing on an unexpected key."""
+    def hook(state_dict, prefix, *_):
+        state_dict.pop(f"{prefix}{attr}.{HISTORY_KEY}", None)
+    module._register_load_state_dict_pre_hook(hook)
+
+
+class AmaxHistorySync:
+    """Keeps every data-parallel replica's amax histories the same: after each optimizer step, each history
+    becomes the element-wise maximum over the data-parallel group (TransformerEngine reduces its amaxes the same
+    way). Replicas see different micro-batches, so their own histories differ; unreduced, their FP8 scales would
+    drift apart, and a checkpoint (which saves data-parallel rank 0's model state) would resume the other ranks
+    with histories they never had. Entry i is the i-th most recent call on every replica (they run the same number
+    of calls), so the maximum is the history of the group's amaxes. One all-reduce of all histories a step
+    (24 layers x 6 sites x 16 float32 = 9 KiB for the 1.3 B model); nothing with one replica."""
+
+    def __init__(self, module: nn.Module, group=None, size: int = 1):
+        self.sites = [m for m in module.modules() if isinstance(m, DelayedScale)]
+        self.group = group
+        self.active = size > 1 and bool(self.sites)
+
+    def __call__(self) -> None:
+        if not self.active:
+            return
+        import torch.distributed as dist
+
+        histories = [getattr(m, HISTORY_KEY) for m in self.sites]  # read now: Module.to replaces the buffer
+        flat = torch.cat(histories)
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
+        torch._foreach_copy_(histories, flat.split([h.numel() for h in histories]))  # in place

@@ -1,0 +1,82 @@
+"""The FP8 output layer and its cross-entropy as one autograd function (--fp8-output-layer, forwards with labels).
+
+The head's backward takes the logits' gradient as FP8 codes, and the loss can write them itself: its forward keeps
+what the gradient's amax needs (megacoat.ops.cross_entropy_fp8), so its backward forms the gradient and casts it in
+one pass over the logits. Apart, the loss would write a bf16 gradient and the head would read it twice more (amax,
+cast): 6 bytes per logit more, ~4 ms a micro-batch of the 1.3 B model at micro-batch 32 on an H100.
+
+The logits' gradient loses most to FP8 in each row's label entry c (p_y - 1), the row's largest: per-tensor E5M2
+sees it in steps of c/7 near the amax, so p_y below 1/14 counts as 0, an error of one sign (benchmarks/
+head_grad_error.py; at 350 M the head in FP8 without this ended +0.30% above bf16). The loss's backward therefore
+also returns each label entry's rounding error r, and the head adds it back in float32 through its BF16 weight and
+its FP8 input: dx_t += r_t W[y_t], dW[y] += sum over tokens t labelled y of r_t x_t (one kernel,
+megacoat.ops.label_corrections). The row's other entries keep E5M2's rounding.
+
+The GPT calls `fp8_head_loss` through its `head_loss` attribute (set by convert_to_coat) when it has labels; without
+labels the head is the Fp8Linear it is, and returns the logits.
+"""
+from __future__ import annotations
+
+import torch
+
+from megacoat.ops.formats import get_format
+from megacoat.coat.linear import Fp8Linear, Fp8LinearFunction, check_gemm_dims, fp8_linear_grads, quantize_x, scaled_mm
+from megacoat.ops.cross_entropy_fp8 import cross_entropy_grad_fp8, cross_entropy_stats
+from megacoat.ops.label_corrections import label_corrections
+
+
+class Fp8HeadLossFunction(torch.autograd.Function):
+    """mean cross-entropy(x @ W^T, labels) over the counted tokens, the GEMMs in FP8 as Fp8LinearFunction's. x
+    [T, K] in the activation dtype, labels [T] int64; the weight's and x's FP8 copies made by the caller. Keeps the
+    logits (in x's dtype, as a compiled loss does), their log-sum-exp, x8^T and a few scalars; the label entries'
+    rounding is added back in backward (megacoat.ops.label_corrections).
+
+    The logits are kept on ctx, not through save_for_backward, so that backward can free them as soon as their FP8
+    gradient is written: autograd holds saved tensors until the node's backward returns, and the logits (2 bytes a
+    logit) would sit beside the GEMMs' outputs, dx and dW (0.15 GiB for the 1.3 B model at micro-batch 4). Freed,
+    the head's peak is the logits and their gradient, as a compiled BF16 loss's. Backward therefore runs once per
+    forward (retain_graph is refused with one error)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, labels, w8, w8t, w_scale, x8, x8t, x_scale, grad_dtype, ignore_index, fast_accum):
+        logits = scaled_mm(x8, w8.t(), x_scale, w_scale, x.dtype, fast_accum)
+        loss_per_token, lse, amax = cross_entropy_stats(logits, labels, ignore_index)
+        count = (labels != ignore_index).sum()
+        ctx.logits = logits
+        ctx.save_for_backward(labels, lse, amax, count, x8t, x_scale, weight)
+        Fp8LinearFunction.save_weight(ctx, weight, w8t, w_scale, grad_dtype)
+        ctx.ignore_index, ctx.x_dtype = ignore_index, x.dtype
+        return loss_per_token.sum() / count  # F.cross_entropy's mean (NaN when no token counts)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        labels, lse, amax, count, x8t, x_scale, weight = ctx.saved_tensors
+        logits, ctx.logits = ctx.logits, None
+        if logits is None:
+            raise RuntimeError("the FP8 head's backward frees its logits as it runs, so it runs once per forward: "
+                               "backward through it twice (retain_graph) is not supported")
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        g8, g8t, g_scale, residual = cross_entropy_grad_fp8(logits, labels, lse, amax, grad_loss.float() / count,
+                                                            ctx.grad_dtype, ctx.ignore_index, rowwise=need_dx,
+                                                            transpose=need_dw)
+        del logits  # before the GEMMs write dx and dW
+        dx, dw = fp8_linear_grads(ctx, g8, g8t, g_scale, x8t, x_scale, ctx.x_dtype)
+        # the FP8 gradient (2 bytes a logit) goes before the corrections' float32 dW (4 V K) comes, so that the two
+        # never add up: the head's peak stays the logits and their gradient, as the BF16 head's
+        del g8, g8t
+        label = torch.where(labels != ctx.ignore_index, labels, 0)  # an ignored token's residual is 0
+        label_corrections(dx, dw, residual, label, weight, x8t, x_scale)  # into the GEMMs' own outputs
+        return (dx, dw, *(None,) * 10)
+
+
+def fp8_head_loss(head: Fp8Linear, x: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The mean cross-entropy of head(x) against labels (ignore_index: tokens that do not count), the head's GEMMs
+    in FP8 and the logits' gradient cast by the loss's backward. x [..., K], labels [...]."""
+    x2 = x.reshape(-1, x.shape[-1])
+    grad = torch.is_grad_enabled() and (x.requires_grad or head.weight.requires_grad)
+    if grad:
+        check_gemm_dims(tokens_per_micro_batch=x2.shape[0])  # wgrad contracts over the tokens
+    x8, x8t, x_scale = quantize_x(x2, transpose=grad and head.weight.requires_grad)
+    w8, w8t, w_scale = head.fp8_cache.get((head.weight,))
+    return Fp8HeadLossFunction.apply(x2, head.weight, labels.reshape(-1), w8, w8t, w_scale, x8, x8t, x_scale,
+                                     get_format(head.grad_dtype).dtype, ignore_index, head.fast_accum)
