@@ -29,17 +29,28 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megacoat.checkpoint.layout_free import is_layout_free  # noqa: E402
-from megacoat.checkpoint.paths import META_FILE, resolve_tag_dir, write_latest  # noqa: E402
+from megacoat.checkpoint.paths import META_FILE, resolve_tag_dir, write_latest, write_text_atomic  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read_meta(src: str) -> dict:
+    path = os.path.join(src, META_FILE)
+    with open(path) as f:
+        try:
+            meta = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("megacoat_config"), dict):
+        raise ValueError(f"{path}: not a megacoat checkpoint record (no megacoat_config)")
+    return meta
 
 
 def to_layout_free(load: str, output: str, weights_only: bool = False) -> str:
     from megacoat.checkpoint.from_deepspeed import to_layout_free as convert
 
     src = resolve_tag_dir(load)
-    with open(os.path.join(src, META_FILE)) as f:
-        meta = json.load(f)
+    meta = read_meta(src)
     if is_layout_free(meta):
         raise ValueError(f"--load {src}: already layout-free (pass a layout flag to write DeepSpeed files)")
     tag = os.path.basename(os.path.normpath(src))
@@ -78,16 +89,11 @@ def _free_port() -> int:
 def to_layout(load: str, output: str, tp: int, pp: int, dp: int, zero: int, extra: list[str]) -> str:
     """DeepSpeed files at TP x PP x DP (ZeRO stage `zero`) from a layout-free checkpoint, on CPU ranks."""
     src = resolve_tag_dir(load)
-    with open(os.path.join(src, META_FILE)) as f:
-        meta = json.load(f)
+    meta = read_meta(src)
     if not is_layout_free(meta):
         raise ValueError(f"--load {src}: convert it to the layout-free form first (run without layout flags)")
     cfg, t = meta["megacoat_config"], meta["megacoat_config"]["training"]
-    # --load DIR reads DIR/latest: a staging directory whose only checkpoint is this one
-    staging = tempfile.mkdtemp(prefix="megacoat-convert-")
-    tag = os.path.basename(os.path.normpath(src))
-    os.symlink(os.path.abspath(src), os.path.join(staging, tag))
-    write_latest(staging, tag)
+    staging = tempfile.mkdtemp(prefix="megacoat-convert-")  # the ranks' working directory
     ranks = tp * pp * dp
     gbs = t["global_batch_size"]
     mbs = next(m for m in (t["micro_batch_size"], 1) if gbs % (m * dp) == 0) if gbs % dp == 0 else None
@@ -96,7 +102,7 @@ def to_layout(load: str, output: str, tp: int, pp: int, dp: int, zero: int, extr
     argv = pretrain_flags(cfg) + [
         "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs), "--train-iters", str(max(meta["iteration"], 1)),
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), "--zero-stage", str(zero),
-        "--load", staging, "--save", output, "--mock-data", "--eval-iters", "0", "--log-interval", "1"]
+        "--load", os.path.abspath(src), "--save", os.path.abspath(output), "--mock-data", "--eval-iters", "0", "--log-interval", "1"]
     if meta.get("optimizer") is None:
         argv.append("--finetune")
     if "--bf16" not in extra:
@@ -110,17 +116,16 @@ def to_layout(load: str, output: str, tp: int, pp: int, dp: int, zero: int, extr
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"pretrain_gpt.py failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+        said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+        raise RuntimeError(f"pretrain_gpt.py exited with {proc.returncode} writing --output {output}: "
+                           + (said[-1][len("error:"):].strip() if said else (proc.stdout + proc.stderr)[-3000:]))
     out = resolve_tag_dir(output)
     with open(os.path.join(out, META_FILE)) as f:
         written = json.load(f)
     # The conversion ran on mock data and a schedule of `iteration` steps: keep the source's own record.
     written["tokenizer"] = meta.get("tokenizer")
     written["megacoat_config"] = {**cfg, "parallel": written["megacoat_config"]["parallel"]}
-    tmp = os.path.join(out, META_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(written, f, indent=1)
-    os.replace(tmp, os.path.join(out, META_FILE))
+    write_text_atomic(os.path.join(out, META_FILE), json.dumps(written, indent=1))
     return out
 
 
@@ -152,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             out = to_layout(args.load, args.output, *(v or 1 for v in sizes),
                             1 if args.zero_stage is None else args.zero_stage, extra)
             print(f"wrote {out} for TP {sizes[0] or 1} x PP {sizes[1] or 1} x DP {sizes[2] or 1}")
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

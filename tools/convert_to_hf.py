@@ -1,6 +1,6 @@
 """Convert a megacoat checkpoint (any ZeRO stage, tensor- and pipeline-parallel layouts) into Hugging Face's
-Llama format: config.json + model.safetensors (+ tokenizer.model when the run had one), which
-`transformers.LlamaForCausalLM.from_pretrained(OUT)` loads.
+Llama format: config.json + model.safetensors (+ tokenizer.model and tokenizer_config.json when the run had a
+tokenizer), which `transformers.LlamaForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)` load.
 
     python tools/convert_to_hf.py --load checkpoints/run1 --output hf/run1              # the `latest` one
     python tools/convert_to_hf.py --load checkpoints/run1/iter_0001000 --output hf/run1 --dtype fp32
@@ -11,6 +11,9 @@ Two things differ between the formats besides names:
 - Tensor/pipeline shards: weights are gathered from DeepSpeed's per-rank files (column-parallel weights
   and the vocabulary concatenated on dim 0, row-parallel ones on dim 1, norms replicated). A layout-free
   checkpoint (tools/convert_checkpoint.py) is read as it is.
+- Tokenizer: megacoat's sentencepiece model adds no dummy prefix, no BOS and no EOS when it encodes, and takes
+  `<s>` in text as characters; tokenizer_config.json sets HF's Llama tokenizers to do the same, so they encode
+  a text to exactly the ids the run's shards hold (HF's defaults prepend a space piece and a BOS).
 """
 from __future__ import annotations
 
@@ -26,15 +29,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megacoat.checkpoint.hf_llama import hf_config, to_hf_state_dict  # noqa: E402
+from megacoat.checkpoint.hf_llama import hf_config, hf_tokenizer_config, to_hf_state_dict  # noqa: E402
+from megacoat.checkpoint.integrity import safe_torch_load  # noqa: E402
 from megacoat.checkpoint.layout_free import WEIGHTS_FILE, is_layout_free  # noqa: E402
 from megacoat.checkpoint.paths import META_FILE, resolve_tag_dir  # noqa: E402
 from megacoat.checkpoint.sharding import merge_tensor_parallel, plain_name  # noqa: E402
 from megacoat.model.config import ModelConfig  # noqa: E402
-
-
-def _load(path: str) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def _weights(state: dict, buffer_names) -> dict:
@@ -51,22 +51,32 @@ def read_shards(tag_dir: str, cfg: ModelConfig) -> list[dict[str, torch.Tensor]]
         shards: dict[int, dict] = {}
         for path in layer_files:
             layer, tp = map(int, re.search(r"layer_(\d+)-model_(\d+)-model_states", path).groups())
-            for key, value in _load(path).items():  # a tied head's file repeats the embedding: same tensor
+            for key, value in safe_torch_load(path).items():  # a tied head's file repeats the embedding: same tensor
                 shards.setdefault(tp, {})[plain_name(f"{layer}.{key}", cfg.num_layers)] = value
         return [shards[r] for r in sorted(shards)]
     files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
     if not files:
         raise FileNotFoundError(f"{tag_dir}: no DeepSpeed model-state files (mp_rank_*_model_states.pt or "
                                 "layer_*-model_*-model_states.pt)")
-    return [_weights(sd["module"], sd.get("buffer_names")) for sd in map(_load, files)]
+    shards = []
+    for path in files:
+        sd = safe_torch_load(path)
+        if not isinstance(sd, dict) or not isinstance(sd.get("module"), dict):
+            raise ValueError(f"{path}: not a DeepSpeed model-state file (no 'module' state dict)")
+        shards.append(_weights(sd["module"], sd.get("buffer_names")))
+    return shards
 
 
 def load_megacoat_checkpoint(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
     """(model config, full state dict with the plain GPT's names, megacoat.json) of a checkpoint."""
     tag_dir = resolve_tag_dir(path)
-    with open(os.path.join(tag_dir, META_FILE)) as f:
-        meta = json.load(f)
-    cfg = ModelConfig(**meta["megacoat_config"]["model"])
+    meta_path = os.path.join(tag_dir, META_FILE)
+    with open(meta_path) as f:
+        try:
+            meta = json.load(f)
+            cfg = ModelConfig(**meta["megacoat_config"]["model"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{meta_path}: not a megacoat checkpoint record ({type(e).__name__}: {e})") from None
     if is_layout_free(meta):  # tools/convert_checkpoint.py, tools/convert_from_hf.py: full fp32 tensors
         from safetensors.torch import load_file
 
@@ -117,6 +127,8 @@ def convert(load: str, output: str, dtype: torch.dtype = torch.bfloat16) -> str:
     tokenizer = (meta.get("tokenizer") or {}).get("path")
     if tokenizer and os.path.isfile(tokenizer):
         shutil.copyfile(tokenizer, os.path.join(output, "tokenizer.model"))
+        with open(os.path.join(output, "tokenizer_config.json"), "w") as f:
+            json.dump(hf_tokenizer_config(tokenizer, cfg.seq_length), f, indent=2)
     return output
 
 
@@ -128,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         out = convert(args.load, args.output, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {out}/config.json and model.safetensors")

@@ -2,14 +2,18 @@
 full per-parameter fp32 tensors, offline on the CPU, and write it as a layout-free checkpoint.
 
 DeepSpeed's files (per model-parallel rank mp = pipeline stage x TP size + TP rank, and data-parallel rank dp):
-- ZeRO-1/2: `zero_pp_rank_{dp}_mp_rank_{mp}_optim_states.pt` hold this rank's flat fp32 master partition of each
-  parameter group, the optimizer's state for it (CoatAdamW: FP8 codes with groups along the partition) and
-  `param_slice_mappings` (name -> offset and length of the parameter's fragment in the partition). A parameter's
-  fragments, in data-parallel rank order, concatenate to the whole (TP-local) parameter.
+- ZeRO-1/2: `zero_pp_rank_{dp}_mp_rank_{mp}_optim_states.pt` (`bf16_zero_pp_rank_...` under --bf16) hold this
+  rank's flat master partition of each parameter group, the optimizer's state for it (CoatAdamW: FP8 codes with
+  groups along the partition) and `param_slice_mappings` (name -> offset and length of the parameter's fragment
+  in the partition). A parameter's fragments, in data-parallel rank order, concatenate to the whole (TP-local)
+  parameter. The weights are the master: the fp32 partition, or under --main-params-dtype bf16-remainder the bf16
+  partition joined with CoatAdamW's `remainder` state (megacoat.ops.param_remainder), exact fp32 either way.
 - ZeRO-0: `mp_rank_{mp}_model_states.pt` holds the module's weights and the optimizer's state dict, whose
   parameters are numbered in megacoat's group order (matrices, then vectors; megacoat.optim.param_groups).
 - Pipeline: weights in `layer_{ii}-model_{tp}-model_states.pt` (read by tools/convert_to_hf.py); ZeRO-1 names the
   partition fragments with the PipelineModule's names (megacoat.checkpoint.sharding.plain_name maps them).
+
+Every file is read as data only (megacoat.checkpoint.integrity.safe_torch_load): a file holding code is refused.
 """
 from __future__ import annotations
 
@@ -21,9 +25,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megacoat.checkpoint.integrity import safe_torch_load
 from megacoat.checkpoint.layout_free import META_FILE, write_layout_free
 from megacoat.checkpoint.optimizer_state import optimizer_settings, state_step, state_to_fp32
 from megacoat.checkpoint.sharding import merge_tensor_parallel, plain_name
+from megacoat.ops.param_remainder import join_fp32
+
+# DeepSpeed's optimizer files for data-parallel rank dp of model-parallel rank mp: fp32 runs, then --bf16 runs
+ZERO_FILE_PATTERNS = ("zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt",
+                      "bf16_zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt")
 
 
 @dataclass
@@ -36,8 +46,13 @@ class FullCheckpoint:
     lr_scheduler: dict | None = None
 
 
-def _load(path: str):
-    return torch.load(path, map_location="cpu", weights_only=False)
+def zero_file(tag_dir: str, dp: int, mp: int) -> str | None:
+    """DeepSpeed's ZeRO optimizer file of (dp, mp) under either name, or None."""
+    for pattern in ZERO_FILE_PATTERNS:
+        path = os.path.join(tag_dir, pattern.format(dp=dp, mp=mp))
+        if os.path.isfile(path):
+            return path
+    return None
 
 
 def _model_files(tag_dir: str, mp_size: int) -> list[str]:
@@ -46,6 +61,13 @@ def _model_files(tag_dir: str, mp_size: int) -> list[str]:
     if missing:
         raise FileNotFoundError(f"{tag_dir}: missing DeepSpeed model-state files {[os.path.basename(m) for m in missing]}")
     return files
+
+
+def _model_states(path: str) -> dict:
+    sd = safe_torch_load(path)
+    if not isinstance(sd, dict) or not isinstance(sd.get("module"), dict):
+        raise ValueError(f"{path}: not a DeepSpeed model-state file (no 'module' state dict)")
+    return sd
 
 
 class _Collector:
@@ -74,6 +96,22 @@ class _Collector:
         return sorted({k for by_kind in self.pieces for k in by_kind} - {"param"})
 
 
+def _master_partition(path: str, partition: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+    """The exact fp32 master of one flat partition: DeepSpeed's fp32 partition, or under CoatAdamW's remainders
+    its bf16 partition joined with the remainder state."""
+    if not group.get("param_remainders"):
+        if partition.dtype != torch.float32:
+            raise ValueError(f"{path}: a {partition.dtype} master partition without CoatAdamW's remainders")
+        return partition
+    remainder = state.get("remainder")
+    if remainder is None:  # never stepped: the master is the bf16 value itself (CoatAdamW starts remainders at 0)
+        return partition.float()
+    if partition.dtype != torch.bfloat16 or remainder.numel() != partition.numel():
+        raise ValueError(f"{path}: a {partition.dtype} partition of {partition.numel()} elements with "
+                         f"{remainder.numel()} remainders")
+    return join_fp32(partition, remainder.reshape(-1))
+
+
 def _read_zero(tag_dir: str, mp: int, tp: int, dp_size: int, param_shapes: list, num_layers: int,
                col: _Collector) -> None:
     """ZeRO-1/2: weights from the fp32 master partitions, optimizer state from the partitions' state."""
@@ -81,10 +119,12 @@ def _read_zero(tag_dir: str, mp: int, tp: int, dp_size: int, param_shapes: list,
     shapes = {n: s for g in param_shapes for n, s in g.items()}
     seen: set[str] = set()
     for dp in range(dp_size):
-        path = os.path.join(tag_dir, f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{tag_dir}: missing {os.path.basename(path)} (saved with data-parallel size {dp_size})")
-        sd = _load(path)["optimizer_state_dict"]
+        path = zero_file(tag_dir, dp, mp)
+        if path is None:
+            name = ZERO_FILE_PATTERNS[0].format(dp=dp, mp=mp)
+            raise FileNotFoundError(f"{tag_dir}: missing {name} or bf16_{name} (saved with data-parallel size "
+                                    f"{dp_size})")
+        sd = safe_torch_load(path)["optimizer_state_dict"]
         base = sd["base_optimizer_state"]
         if not isinstance(base, dict) or "state" not in base:
             raise ValueError(f"{path}: unsupported ZeRO optimizer state (elastic checkpoint?)")
@@ -94,7 +134,9 @@ def _read_zero(tag_dir: str, mp: int, tp: int, dp_size: int, param_shapes: list,
             state = base["state"].get(i, {})
             if state:
                 col.steps.add(state_step(state))
-            flat = {"param": sd["single_partition_of_fp32_groups"][i], **state_to_fp32(state, group)}
+            flat = {"param": _master_partition(path, sd["single_partition_of_fp32_groups"][i], state, group),
+                    **state_to_fp32(state, group)}
+            flat.pop("remainder", None)  # folded into the master
             for name, addr in mapping.items():
                 plain = plain_name(name, num_layers)
                 col.shapes[tp][plain] = tuple(shapes[name])
@@ -153,7 +195,7 @@ def _pipeline_layer_weights(tag_dir: str, num_layers: int, tied: bool, col: _Col
     """ZeRO-0 under PP: the weights from the per-layer files (the optimizer state is not convertible)."""
     for path in glob.glob(os.path.join(tag_dir, "layer_*-model_*-model_states.pt")):
         layer, tp = map(int, re.search(r"layer_(\d+)-model_(\d+)-model_states", path).groups())
-        for key, value in _load(path).items():
+        for key, value in safe_torch_load(path).items():
             name = plain_name("tied_modules.embed." + key if tied and layer == 0 else f"{layer}.{key}", num_layers)
             col.shapes[tp][name] = tuple(value.shape)
             col.add(tp, "param", name, value)
@@ -161,23 +203,27 @@ def _pipeline_layer_weights(tag_dir: str, num_layers: int, tied: bool, col: _Col
 
 def read_checkpoint(tag_dir: str, with_state: bool = True) -> FullCheckpoint:
     """The full fp32 tensors of a megacoat DeepSpeed checkpoint (one `iter_*` directory)."""
-    with open(os.path.join(tag_dir, META_FILE)) as f:
-        meta = json.load(f)
-    layout, model = meta["layout"], meta["megacoat_config"]["model"]
-    tp_size, pp_size = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
-    dp_size = layout["data_parallel_size"]
-    num_layers = model["num_layers"]
+    meta_path = os.path.join(tag_dir, META_FILE)
+    with open(meta_path) as f:
+        try:
+            meta = json.load(f)
+            layout, model = meta["layout"], meta["megacoat_config"]["model"]
+            tp_size, pp_size = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
+            dp_size, num_layers, tied = layout["data_parallel_size"], model["num_layers"], model["tie_embeddings"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{meta_path}: not the record of a DeepSpeed-layout megacoat checkpoint "
+                             f"({type(e).__name__}: {e})") from None
     col = _Collector(tp_size)
     files = _model_files(tag_dir, tp_size * pp_size)
-    # Flat fp32 partitions exist under ZeRO-1/2 and under DeepSpeed's BF16_Optimizer (bf16 pipelines at ZeRO-0).
-    partitioned = os.path.isfile(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    # Flat master partitions exist under ZeRO-1/2 and under DeepSpeed's BF16_Optimizer (bf16 pipelines at ZeRO-0).
+    partitioned = zero_file(tag_dir, 0, 0) is not None
     if not partitioned and pp_size > 1:
         if with_state:
             raise ValueError(f"{tag_dir}: a pipeline-parallel ZeRO-0 checkpoint keeps its optimizer state by "
                              "position only: convert it weights only (--weights-only, or --load with --finetune)")
-        _pipeline_layer_weights(tag_dir, num_layers, model["tie_embeddings"], col)
+        _pipeline_layer_weights(tag_dir, num_layers, tied, col)
     for mp, path in enumerate(files if partitioned or pp_size == 1 else []):
-        model_sd = _load(path)
+        model_sd = _model_states(path)
         tp = mp % tp_size
         if partitioned:
             if not model_sd.get("param_shapes"):
@@ -185,9 +231,9 @@ def read_checkpoint(tag_dir: str, with_state: bool = True) -> FullCheckpoint:
             _read_zero(tag_dir, mp, tp, dp_size, model_sd["param_shapes"], num_layers, col)
         else:
             _read_zero0(path, model_sd, tp, num_layers, col, with_state)
-    first = _load(files[0])
+    first = _model_states(files[0])
     weights = col.full("param")
-    if model["tie_embeddings"]:
+    if tied:
         weights.pop("output.weight", None)
     state = {kind: col.full(kind) for kind in col.kinds()} if with_state else {}
     optimizer = None
@@ -195,7 +241,9 @@ def read_checkpoint(tag_dir: str, with_state: bool = True) -> FullCheckpoint:
         missing = {k: sorted(set(weights) - set(v))[:4] for k, v in state.items() if set(weights) - set(v)}
         if missing:  # a parameter without state (never stepped): no consistent Adam state to carry
             raise ValueError(f"{tag_dir}: optimizer state missing for {missing}")
-        optimizer = {**col.settings, "step": max(col.steps), "keys": sorted(state)}
+        # The weights hold the master whatever form it had: the layout-free state does not depend on it.
+        settings = {k: v for k, v in col.settings.items() if k != "param_remainders"}
+        optimizer = {**settings, "step": max(col.steps), "keys": sorted(state)}
     return FullCheckpoint(meta=meta, weights=weights, state=state, optimizer=optimizer,
                           lr_scheduler=first.get("lr_scheduler"))
 

@@ -106,3 +106,23 @@ def model_config_from_hf(c: dict) -> ModelConfig:
                        norm_eps=c["rms_norm_eps"], rope_theta=float(theta),
                        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
                        init_std=c.get("initializer_range", 0.02))
+
+
+def hf_tokenizer_config(model_path: str, max_length: int) -> dict:
+    """tokenizer_config.json that makes HF's Llama tokenizers (slow, fast, AutoTokenizer) encode a text to the ids
+    megacoat's sentencepiece model gives: no dummy prefix space, no BOS/EOS added, special-token text not parsed."""
+    import sentencepiece as spm
+
+    try:
+        sp = spm.SentencePieceProcessor(model_file=model_path)
+    except (RuntimeError, OSError) as e:
+        raise ValueError(f"{model_path}: not a sentencepiece model ({e})") from None
+
+    def piece(i: int) -> str | None:
+        return sp.id_to_piece(i) if i >= 0 else None
+
+    return {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
+            "add_prefix_space": False, "legacy": False, "split_special_tokens": True,
+            "clean_up_tokenization_spaces": False, "model_max_length": max_length,
+            "unk_token": piece(sp.unk_id()), "bos_token": piece(sp.bos_id()), "eos_token": piece(sp.eos_id()),
+            "pad_token": piece(sp.pad_id())}

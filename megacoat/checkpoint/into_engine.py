@@ -18,6 +18,7 @@ import torch
 from megacoat.checkpoint.layout_free import LayoutFreeCheckpoint
 from megacoat.checkpoint.optimizer_state import state_from_fp32
 from megacoat.checkpoint.sharding import plain_name
+from megacoat.ops.param_remainder import split_fp32
 
 # (model-parameter groups, flat fp32 partitions) attribute names of DeepSpeed's wrapping optimizers
 _FLAT_OPTIMIZERS = (("bit16_groups", "single_partition_of_fp32_groups"), ("bf16_groups", "fp32_groups_flat_partition"))
@@ -49,19 +50,28 @@ def load_into_engine(engine, ckpt: LayoutFreeCheckpoint, tp_rank: int, tp_size: 
     flat = _flat_groups(engine.optimizer)
     if load_optimizer and ckpt.optimizer is None:
         raise ValueError(f"{ckpt.path} holds weights only (no optimizer state): load it with --finetune")
+    # CoatAdamW's remainders (--main-params-dtype bf16-remainder): the fp32 weights are split into the bf16 the
+    # run keeps and the remainder, so that the pair is the saved master exactly.
+    remainders = flat is not None and any(g.get("param_remainders") for g in flat[2].param_groups)
     for p in (p for _, p in engine.module.named_parameters()):
         value = ckpt.tensor(names[id(p)], None, tp_rank, tp_size)
         if value.shape != p.shape:
             raise ValueError(f"{ckpt.path}: {names[id(p)]} has shape {tuple(value.shape)} on this rank, the model "
                              f"{tuple(p.shape)}")
-        p.copy_(value)
+        p.copy_(split_fp32(value)[0] if remainders else value)
+    split = []  # per flat group: the remainders of its partition
     if flat is not None:
         for lps, hp in zip(flat[0], flat[1]):
+            master = torch.zeros(hp.numel(), dtype=torch.float32, device=hp.device) if remainders else hp
             for lp in lps:
                 m = getattr(lp, "_hp_mapping", None)
                 if m is not None:
-                    hp.narrow(0, m.hp_fragment_address.start, m.hp_fragment_address.numel).copy_(
+                    master.narrow(0, m.hp_fragment_address.start, m.hp_fragment_address.numel).copy_(
                         _fragment(m, ckpt.tensor(names[id(lp)], None, tp_rank, tp_size)))
+            if remainders:
+                bf16, remainder = split_fp32(master)
+                hp.copy_(bf16)
+                split.append(remainder)
     if not load_optimizer:
         return
     keys, step, kind = ckpt.state_keys, ckpt.optimizer["step"], ckpt.optimizer["kind"]
@@ -73,7 +83,7 @@ def load_into_engine(engine, ckpt: LayoutFreeCheckpoint, tp_rank: int, tp_size: 
                 client.state[p] = state_from_fp32(fp32, step, group, p, client.state.get(p), source_kind=kind)
         return
     lp_groups, hp_parts, client = flat
-    for group, lps, hp in zip(client.param_groups, lp_groups, hp_parts):
+    for i, (group, lps, hp) in enumerate(zip(client.param_groups, lp_groups, hp_parts)):
         (p,) = group["params"]
         if p is not hp:
             raise RuntimeError("DeepSpeed's flat partition is not its client optimizer's parameter")
@@ -86,5 +96,7 @@ def load_into_engine(engine, ckpt: LayoutFreeCheckpoint, tp_rank: int, tp_size: 
                 fp32[k].narrow(0, m.hp_fragment_address.start, m.hp_fragment_address.numel).copy_(
                     _fragment(m, ckpt.tensor(names[id(lp)], k, tp_rank, tp_size)))
         client.state[p] = state_from_fp32(fp32, step, group, p, client.state.get(p), source_kind=kind)
+        if remainders:
+            client.state[p]["remainder"] = split[i]
     if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
         engine.optimizer._hp_optimizer_states_linked = False  # DeepSpeed's fragment views of the state: relink

@@ -27,7 +27,7 @@ def test_to_layout_free_keeps_the_record(saved, tmp_path):
     assert (tmp_path / "free" / "latest").read_text() == "iter_0000003"
     meta, src = (json.loads((d / "megacoat.json").read_text()) for d in (tag, saved / "iter_0000003"))
     assert meta["format"] == "layout-free" and meta["optimizer"]["kind"] == "adamw" and meta["optimizer"]["step"] == 3
-    assert meta["lr_scheduler"] == {"num_steps": 3}
+    assert meta["lr_scheduler"]["num_steps"] == 3
     for k in ("iteration", "consumed_samples", "megacoat_config", "layout", "tokenizer"):
         assert meta[k] == src[k], k
     weights = load_file(tag / "model.safetensors")
@@ -53,7 +53,7 @@ def test_back_to_another_layout_and_again_is_exact(saved, tmp_path):
         a, b = (load_file(tmp_path / d / "iter_0000003" / f"{name}.safetensors") for d in ("a", "b"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
     back = json.loads((tmp_path / "b" / "iter_0000003" / "megacoat.json").read_text())
-    assert back["optimizer"]["step"] == 3 and back["lr_scheduler"] == {"num_steps": 3}
+    assert back["optimizer"]["step"] == 3 and back["lr_scheduler"]["num_steps"] == 3
 
 
 def test_bad_input_is_one_error_line(tmp_path):
