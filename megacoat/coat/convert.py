@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from megacoat.coat.delayed_scaling import AmaxHistorySync
-from megacoat.coat.flow import CoatTransformerBlock, run_coat_layers
-from megacoat.coat.head import fp8_head_loss
+from megacoat.coat.flow import CoatLayers, CoatTransformerBlock
+from megacoat.coat.head import Fp8Head
 from megacoat.coat.linear import Fp8InputCache, Fp8Linear, persistent_weight_caches, refresh_fp8_weights
 from megacoat.coat.recipe import CoatRecipe
 
@@ -63,13 +63,13 @@ def convert_to_coat(model: nn.Module, recipe: CoatRecipe) -> nn.Module:
         else:
             raise ValueError(f"unknown FP8 activation mode {recipe.mode!r}")
     if recipe.mode == "coat":
-        model.run_layers = run_coat_layers  # each block's output addition made by the next block's norm
+        model.layers = CoatLayers(model.layers)  # each block's output addition made by the next block's norm
     if recipe.output_layer and type(model.output) is nn.Linear:
         try:
             model.output = Fp8Linear(model.output, recipe.grad_dtype, None, recipe.weight_cache, recipe.fast_accum)
         except ValueError as e:  # a vocabulary or hidden size off the FP8 GEMM alignment
             raise ValueError(f"--fp8-output-layer: {e}") from None
-        model.head_loss = fp8_head_loss  # with labels: the loss writes the logits' gradient in FP8 itself
+        model.head = Fp8Head(model.head.ignore_index)  # with labels: the loss writes the logits' FP8 gradient
     return model
 
 

@@ -27,7 +27,7 @@ scales just in time and leaves every history alone, so evaluating never changes 
 
 The other FP8 tensors keep current scaling, where their amax costs no pass of its own: the gradient of wo's
 output is folded into the MLP norm's backward kernel that writes it (megacoat.coat.linear's carrier), and the
-block output's gradient (w2's) into the next block's attention norm's (megacoat.coat.flow.run_coat_layers); only
+block output's gradient (w2's) into the next block's attention norm's (megacoat.coat.flow.CoatLayers); only
 the last block's, whose consumer is the model's final norm, is a reduction of its own.
 """
 from __future__ import annotations

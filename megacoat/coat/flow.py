@@ -256,7 +256,7 @@ class CoatTransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, add: torch.Tensor | None = None,
                 add_carrier: torch.Tensor | None = None, defer: bool = False):
-        """→ the block's output. One rank only (run_coat_layers): add, add_carrier: the previous block's deferred
+        """→ the block's output. One rank only (CoatLayers): add, add_carrier: the previous block's deferred
         output, x + add, made by this block's attention norm; defer: return this block's own output deferred,
         (h, out, carrier) with output h + out, for the next block's attention norm to make."""
         a, ff, region = self.attention, self.feed_forward, self.region
@@ -296,20 +296,20 @@ class CoatTransformerBlock(nn.Module):
                 (self.w2_cache, (ff.w2.weight,)))
 
 
-def run_coat_layers(layers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """GPT.run_layers for COAT blocks (convert_to_coat sets it): each block's output addition h + out is deferred to
-    the next block's attention norm, whose kernel makes the sum as it reads it (one [M, H] pass less a block), and
-    whose backward kernel folds the amax of the sum's gradient into the carrier of the previous block's w2, which
-    casts its output gradient without a reduction of its own. The same bytes as the blocks run one by one: the
-    sum is rounded as torch's addition, and a max in any order is the same max. Blocks that cannot take a
-    deferred output (tensor parallelism) run one by one."""
-    pending = {}
-    for i, layer in enumerate(layers):
-        nxt = layers[i + 1] if i + 1 < len(layers) else None
-        defer = _takes(layer) and _takes(nxt)
-        out = layer(h, cos, sin, **pending, defer=defer)
-        h, pending = (out[0], {"add": out[1], "add_carrier": out[2]}) if defer else (out, {})
-    return h
+class CoatLayers(nn.ModuleList):
+    """The blocks of a coat model, run in sequence with each block's output addition h + out deferred to the next
+    block's attention norm, whose kernel makes the sum as it reads it (one [M, H] pass less a block) and whose
+    backward folds the amax of the sum's gradient into the carrier of the previous block's w2. The same bytes as
+    the blocks run one by one. Blocks that cannot take a deferred output (tensor parallelism) run one by one."""
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        pending = {}
+        for i, layer in enumerate(self):
+            nxt = self[i + 1] if i + 1 < len(self) else None
+            defer = _takes(layer) and _takes(nxt)
+            out = layer(h, cos, sin, **pending, defer=defer)
+            h, pending = (out[0], {"add": out[1], "add_carrier": out[2]}) if defer else (out, {})
+        return h
 
 
 def _takes(layer) -> bool:

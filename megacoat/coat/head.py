@@ -12,12 +12,13 @@ also returns each label entry's rounding error r, and the head adds it back in f
 its FP8 input: dx_t += r_t W[y_t], dW[y] += sum over tokens t labelled y of r_t x_t (one kernel,
 megacoat.ops.label_corrections). The row's other entries keep E5M2's rounding.
 
-The GPT calls `fp8_head_loss` through its `head_loss` attribute (set by convert_to_coat) when it has labels; without
-labels the head is the Fp8Linear it is, and returns the logits.
+`Fp8Head` is the model's head module that convert_to_coat swaps in: with labels it runs `fp8_head_loss`, without
+them the output layer (an Fp8Linear) returns the logits.
 """
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from megacoat.ops.formats import get_format
 from megacoat.coat.linear import Fp8Linear, Fp8LinearFunction, check_gemm_dims, fp8_linear_grads, quantize_x, scaled_mm
@@ -80,3 +81,14 @@ def fp8_head_loss(head: Fp8Linear, x: torch.Tensor, labels: torch.Tensor, ignore
     w8, w8t, w_scale = head.fp8_cache.get((head.weight,))
     return Fp8HeadLossFunction.apply(x2, head.weight, labels.reshape(-1), w8, w8t, w_scale, x8, x8t, x_scale,
                                      get_format(head.grad_dtype).dtype, ignore_index, head.fast_accum)
+
+
+class Fp8Head(nn.Module):
+    """The GPT's head with an FP8 output layer: output(h) → logits, or with labels the loss by fp8_head_loss."""
+
+    def __init__(self, ignore_index: int):
+        super().__init__()
+        self.ignore_index = ignore_index
+
+    def forward(self, output: Fp8Linear, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return output(h) if labels is None else fp8_head_loss(output, h, labels, self.ignore_index)

@@ -2,7 +2,7 @@
 attention, SwiGLU MLP, blocks, the model and its loss.
 
 Nothing here knows about FP8, tensor parallelism or the training loop: `megacoat.coat.convert_to_coat` and
-`megacoat.parallel.apply_tp` swap modules (and the loss) of this model from outside, by name (torchtitan's
+`megacoat.parallel.apply_tp` swap modules of this model (blocks, `layers`, `head`) from outside, by name (torchtitan's
 separation). The names follow Llama / torchtitan so checkpoints map one to one onto Hugging Face's
 `LlamaForCausalLM`.
 """
@@ -112,24 +112,16 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
+        self.layers = Layers(TransformerBlock(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.output = make_linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.head = Head()  # logits from `output`, or the loss; converters swap it (vocab-parallel, FP8)
         # Plain attributes, not buffers: a model cast to bf16 must keep its rotary tables in fp32, and they
         # are a function of the config, so nothing is saved. `_rope` moves them to the activations' device.
         self._rope_cpu = rope_tables(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Plain attributes that converters replace from outside: the loss (compiled by apply_compile; the
-        # vocab-parallel cross-entropy under tensor parallelism) and what makes the head's output the full
-        # logits (an all-gather over the vocabulary under tensor parallelism, where the head is split).
-        self.loss_fn = cross_entropy_loss
-        self.gather_logits = full_logits
-        # A converter's head fused with its loss, (head, h, labels, ignore_index) -> loss, used in place of the head
-        # then loss_fn when there are labels (the FP8 output layer: its loss writes the logits' FP8 gradient).
-        self.head_loss = None
-        self.run_layers = run_layers  # how the blocks run in sequence (FP8 blocks may fuse across them)
         self.reset_parameters()
 
     def _rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,24 +152,35 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds --seq-length {self.cfg.seq_length}")
         h = self.tok_embeddings(tokens)
         cos, sin = self._rope(h.device)
-        h = self.run_layers(self.layers, h, cos, sin)
-        h = self.norm(h)
-        if labels is not None and self.head_loss is not None:
-            return self.head_loss(self.output, h, labels, IGNORE_INDEX)
-        logits = self.output(h)
-        if labels is None:
-            return self.gather_logits(logits)
+        h = self.norm(self.layers(h, cos, sin))
+        return self.head(self.output, h, labels)
+
+
+class Layers(nn.ModuleList):
+    """The blocks, run in sequence (FP8 converters swap in a stack that fuses across blocks)."""
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            h = layer(h, cos, sin)
+        return h
+
+
+class Head(nn.Module):
+    """output(h) → logits, or with labels their mean cross-entropy over the labels that are not IGNORE_INDEX.
+    It holds no parameter (the projection stays `output`, as checkpoints name it); loss_fn(logits, labels) is the
+    loss, compiled by apply_compile's swap."""
+
+    def __init__(self, loss_fn=None):
+        super().__init__()
+        self.loss_fn = loss_fn or cross_entropy_loss
+        self.ignore_index = IGNORE_INDEX
+
+    def forward(self, output: nn.Module, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        logits = output(h)
+        return logits if labels is None else self.loss(logits, labels)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(logits, labels)
-
-
-def run_layers(layers: nn.ModuleList, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    for layer in layers:
-        h = layer(h, cos, sin)
-    return h
-
-
-def full_logits(logits: torch.Tensor) -> torch.Tensor:
-    return logits  # one rank holds the whole head: its logits are the full logits
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ Layer list (partitioned over stages by parameter count):
 The embedding and the head are one TiedLayerSpec when the model ties them: the first and last stage each hold
 the table, DeepSpeed broadcasts it at start and all-reduces its gradient between the two stages every step.
 Stages pass a single activation tensor [batch, seq (or this rank's sequence shard), hidden]; the model's own
-loss (`model.loss_fn`: vocab-parallel under TP) is the PipelineModule's loss_fn.
+loss (`model.head.loss`: vocab-parallel under TP) is the PipelineModule's loss_fn.
 """
 from __future__ import annotations
 
@@ -83,4 +83,4 @@ def build_pipeline(model: nn.Module, state: ParallelState):
     else:
         layers.append(LayerSpec(HeadPipe, model.output))
     return PipelineModule(layers=layers, topology=state.grid.topology(),
-                          loss_fn=model.loss_fn, partition_method="parameters")
+                          loss_fn=model.head.loss, partition_method="parameters")

@@ -11,12 +11,10 @@ FP8 is applied first (megacoat.coat.convert_to_coat, as torchtitan converts to f
 apply_tp shards whatever blocks it finds: the linears of an `fp8-linear` block are Fp8Linears and their
 shards keep running FP8 GEMMs; a CoatTransformerBlock keeps its norms (fused into its GEMMs) and gets the TP
 region it runs in. The model's loss becomes the vocab-parallel cross-entropy and its logits are gathered over
-the vocabulary when no labels are given (the GPT's `loss_fn` and `gather_logits` attributes). Parameter names
+the vocabulary when no labels are given (the GPT's `head` becomes a VocabParallelHead). Parameter names
 are unchanged, so checkpoints and optimizer groups read the same.
 """
 from __future__ import annotations
-
-import functools
 
 from torch import nn
 
@@ -77,8 +75,21 @@ def apply_tp(model: nn.Module, state: ParallelState) -> nn.Module:
     model.output = ColumnParallelLinear(model.output, region, name="output")
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # the same vocabulary rows on this rank
-    # The head's logits stay split over the vocabulary: the loss reads them so, and full logits are gathered
-    # only when asked for.
-    model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=region.group)
-    model.gather_logits = functools.partial(gather_logits, group=region.group)
+    model.head = VocabParallelHead(region.group, model.head.ignore_index)
     return model
+
+
+class VocabParallelHead(nn.Module):
+    """The GPT's head over a vocabulary split across the TP group: the loss reads the logits split, and full
+    logits are gathered only when no labels are given."""
+
+    def __init__(self, group, ignore_index: int):
+        super().__init__()
+        self.group, self.ignore_index = group, ignore_index
+
+    def forward(self, output: nn.Module, h, labels=None):
+        logits = output(h)
+        return gather_logits(logits, self.group) if labels is None else self.loss(logits, labels)
+
+    def loss(self, logits, labels):
+        return vocab_parallel_cross_entropy(logits, labels, group=self.group)

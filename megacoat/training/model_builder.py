@@ -10,7 +10,7 @@ from torch import nn
 from megacoat.config import MegacoatConfig
 from megacoat.coat.convert import convert_to_coat
 from megacoat.model import GPT, cross_entropy_loss
-from megacoat.model.gpt import RMSNorm
+from megacoat.model.gpt import Head, RMSNorm
 from megacoat.optim import WarmupDecayLR, build_optimizer, param_groups
 from megacoat.parallel import ParallelState, apply_tp
 
@@ -65,8 +65,8 @@ def apply_compile(model: nn.Module, cuda_graph: bool = False) -> None:
         block.compile(mode="reduce-overhead" if cuda_graph else None)
     if type(getattr(model, "norm", None)) is RMSNorm:  # the final norm (under TP, ParallelRMSNorm stays eager)
         model.norm.compile()
-    if getattr(model, "loss_fn", None) is cross_entropy_loss:
-        model.loss_fn = torch.compile(cross_entropy_loss)
+    if type(getattr(model, "head", None)) is Head and model.head.loss_fn is cross_entropy_loss:
+        model.head = Head(torch.compile(cross_entropy_loss))
 
 
 def build_engine(cfg: MegacoatConfig, model: nn.Module, ds_config: dict, device: torch.device,

@@ -92,25 +92,25 @@ def _model_grads(model, tokens):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_deferred_block_outputs_give_the_bytes_of_the_blocks_one_by_one(dtype, compiled):
-    """run_coat_layers (the coat model's block sequence): each block's output addition is made by the next block's
+    """CoatLayers (the coat model's block sequence): each block's output addition is made by the next block's
     norm and w2's output gradient is cast from the amax that norm's backward folds in. Loss and every gradient are
     the bytes of the blocks run one by one (the sum rounded as torch's addition; a max in any order is the same
     max), eager and compiled (each block fullgraph, aot_eager: three graphs, first, middle and last)."""
-    from megacoat.coat.flow import run_coat_layers
-    from megacoat.model.gpt import run_layers
+    from megacoat.coat.flow import CoatLayers
+    from megacoat.model.gpt import Layers
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     cfg = ModelConfig(**{**CFG, "num_layers": 3})
     model = convert_to_coat(GPT(cfg), recipe_of(mode="coat", group_size=32)).to(dtype)
-    assert model.run_layers is run_coat_layers
+    assert type(model.layers) is CoatLayers
     refresh_fp8_weights(model)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
     if compiled:
         for block in model.layers:
             block.compile(fullgraph=True, backend="aot_eager")
     deferred = _model_grads(model, tokens)
-    model.run_layers = run_layers
+    model.layers = Layers(model.layers)
     one_by_one = _model_grads(model, tokens)
     assert torch.equal(deferred[0], one_by_one[0])
     for name, g in one_by_one[1].items():

@@ -13,11 +13,11 @@ from tests.coat.test_no_host_sync import SyncRecorder
 from tests.ops.fp8_compare import DEV, interpreted, rel_err
 from tests.coat.recipes import recipe_of
 from megacoat.coat.convert import convert_to_coat
-from megacoat.coat.head import fp8_head_loss
+from megacoat.coat.head import Fp8Head, fp8_head_loss
 from megacoat.coat.linear import Fp8Linear, quantize_x
 from tests.coat.saved_memory import saved_activation_bytes
 from megacoat.model.config import ModelConfig
-from megacoat.model.gpt import GPT, IGNORE_INDEX
+from megacoat.model.gpt import GPT, IGNORE_INDEX, Head
 from megacoat.ops.cross_entropy_fp8 import _stats_kernel
 
 T, H, V = 64, 128, 512
@@ -166,7 +166,7 @@ def test_the_converted_gpt_takes_it_with_labels_and_returns_logits_without():
                       seq_length=32)
     torch.manual_seed(0)
     model = convert_to_coat(GPT(cfg).to(DEV).bfloat16(), recipe_of(mode="coat", group_size=32, output_layer=True))
-    assert model.head_loss is fp8_head_loss
+    assert type(model.head) is Fp8Head
     tokens = torch.randint(0, V, (2, 32), device=DEV)
     labels = torch.randint(0, V, (2, 32), device=DEV)
     logits = model(tokens)
@@ -174,7 +174,7 @@ def test_the_converted_gpt_takes_it_with_labels_and_returns_logits_without():
     torch.testing.assert_close(model(tokens, labels), F.cross_entropy(logits.flatten(0, 1).float(),
                                                                        labels.flatten()), rtol=1e-5, atol=0)
     plain = convert_to_coat(GPT(cfg), recipe_of(mode="coat", group_size=32))
-    assert plain.head_loss is None
+    assert type(plain.head) is Head
 
 
 @pytest.mark.gpu

@@ -21,13 +21,13 @@ def inject_nan_at(iterations: set[int]) -> None:
     def poisoned_train_step(self, data_iter):
         if self.state.iteration + 1 not in iterations:
             return train_step(self, data_iter)
-        model = self.engine.module
-        loss_fn = model.loss_fn
-        model.loss_fn = lambda logits, labels: loss_fn(logits, labels) * float("nan")
+        head = self.engine.module.head
+        loss = head.loss
+        head.loss = lambda logits, labels: loss(logits, labels) * float("nan")  # shadows the method
         try:
             return train_step(self, data_iter)
         finally:
-            model.loss_fn = loss_fn
+            del head.loss
 
     Trainer.train_step = poisoned_train_step
 

@@ -81,7 +81,7 @@ def test_gpu_graphed_gradient_accumulation_equals_compiled(mode):
 
 @pytest.mark.gpu
 def test_gpu_graphed_deferred_block_outputs_equal_compiled():
-    """The coat model's block sequence (run_coat_layers) under CUDA graphs: each block's deferred output (h, out
+    """The coat model's block sequence (CoatLayers) under CUDA graphs: each block's deferred output (h, out
     and w2's carrier) crosses from one block's graph into the next one's. Two micro-batches a step, as the trainer
     runs them: loss and every gradient bit for bit those of the same blocks compiled without graphs."""
     if not torch.cuda.is_available():
