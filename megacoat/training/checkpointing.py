@@ -367,6 +367,7 @@ def resolve_load(load: str, save: str | None = None) -> tuple[str, str] | None:
 _META_KEYS = {"iteration": ((int,), True), "consumed_samples": ((int,), True), "megacoat_config": ((dict,), True),
               "skipped_steps": ((int,), False), "layout": ((dict, type(None)), False),
               "tokenizer": ((dict, type(None)), False), "files": ((dict,), False), "run_id": ((str, type(None)), False)}
+_KIND = {int: "a non-negative integer", dict: "an object", str: "a string"}
 
 
 def check_meta(path: str, meta) -> dict:
@@ -383,8 +384,7 @@ def check_meta(path: str, meta) -> dict:
             continue
         value = meta[key]
         if not isinstance(value, types) or isinstance(value, bool) or (isinstance(value, int) and value < 0):
-            raise bad(f"{key!r} is {value!r}, not a{'n' if types[0] is int else ''} "
-                      f"{'non-negative integer' if types[0] is int else types[0].__name__}")
+            raise bad(f"{key!r} is {value!r}, not {_KIND[types[0]]}")
     if not isinstance(meta["megacoat_config"].get("model"), dict):
         raise bad("'megacoat_config' has no 'model' object")
     if not is_layout_free(meta) and not isinstance(meta.get("layout"), dict):
