@@ -13,7 +13,7 @@ from megacoat.optim.config import OptimizerConfig
 from megacoat.parallel.config import ParallelConfig
 
 PRECISIONS = ("auto", "bf16", "fp32")
-CUBLAS_WORKSPACES = ("auto", "default", "none")  # --cublas-workspace (megacoat.training.cublas_workspace)
+CUBLAS_WORKSPACES = ("auto", "default", "none")  # --cublas-workspace (megacoat.training.runtime)
 # --distributed-timeout-minutes: Megatron's default, far below torch's 30 minutes; long enough for rank 0's
 # one-off work (a save, the embedded corpus's first preparation) while the other ranks wait.
 DEFAULT_TIMEOUT_MINUTES = 10.0

@@ -23,8 +23,6 @@ from megacoat.parallel.grad_norm import global_grad_norm
 from megacoat.training.banner import run_summary, startup_banner
 from megacoat.training.checkpointing import (Layout, TrainState, check_compatible, file_identity, load_checkpoint,
                                              read_meta, resolve_load, save_checkpoint, scaling_changes)
-from megacoat.training.cublas_workspace import apply_cublas_workspace
-from megacoat.training.cuda_allocator import default_allocator_settings
 from megacoat.training.cuda_graph import gradient_groups, own_graph_gradients
 from megacoat.training.deepspeed_config import (build_deepspeed_config, quiet_tested_optimizer_warning,
                                                 resolve_main_params)
@@ -35,6 +33,7 @@ from megacoat.training.flops import flops_per_token, peak_flops
 from megacoat.training.logger import TrainingLogger
 from megacoat.training.model_builder import ModelConverter, build_engine, build_model
 from megacoat.training.profiling import StepProfiler, annotate_engine
+from megacoat.training.runtime import apply_cublas_workspace, default_allocator_settings
 from megacoat.training.signals import ExitConditions
 from megacoat.training.stability import StabilityGuard, clear_skip_flag, skip_fp32_step
 

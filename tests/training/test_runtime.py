@@ -1,12 +1,36 @@
-"""--cublas-workspace: `none` sets both of torch's workspace variables to no workspace before the first GEMM,
-`default` leaves the environment alone, `auto` (the default) is `none` where FP8 GEMMs run, and a different value
-the user set is an error for `none`, and left alone by `auto`."""
+"""megacoat/training/runtime.py: expandable segments are the allocator's default under the trainer and a user's
+PYTORCH_CUDA_ALLOC_CONF is kept as it is; --cublas-workspace `none` sets both of torch's workspace variables to no
+workspace before the first GEMM, `default` leaves the environment alone, `auto` (the default) is `none` where FP8
+GEMMs run, and a different value the user set is an error for `none`, and left alone by `auto`."""
 import pytest
 
 from megacoat.arguments import parse_config
 from megacoat.parallel import ParallelState
 from megacoat.training.banner import startup_banner
-from megacoat.training.cublas_workspace import NO_WORKSPACE, apply_cublas_workspace
+from megacoat.training.runtime import (ALLOC_CONF, DEFAULT_ALLOC_CONF, NO_WORKSPACE, apply_cublas_workspace,
+                                       default_allocator_settings)
+
+
+
+def test_unset_gets_expandable_segments():
+    env = {}
+    assert default_allocator_settings(env) == "expandable_segments:True" == DEFAULT_ALLOC_CONF
+    assert env == {ALLOC_CONF: "expandable_segments:True"}
+
+
+def test_user_settings_are_kept():
+    for value in ("max_split_size_mb:512", "expandable_segments:False", ""):
+        env = {ALLOC_CONF: value}
+        assert default_allocator_settings(env) == value
+        assert env == {ALLOC_CONF: value}
+
+
+def test_banner_names_the_allocator_on_cuda_only():
+    cfg = parse_config(["--bf16"])
+    on_cuda = startup_banner(cfg, ParallelState(), 1, 1, bf16=True, on_cuda=True, allocator=DEFAULT_ALLOC_CONF)
+    assert "  CUDA allocator: expandable_segments:True (PYTORCH_CUDA_ALLOC_CONF)" in on_cuda.splitlines()
+    assert "CUDA allocator" not in startup_banner(cfg, ParallelState(), 1, 1, bf16=False, on_cuda=False,
+                                                  allocator=DEFAULT_ALLOC_CONF)
 
 
 def test_default_leaves_the_environment_alone():
@@ -44,7 +68,7 @@ def test_flag_reaches_the_config_and_the_banner():
 def test_bad_value_is_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         parse_config(["--cublas-workspace", "small"])
-    assert e.value.code == 2 and "--cublas-workspace" in capsys.readouterr().err
+    assert e.value.code == 1 and "--cublas-workspace" in capsys.readouterr().err
 
 
 def test_auto_is_none_with_fp8_gemms_only_and_yields_to_the_user():
