@@ -145,37 +145,34 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block (as torchtitan does); first steps are slower")
     g.add_argument("--enable-cuda-graph", action="store_true",
-                   help="--compile with CUDA graphs: each block compiled in mode reduce-overhead (cudagraph trees: "
-                        "replayed forward and backward, static shapes, a private memory pool); CUDA, no pipeline")
+                   help="--compile with CUDA graphs (mode reduce-overhead: each block's forward and backward "
+                        "replayed); CUDA only, no pipeline parallelism")
     g.add_argument("--cublas-workspace", choices=CUBLAS_WORKSPACES, default=t.cublas_workspace,
-                   help="none: cuBLAS and cuBLASLt without a workspace (CUBLASLT_WORKSPACE_SIZE=0, "
-                        "CUBLAS_WORKSPACE_CONFIG=:0:0): Hopper's FP8 GEMMs then run statically scheduled, without "
-                        "a workspace memset before each; default: torch's workspace; auto (default): none where "
-                        "FP8 GEMMs run (--coat-fp8, --fp8-activations fp8-linear) unless either variable is set")
+                   help="none: cuBLAS without a workspace; default: torch's workspace; auto: none where FP8 GEMMs run, "
+                        "unless CUBLASLT_WORKSPACE_SIZE or CUBLAS_WORKSPACE_CONFIG is set (auto is the default)")
     g.add_argument("--host-overflow-check", action="store_true",
-                   help="bf16 ZeRO-1/2: refuse a step with a non-finite gradient norm by DeepSpeed's host check, "
-                        "which also holds the LR schedule, instead of on the device (default: the optimizer skips "
-                        "the step on a device flag, the GPU never waits for the host, the schedule moves on)")
+                   help="bf16 ZeRO-1/2: skip a non-finite step by DeepSpeed's host check (which also holds the LR "
+                        "schedule) instead of on the device (default: off, the device skips it)")
     g.add_argument("--log-interval", type=int, default=t.log_interval)
     g.add_argument("--log-json", default=None, help="append one JSON object per logged iteration to this file")
     g.add_argument("--eval-interval", type=int, default=t.eval_interval)
     g.add_argument("--eval-iters", type=int, default=t.eval_iters)
     g.add_argument("--save", default=None, help="checkpoint directory: DIR/iter_0000100/ per save, DIR/latest")
     g.add_argument("--load", default=None,
-                   help="resume from the --save directory DIR (its latest) or from DIR/iter_N; with no checkpoint "
-                        "there it is an error, unless it is also the --save directory (a job's first run)")
+                   help="resume from DIR (its latest) or DIR/iter_N; no checkpoint there is an error unless DIR is "
+                        "also --save (a job's first run)")
     g.add_argument("--save-interval", type=int, default=None,
                    help="save every N iterations (default: with --save, at the end only)")
     g.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints under --save")
     g.add_argument("--finetune", action="store_true",
                    help="--load only the weights: iteration, data position, optimizer and LR schedule start at zero")
     g.add_argument("--override-optimizer-state", choices=("convert",), default=None,
-                   help="convert: --load a checkpoint of another optimizer (AdamW <-> --fp8-optimizer, other "
-                        "--fp8-m-dtype/--fp8-v-dtype/--fp8-group-size/--fp8-no-expansion) by converting its state")
+                   help="convert: --load another optimizer's state (AdamW <-> CoatAdamW, other FP8 moment "
+                        "settings) by converting it")
     g.add_argument("--exit-interval", type=int, default=None, help="save and exit when iteration %% N == 0")
     g.add_argument("--profile-dir", default=None,
-                   help="torch.profiler over iterations (--profile-step-start, --profile-step-end]: a Chrome trace "
-                        "and the top operators by device time per rank, written here")
+                   help="write a torch.profiler Chrome trace and top operators per rank here, for iterations "
+                        "(--profile-step-start, --profile-step-end]")
     g.add_argument("--profile-step-start", type=int, default=t.profile_step_start)
     g.add_argument("--profile-step-end", type=int, default=t.profile_step_end)
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="save and exit after this wall time")

@@ -91,7 +91,8 @@ def after_optimizer_step(model: nn.Module, dp_group=None, dp_size: int = 1, cuda
 
 class GraphedWeightRefresh:
     """refresh_fp8_weights(model) replayed as one CUDA graph: the same kernels (a concatenation, an amax and a
-    cast per FP8 weight copy, and the in-place copies) without a host launch each, ~6 per copy, which the host would issue after the optimizer step with the GPU idle.
+    cast per FP8 weight copy, and the in-place copies) without a host launch
+    each, which the host would issue after the optimizer step with the GPU idle.
 
     Sound because every address it touches is fixed for the run: DeepSpeed updates the weights in place (views of
     its flat buffers), and the copies are rewritten in place. The first calls run eagerly (they create the copies

@@ -1,34 +1,12 @@
-"""Delayed scaling of FP8 tensors that megacoat's own kernels produce: the amax history one cast site keeps.
+"""Delayed scaling: an FP8 cast scaled by the amaxes its earlier calls recorded, recording its own in the same pass.
 
-Just-in-time ("current") scaling needs a tensor's whole amax before its first FP8 byte is written, which for a
-tensor made by a fused kernel is a second pass: SwiGLU's backward reads ds and the saved pair twice (4.8 ms of a
-218 ms step for the 1.3 B model at micro-batch 4 on an H100, benchmarks/results/bench_e2e_kernels_mb4.json), and
-the forwards of RMSNorm and SwiGLU compute their output's amax in one kernel and write the output in another
-(`_out_kernel`, which reads their FP8 input again), and the [q|k|v] output gradient is written by RoPE's backward in
-BF16 only for a cast pass to read it again. With delayed scaling, TransformerEngine's default recipe, the
-cast takes its scale from the amaxes that earlier calls recorded and records its own in the same pass, so one
-pass does the work of two. A value beyond the recorded amaxes saturates at the format's largest value (never inf).
-
-Two switches use it (megacoat.coat.recipe): --fp8-grad-scaling delayed (the E5M2 gradients of SwiGLU and of the
-[q|k|v] output, two histories per block, one entry per backward call; RoPE's backward then writes the FP8 [q|k|v]
-gradient itself, megacoat.ops.rope_grad_cast) and --fp8-activation-scaling delayed (the E4M3 outputs of the two
-RMSNorms and of SwiGLU, and wo's input, attention's output, cast in one launch that records its amax instead of a
-reduction and a cast, megacoat.ops.cast_transpose.cast_transpose_delayed: four histories per block, one entry per
-forward call with gradients).
-
-`DelayedScale` holds one history [L] (float32, most recent first; the scale is the history's maximum,
-TransformerEngine's "max" rule). It is a buffer, so it is saved in checkpoints and an exact resume continues from
-it. The first call has nothing recorded: it scales by its own amax (both passes) and records it. Which call that
-is, the forward decides (a Python flag read where torch.compile can guard on it: the flag flips once, so a compiled
-block is traced once more, and never again). For the gradient's site, that needs each forward's backward before
-the next forward with gradients, which the trainer's micro-batch loop gives; DeepSpeed's pipeline schedule does
-not, so --pipeline-model-parallel-size > 1 refuses --fp8-grad-scaling delayed. A forward without gradients (evaluation)
-scales just in time and leaves every history alone, so evaluating never changes training.
-
-The other FP8 tensors keep current scaling, where their amax costs no pass of its own: the gradient of wo's
-output is folded into the MLP norm's backward kernel that writes it (megacoat.coat.linear's carrier), and the
-block output's gradient (w2's) into the next block's attention norm's (megacoat.coat.flow.CoatLayers); only
-the last block's, whose consumer is the model's final norm, is a reduction of its own.
+`DelayedScale` holds one cast site's amax history [L] (float32, most recent first; the scale is its maximum,
+TransformerEngine's "max" rule), a buffer saved in checkpoints. The first call with gradients has nothing recorded
+and scales by its own amax; a forward without gradients (evaluation) scales just in time and leaves the history
+alone. A value beyond the recorded amaxes saturates at the format's largest value. The gradient sites need each
+forward's backward before the next forward with gradients (no pipeline schedule: CoatRecipe.for_layout refuses it).
+Sites per coat block: SwiGLU's and the [q|k|v] output's gradients (grad_scaling), the two norms' and SwiGLU's FP8
+outputs and wo's input (activation_scaling). `AmaxHistorySync` keeps the data-parallel replicas' histories equal.
 """
 from __future__ import annotations
 

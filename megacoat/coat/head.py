@@ -1,16 +1,9 @@
-"""The FP8 output layer and its cross-entropy as one autograd function (--fp8-output-layer, forwards with labels).
+"""The FP8 vocabulary head: the output layer and its cross-entropy as one autograd function, and `Fp8Head`.
 
-The head's backward takes the logits' gradient as FP8 codes, and the loss can write them itself: its forward keeps
-what the gradient's amax needs (megacoat.ops.cross_entropy_fp8), so its backward forms the gradient and casts it in
-one pass over the logits. Apart, the loss would write a bf16 gradient and the head would read it twice more (amax,
-cast): 6 bytes per logit more, ~4 ms a micro-batch of the 1.3 B model at micro-batch 32 on an H100.
-
-The logits' gradient loses most to FP8 in each row's label entry c (p_y - 1), the row's largest: per-tensor E5M2
-sees it in steps of c/7 near the amax, so p_y below 1/14 counts as 0, an error of one sign (benchmarks/
-head_grad_error.py; at 350 M the head in FP8 without this ended +0.30% above bf16). The loss's backward therefore
-also returns each label entry's rounding error r, and the head adds it back in float32 through its BF16 weight and
-its FP8 input: dx_t += r_t W[y_t], dW[y] += sum over tokens t labelled y of r_t x_t (one kernel,
-megacoat.ops.label_corrections). The row's other entries keep E5M2's rounding.
+The loss's backward writes the logits' gradient as FP8 codes itself (megacoat.ops.cross_entropy_fp8), one pass over
+the logits, and returns each label entry's rounding error r, which the head adds back in float32 through its BF16
+weight and its FP8 input: dx_t += r_t W[y_t], dW[y] += sum over tokens t labelled y of r_t x_t
+(megacoat.ops.label_corrections). The row's other entries keep E5M2's rounding.
 
 `Fp8Head` is the model's head module that convert_to_coat swaps in: with labels it runs `fp8_head_loss`, without
 them the output layer (an Fp8Linear) returns the logits.
@@ -34,7 +27,7 @@ class Fp8HeadLossFunction(torch.autograd.Function):
 
     The logits are kept on ctx, not through save_for_backward, so that backward can free them as soon as their FP8
     gradient is written: autograd holds saved tensors until the node's backward returns, and the logits (2 bytes a
-    logit) would sit beside the GEMMs' outputs, dx and dW (0.15 GiB for the 1.3 B model at micro-batch 4). Freed,
+    logit) would sit beside the GEMMs' outputs, dx and dW. Freed,
     the head's peak is the logits and their gradient, as a compiled BF16 loss's. Backward therefore runs once per
     forward (retain_graph is refused with one error)."""
 

@@ -77,8 +77,7 @@ class Fp8WeightCache:
     they run as one GEMM, in both layouts, with one per-tensor scale.
 
     policy step (--fp8-weight-cache): both copies are kept from one optimizer step to the next, so micro-batches
-    between two steps reuse them. Costs 2 bytes per block-linear parameter for the whole run (~2.3 GiB for a 1.3 B
-    model). `refresh` rewrites them in place.
+    between two steps reuse them. Costs 2 bytes per block-linear parameter for the whole run. `refresh` rewrites them in place.
     rowwise (the default): only W8 is kept (1 byte per parameter); `get` hands out W8^T as a transposed view of it,
     which backward makes contiguous (fp8_weight_t): one FP8 transpose per backward GEMM, and exactly step's bytes
     (both layouts are casts of the same values with the same scale), so training is bit for bit the same.
@@ -86,7 +85,7 @@ class Fp8WeightCache:
     (in-place updates by torch optimizers bump `_version`) or after invalidate_fp8_weight_caches(); a compiled
     forward only reads them (refresh_fp8_weights before it).
     none (not persistent): forward makes W8 and drops it after its GEMM, and backward makes
-    W8^T again from the weight (fp8_weight_t): nothing is kept, for ~3 extra reads of the weight per micro-batch;
+    W8^T again from the weight (fp8_weight_t): nothing is kept, for three more reads of the weight per micro-batch;
     compiled, these quantizations are part of the graph.
     """
 
