@@ -1,6 +1,5 @@
-"""Benchmark tests: load benchmarks/*.py by path (benchmarks/ is scripts, not a package), run them as scripts,
-and a tiny fidelity data set built once per session from small standard-library modules (real text)."""
-import importlib.util
+"""Benchmark tests: run the benchmark modules as `python -m benchmarks.X.Y` from the repository root, and a tiny
+fidelity data set built once per session from small standard-library modules (real text)."""
 import os
 import shutil
 import subprocess
@@ -10,19 +9,12 @@ import sysconfig
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCHMARKS = os.path.join(ROOT, "benchmarks")
 
 
-def load_benchmark(name):
-    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", os.path.join(BENCHMARKS, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def run_script(*args, timeout=600):
+def run_module(module, *args, timeout=600):
+    """`python -m module args...` from the repository root, Triton under its interpreter."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env,
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=ROOT)
 
 
@@ -35,7 +27,7 @@ def tiny_data(tmp_path_factory):
         os.makedirs(src / name)
         shutil.copy(os.path.join(stdlib, f"{name}.py"), src / name)
     out = tmp_path_factory.mktemp("data") / "fidelity_data"
-    proc = run_script(os.path.join(BENCHMARKS, "fidelity_data.py"), "--out", str(out), "--packages", "none",
+    proc = run_module("benchmarks.fidelity.data", "--out", str(out), "--packages", "none",
                       "--source-dir", *sorted(str(p) for p in src.iterdir()), "--doc-dir", "--vocab-size", "400",
                       "--valid-bytes", "1600", "--max-group-fraction", "1", "--min-valid-tokens", "300",
                       "--tokenizer-sentences", "2000", "--workers", "1")

@@ -1,15 +1,15 @@
-"""benchmarks/bench_cast_transpose.py runs end to end (tiny shapes, the kernel under the interpreter): each tile and
+"""benchmarks/kernels/cast_transpose.py runs end to end (tiny shapes, the kernel under the interpreter): each tile and
 layout writes the library tile's bytes (on the GPU: the torch reference's), the library tile first."""
 import json
 
 import pytest
 
-from tests.benchmarks.conftest import run_script
+from tests.benchmarks.conftest import run_module
 
 
 def test_cpu_smoke_writes_its_json(tmp_path):
     out = tmp_path / "bench.json"
-    proc = run_script("benchmarks/bench_cast_transpose.py", "--cpu-smoke", "--sweep", "128:32:4", "--out", str(out))
+    proc = run_module("benchmarks.kernels.cast_transpose", "--cpu-smoke", "--sweep", "128:32:4", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert result["complete"] is True and not (tmp_path / "bench.json.tmp").exists()
@@ -24,7 +24,7 @@ def test_cpu_smoke_writes_its_json(tmp_path):
 
 @pytest.mark.parametrize("tile", ["64:64", "100:64:4", "64:64:3"])
 def test_bad_tile_is_one_line_and_exit_2(tmp_path, tile):
-    proc = run_script("benchmarks/bench_cast_transpose.py", "--cpu-smoke", "--sweep", tile,
+    proc = run_module("benchmarks.kernels.cast_transpose", "--cpu-smoke", "--sweep", tile,
                       "--out", str(tmp_path / "bench.json"))
     assert proc.returncode == 2 and "--sweep" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

@@ -1,15 +1,15 @@
-"""benchmarks/bench_head_loss.py runs end to end (tiny shapes, the kernels under the interpreter): every part's rows,
+"""benchmarks/kernels/head_loss.py runs end to end (tiny shapes, the kernels under the interpreter): every part's rows,
 the library's setting first in each group, each checked against its reference; a bad tile is one line and exit 2."""
 import json
 
 import pytest
 
-from tests.benchmarks.conftest import run_script
+from tests.benchmarks.conftest import run_module
 
 
 def test_cpu_smoke_writes_its_json(tmp_path):
     out = tmp_path / "bench.json"
-    proc = run_script("benchmarks/bench_head_loss.py", "--cpu-smoke", "--sweep-corrections", "16:64:4",
+    proc = run_module("benchmarks.kernels.head_loss", "--cpu-smoke", "--sweep-corrections", "16:64:4",
                       "--sweep-stats", "256:4", "--sweep-grad", "32:32:4", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
@@ -28,6 +28,6 @@ def test_cpu_smoke_writes_its_json(tmp_path):
 @pytest.mark.parametrize("flag,tile", [("--sweep-corrections", "32:100:4"), ("--sweep-stats", "4096"),
                                        ("--sweep-grad", "64:64:3")])
 def test_bad_tile_is_one_line_and_exit_2(tmp_path, flag, tile):
-    proc = run_script("benchmarks/bench_head_loss.py", "--cpu-smoke", flag, tile, "--out", str(tmp_path / "b.json"))
+    proc = run_module("benchmarks.kernels.head_loss", "--cpu-smoke", flag, tile, "--out", str(tmp_path / "b.json"))
     assert proc.returncode == 2 and flag in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

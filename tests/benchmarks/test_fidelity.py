@@ -1,21 +1,22 @@
-"""benchmarks/fidelity.py: the whole benchmark (data, runs, gradients, report) end to end on the CPU in a tiny
+"""benchmarks/fidelity/loss.py: the whole benchmark (data, runs, gradients, report) end to end on the CPU in a tiny
 configuration, and bad input."""
+import importlib
 import json
 import math
 import os
 
 import pytest
 
-from tests.benchmarks.conftest import BENCHMARKS, load_benchmark, run_script
+from tests.benchmarks.conftest import run_module
 
-SCRIPT = os.path.join(BENCHMARKS, "fidelity.py")
+SCRIPT = "benchmarks.fidelity.loss"
 
 
 @pytest.mark.slow
 def test_end_to_end_tiny(tiny_data, tmp_path):
     runs_json, grads_json, report_json = (str(tmp_path / n) for n in ("runs.json", "grads.json", "report.json"))
     # two at a time: the second seed's pair waits in the queue for a free slot
-    proc = run_script(SCRIPT, "run", "--preset", "tiny", "--modes", "bf16", "coat", "--seeds", "1", "2",
+    proc = run_module(SCRIPT, "run", "--preset", "tiny", "--modes", "bf16", "coat", "--seeds", "1", "2",
                 "--parallel", "2", "--data", tiny_data, "--time-budget", "500", "--workdir", str(tmp_path / "runs"),
                 "--save-checkpoint", "bf16:1", "--port-base", "29850", "--out", runs_json)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -38,10 +39,10 @@ def test_end_to_end_tiny(tiny_data, tmp_path):
     assert abs(first[("coat", 1)] - first[("bf16", 1)]) < 0.05 * first[("bf16", 1)]
 
     checkpoint = next(r["checkpoint"] for r in runs["runs"] if r.get("checkpoint"))
-    proc = run_script(SCRIPT, "grads", "--checkpoint", checkpoint, "--data", tiny_data, "--modes", "coat",
+    proc = run_module(SCRIPT, "grads", "--checkpoint", checkpoint, "--data", tiny_data, "--modes", "coat",
                 "--batch-size", "2", "--out", grads_json)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_script(SCRIPT, "report", runs_json, grads_json, "--out", report_json)
+    proc = run_module(SCRIPT, "report", runs_json, grads_json, "--out", report_json)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(report_json) as f:
         rep = json.load(f)
@@ -69,13 +70,13 @@ def test_end_to_end_tiny(tiny_data, tmp_path):
     other = str(tmp_path / "other.json")
     with open(other, "w") as f:
         json.dump(runs, f)
-    proc = run_script(SCRIPT, "report", runs_json, other, "--out", str(tmp_path / "x.json"))
+    proc = run_module(SCRIPT, "report", runs_json, other, "--out", str(tmp_path / "x.json"))
     assert proc.returncode == 1 and proc.stderr.startswith("error:") and "data_id" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_missing_data_is_one_error_line(tmp_path):
-    proc = run_script(SCRIPT, "run", "--preset", "tiny", "--data", str(tmp_path / "nothing"), "--out",
+    proc = run_module(SCRIPT, "run", "--preset", "tiny", "--data", str(tmp_path / "nothing"), "--out",
                 str(tmp_path / "x.json"))
     assert proc.returncode == 1 and proc.stderr.startswith("error: --data") and "Traceback" not in proc.stderr
 
@@ -83,7 +84,7 @@ def test_missing_data_is_one_error_line(tmp_path):
 def test_cuda_graph_plan_and_its_merge_rule():
     """--cuda-graph adds the trainer's --enable-cuda-graph (which compiles) and is part of the plan; a plan written
     before the option merges with one that ran without it, never with one that ran with it."""
-    fid = load_benchmark("fidelity")
+    fid = importlib.import_module("benchmarks.fidelity.loss")
     manifest = {"vocab_size": 64, "data_prefix": "p", "split": "9,1,0", "tokenizer_model": "t",
                 "valid": {"tokens": 10 * 8 * 32 + 1}}
     plain_flags, plain = fid.run_plan("tiny", manifest, True, False)
@@ -95,7 +96,7 @@ def test_cuda_graph_plan_and_its_merge_rule():
 
 
 def test_cuda_graph_without_a_gpu_is_one_error_line(tiny_data, tmp_path):
-    proc = run_script(SCRIPT, "run", "--preset", "tiny", "--cuda-graph", "--data", tiny_data, "--out",
+    proc = run_module(SCRIPT, "run", "--preset", "tiny", "--cuda-graph", "--data", tiny_data, "--out",
                       str(tmp_path / "x.json"))
     assert proc.returncode == 1 and proc.stderr.startswith("error: --cuda-graph") and "Traceback" not in proc.stderr
 
@@ -104,7 +105,7 @@ def test_every_mode_is_a_valid_trainer_command():
     """A mode's flags are parsed by pretrain_gpt.py's parser before any device time is spent on them."""
     from megacoat.arguments import parse_config
 
-    fidelity = load_benchmark("fidelity")
+    fidelity = importlib.import_module("benchmarks.fidelity.loss")
     for mode, flags in fidelity.MODES.items():
         fp8 = parse_config(list(flags)).fp8
         # every coat name pins the head it was measured with: the FP8 one in coat-fp8-head-lx alone
@@ -128,11 +129,11 @@ def test_repeats_reports_what_report_refuses(tmp_path):
     paired interval); repeats lists every run, its group's mean, spread and gap to bf16's mean at that seed."""
     a = _runs_doc(tmp_path / "a.json", [("bf16", 6, 2.0), ("coat", 6, 2.2)])
     b = _runs_doc(tmp_path / "b.json", [("bf16", 6, 2.1), ("coat", 6, 2.0), ("fp8-linear", 6, 2.05)])
-    proc = run_script(SCRIPT, "report", a, b, "--out", str(tmp_path / "r.json"))
+    proc = run_module(SCRIPT, "report", a, b, "--out", str(tmp_path / "r.json"))
     assert proc.returncode == 1 and proc.stderr.startswith("error:")
     assert "finished on cpu in both" in proc.stderr and "Traceback" not in proc.stderr
     out = str(tmp_path / "rep.json")
-    proc = run_script(SCRIPT, "repeats", a, b, "--out", out)
+    proc = run_module(SCRIPT, "repeats", a, b, "--out", out)
     assert proc.returncode == 0, proc.stderr[-2000:]
     with open(out) as f:
         rep = json.load(f)
@@ -148,7 +149,7 @@ def test_repeats_reports_what_report_refuses(tmp_path):
     assert rep["pooled_run_to_run_std_pct"] == pytest.approx(100 * math.sqrt(sum(d * d for d in devs) / 2))
     # other data: refused as report refuses it
     c = _runs_doc(tmp_path / "c.json", [("bf16", 6, 2.0)], data_id="d2")
-    proc = run_script(SCRIPT, "repeats", a, c, "--out", out)
+    proc = run_module(SCRIPT, "repeats", a, c, "--out", out)
     assert proc.returncode == 1 and proc.stderr.startswith("error:") and "data_id" in proc.stderr
 
 
@@ -160,7 +161,7 @@ def test_report_pairs_a_seed_only_on_the_same_card(tmp_path):
     h100 = _runs_doc(tmp_path / "h100.json", [("bf16", 3, 2.10), ("coat", 3, 2.00), ("coat", 4, 2.00)],
                      device="H100")
     out = str(tmp_path / "r.json")
-    proc = run_script(SCRIPT, "report", h200, h100, "--out", out)
+    proc = run_module(SCRIPT, "report", h200, h100, "--out", out)
     assert proc.returncode == 0, proc.stderr[-2000:]
     with open(out) as f:
         rep = json.load(f)
@@ -174,7 +175,7 @@ def test_report_pairs_a_seed_only_on_the_same_card(tmp_path):
     assert "3 same-card seed pairs" in proc.stdout and "seed 4 on H100" in proc.stdout
     # bf16 at seed 3 on the H200 only: coat's H100 run at seed 3 pairs with nothing, and says where bf16 ran
     h100_coat = _runs_doc(tmp_path / "h100c.json", [("coat", 3, 2.00)], device="H100")
-    proc = run_script(SCRIPT, "report", h200, h100_coat, "--out", out)
+    proc = run_module(SCRIPT, "report", h200, h100_coat, "--out", out)
     assert proc.returncode == 0, proc.stderr[-2000:]
     with open(out) as f:
         rep = json.load(f)
@@ -182,7 +183,7 @@ def test_report_pairs_a_seed_only_on_the_same_card(tmp_path):
     assert rep["modes"]["coat"]["unpaired"] == ["seed 3 on H100: bf16 ran it on H200"]
     # the same seed twice on one card is a repeat, still refused
     again = _runs_doc(tmp_path / "again.json", [("coat", 4, 2.01)], device="H100")
-    proc = run_script(SCRIPT, "report", h100, again, "--out", out)
+    proc = run_module(SCRIPT, "report", h100, again, "--out", out)
     assert proc.returncode == 1 and "coat seed 4 finished on H100 in both" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -190,18 +191,18 @@ def test_report_pairs_a_seed_only_on_the_same_card(tmp_path):
 def test_a_mode_since_removed_from_the_table_is_still_reported(tmp_path):
     """A variant measured once and then dropped (its flags kept in its runs' JSON) stays in report and repeats,
     after the table's modes, with its paired gap."""
-    fid = load_benchmark("fidelity")
+    fid = importlib.import_module("benchmarks.fidelity.loss")
     assert "gone-variant" not in fid.MODES
     a = _runs_doc(tmp_path / "a.json", [("gone-variant", s, 2.0 + 0.01 * s) for s in (1, 2)]
                   + [("bf16", s, 2.0) for s in (1, 2)] + [("coat", s, 2.0) for s in (1, 2)])
     out = str(tmp_path / "r.json")
-    proc = run_script(SCRIPT, "report", a, "--out", out)
+    proc = run_module(SCRIPT, "report", a, "--out", out)
     assert proc.returncode == 0, proc.stderr[-2000:]
     with open(out) as f:
         rep = json.load(f)
     assert list(rep["modes"]) == ["bf16", "coat", "gone-variant"]
     assert rep["modes"]["gone-variant"]["gap_to_bf16"]["mean_pct"] == pytest.approx(0.75)
-    proc = run_script(SCRIPT, "repeats", a, "--out", out)
+    proc = run_module(SCRIPT, "repeats", a, "--out", out)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
@@ -214,7 +215,7 @@ def test_a_run_split_over_invocations_is_the_uninterrupted_run(tiny_data, tmp_pa
 
     def invoke(name, *extra):
         out = str(tmp_path / f"{name}.json")
-        proc = run_script(SCRIPT, "run", *common, "--runs", "coat:1", "--out", out, *extra)
+        proc = run_module(SCRIPT, "run", *common, "--runs", "coat:1", "--out", out, *extra)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         with open(out) as f:
             return json.load(f)["runs"][0], proc.stdout
@@ -233,14 +234,14 @@ def test_a_run_split_over_invocations_is_the_uninterrupted_run(tiny_data, tmp_pa
 
 
 def test_stop_every_without_resume_is_one_error_line(tiny_data, tmp_path):
-    proc = run_script(SCRIPT, "run", "--preset", "tiny", "--data", tiny_data, "--stop-every", "2",
+    proc = run_module(SCRIPT, "run", "--preset", "tiny", "--data", tiny_data, "--stop-every", "2",
                       "--out", str(tmp_path / "x.json"))
     assert proc.returncode == 1 and proc.stderr.startswith("error:") and "--stop-every" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_runs_spread_over_the_visible_gpus():
-    fidelity = load_benchmark("fidelity")
+    fidelity = importlib.import_module("benchmarks.fidelity.loss")
     assert fidelity.visible_gpus(4, {}) == ["0", "1", "2", "3"]
     assert fidelity.visible_gpus(2, {"CUDA_VISIBLE_DEVICES": "3, 5"}) == ["3", "5"]  # the caller's own choice
 

@@ -1,13 +1,13 @@
-"""benchmarks/fidelity_data.py: near-duplicate detection, the grouping rules, and a split by file whose groups
+"""benchmarks/fidelity/data.py: near-duplicate detection, the grouping rules, and a split by file whose groups
 never straddle train and validation."""
+import importlib
 import json
 import os
 
 import numpy as np
 
-from tests.benchmarks.conftest import load_benchmark
 
-fd = load_benchmark("fidelity_data")
+fd = importlib.import_module("benchmarks.fidelity.data")
 WORDS = [f"word{i}" for i in range(400)]
 
 

@@ -1,12 +1,12 @@
-"""benchmarks/fidelity_stats.py: Student's t quantiles against tables and the paired confidence interval on known
+"""benchmarks/fidelity/stats.py: Student's t quantiles against tables and the paired confidence interval on known
 numbers."""
+import importlib
 import math
 
 import pytest
 
-from tests.benchmarks.conftest import load_benchmark
 
-stats = load_benchmark("fidelity_stats")
+stats = importlib.import_module("benchmarks.fidelity.stats")
 
 
 @pytest.mark.parametrize("df, quantile", [(1, 12.706204736174707), (2, 4.302652729911275),

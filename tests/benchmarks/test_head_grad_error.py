@@ -1,18 +1,19 @@
-"""benchmarks/head_grad_error.py: the tiny random case runs as a script and its numbers hang together; its stochastic
+"""benchmarks/fidelity/head_grad_error.py: the tiny random case runs as a script and its numbers hang together; its stochastic
 E5M2 rounding is E5M2 and unbiased."""
+import importlib
 import json
 import os
 
 import torch
 
-from tests.benchmarks.conftest import BENCHMARKS, load_benchmark, run_script
+from tests.benchmarks.conftest import run_module
 
-SCRIPT = os.path.join(BENCHMARKS, "head_grad_error.py")
+SCRIPT = "benchmarks.fidelity.head_grad_error"
 
 
 def test_tiny_case_runs_and_agrees_with_the_library(tmp_path):
     out = str(tmp_path / "head_grad_error.json")
-    proc = run_script(SCRIPT, "--tiny", "--accumulate", "2", "--out", out)
+    proc = run_module(SCRIPT, "--tiny", "--accumulate", "2", "--out", out)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     with open(out) as f:
         res = json.load(f)
@@ -33,7 +34,7 @@ def test_tiny_case_runs_and_agrees_with_the_library(tmp_path):
 
 
 def test_stochastic_e5m2_rounding_is_on_the_grid_and_unbiased():
-    sr_e5m2 = load_benchmark("head_grad_error").sr_e5m2
+    sr_e5m2 = importlib.import_module("benchmarks.fidelity.head_grad_error").sr_e5m2
     g = torch.tensor([[0.3, -0.7, 1.1, 2.0, -1e-6, 0.0]])
     g = g.repeat(4000, 1)
     q = sr_e5m2(g, seed=0)

@@ -1,4 +1,4 @@
-"""benchmarks/head_precision_eval.py on the CPU: a tiny checkpoint evaluated with its head in FP8 and in BF16, and
+"""benchmarks/fidelity/head_precision_eval.py on the CPU: a tiny checkpoint evaluated with its head in FP8 and in BF16, and
 bad input."""
 import dataclasses
 import json
@@ -6,12 +6,12 @@ import os
 
 import torch
 
-from tests.benchmarks.conftest import BENCHMARKS, run_script
+from tests.benchmarks.conftest import run_module
 from megacoat.checkpoint.layout_free import write_layout_free
 from megacoat.model.config import ModelConfig
 from megacoat.model.gpt import GPT
 
-SCRIPT = os.path.join(BENCHMARKS, "head_precision_eval.py")
+SCRIPT = "benchmarks.fidelity.head_precision_eval"
 
 
 def _checkpoint(tmp_path) -> str:
@@ -25,7 +25,7 @@ def _checkpoint(tmp_path) -> str:
 
 def test_the_three_heads_on_one_checkpoint(tiny_data, tmp_path):
     out = str(tmp_path / "eval.json")
-    proc = run_script(SCRIPT, "--checkpoint", _checkpoint(tmp_path), "--data", tiny_data, "--samples", "4",
+    proc = run_module(SCRIPT, "--checkpoint", _checkpoint(tmp_path), "--data", tiny_data, "--samples", "4",
                       "--batch-size", "2", "--out", out)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     with open(out) as f:
@@ -42,6 +42,6 @@ def test_the_three_heads_on_one_checkpoint(tiny_data, tmp_path):
 
 
 def test_bad_input_is_one_line(tmp_path):
-    proc = run_script(SCRIPT, "--checkpoint", str(tmp_path), "--data", str(tmp_path), "--out", str(tmp_path / "x"))
+    proc = run_module(SCRIPT, "--checkpoint", str(tmp_path), "--data", str(tmp_path), "--out", str(tmp_path / "x"))
     assert proc.returncode == 1 and proc.stderr.strip().startswith("error: --data") and "Traceback" not in proc.stderr
     assert not os.path.exists(tmp_path / "x")

@@ -1,5 +1,5 @@
 """trace_gaps: GPU idle gaps attributed to the host stack that launched the work ending them."""
-from benchmarks.trace_gaps import HostStacks, gap_table
+from benchmarks.trace.gaps import HostStacks, gap_table
 
 
 def op(name, ts, dur, cat="cpu_op", tid=1):

@@ -1,4 +1,4 @@
-"""benchmarks/trace_kernels.py: GPU time per step by kernel name and category from a Chrome trace."""
+"""benchmarks/trace/kernels.py: GPU time per step by kernel name and category from a Chrome trace."""
 import gzip
 import json
 import os
@@ -7,7 +7,7 @@ import sys
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 sys.path.insert(0, BENCH)
 
-from trace_kernels import kernel_table  # noqa: E402
+from benchmarks.trace.kernels import kernel_table  # noqa: E402
 
 
 def test_kernels_grouped_per_step_with_their_categories(tmp_path):
@@ -32,7 +32,7 @@ def test_kernels_grouped_per_step_with_their_categories(tmp_path):
 
 
 def test_kernels_by_the_host_operators_that_launched_them():
-    from trace_kernels import kernels_by_source
+    from benchmarks.trace.kernels import kernels_by_source
     events = [
         {"ph": "X", "cat": "cpu_op", "name": "## Call CompiledFxGraph bwd ##", "ts": 0, "dur": 50, "tid": 1},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 10, "dur": 2, "tid": 1,

@@ -1,0 +1,59 @@
+"""benchmarks/parallel/speed.py: its layouts, each recipe's flags per layout, the rows' fields and ratios, the copy
+into $OUT (no SameFileError when the JSON already lies there), and a CPU run (gloo, a tiny model)."""
+import json
+
+import pytest
+
+from benchmarks.parallel import speed
+from tests.benchmarks.conftest import run_module
+
+ROW_FIELDS = ("model", "tp", "pp", "dp", "zero_stage", "mode", "micro_batch_size", "tokens_per_s_per_gpu",
+              "tflops_per_gpu", "max_memory_gib", "device", "versions", "command")
+
+
+def test_layouts_and_zero_stages():
+    assert speed.layout_sizes("tp2dp2", 4) == {"tp": 2, "pp": 1, "dp": 2}
+    assert speed.layout_flags("dp", 4)[-2:] == ["--zero-stage", "2"]
+    assert speed.layout_flags("tp2pp2", 4)[-2:] == ["--zero-stage", "1"]  # DeepSpeed refuses ZeRO-2 with a pipeline
+    with pytest.raises(SystemExit, match="error: --layouts 'tp3'"):
+        speed.layout_sizes("tp3", 4)
+
+
+def test_the_default_keeps_its_graphs_but_under_a_pipeline():
+    flags, graphs = speed.mode_flags("coat", {"tp": 2, "pp": 1, "dp": 2})
+    assert graphs and "--enable-cuda-graph" in flags and "--compile" in flags
+    flags, graphs = speed.mode_flags("coat", {"tp": 2, "pp": 2, "dp": 1})
+    assert not graphs and "--enable-cuda-graph" not in flags and "--compile" in flags
+    assert speed.mode_flags("bf16", {"tp": 1, "pp": 1, "dp": 4}) == (["--compile"], False)
+
+
+def test_ratios_are_within_a_layout():
+    rows = {"dp/bf16": {"ok": True, "tokens_per_s_per_gpu": 100.0, "max_memory_gib": 40.0},
+            "dp/coat": {"ok": True, "tokens_per_s_per_gpu": 150.0, "max_memory_gib": 20.0},
+            "tp/coat": {"ok": True, "tokens_per_s_per_gpu": 90.0, "max_memory_gib": 10.0}}
+    speed.add_ratios(rows)
+    assert rows["dp/coat"]["speedup_vs_bf16"] == 1.5 and rows["dp/coat"]["memory_reduction_vs_bf16"] == 2.0
+    assert "speedup_vs_bf16" not in rows["tp/coat"]  # no bf16 row in its layout
+
+
+def test_save_inside_out_does_not_copy_onto_itself(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    speed.save({"rows": {}}, str(tmp_path / "p.json"))  # shutil.SameFileError before
+    other = tmp_path / "elsewhere"
+    speed.save({"rows": {}}, str(other / "q.json"))
+    assert json.loads((tmp_path / "q.json").read_text()) == {"rows": {}}
+
+
+@pytest.mark.slow
+def test_cpu_run_writes_every_field(tmp_path):
+    out = tmp_path / "p.json"
+    proc = run_module("benchmarks.parallel.speed", "--gpus", "2", "--model", "tiny", "--layouts", "dp", "--warmup", "2",
+                      "--iters", "2", "--log-interval", "2", "--repeats", "1", "--global-batch-size", "4",
+                      "--micro-batch-size", "1", "--out", str(out), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    for mode in ("bf16", "coat"):
+        row = rows[f"dp/{mode}"]
+        assert row["ok"] and all(row.get(k) is not None for k in ROW_FIELDS), row
+        assert (row["tp"], row["pp"], row["dp"], row["zero_stage"]) == (1, 1, 2, 2)
+    assert rows["dp/bf16"]["speedup_vs_bf16"] == 1 and rows["dp/coat"]["memory_reduction_vs_bf16"] > 0
