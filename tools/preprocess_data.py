@@ -17,14 +17,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megacoat.data.preprocessing import MalformedInputError, preprocess  # noqa: E402
+from megacoat.arguments import ArgumentParser  # noqa: E402
+from megacoat.data.preprocessing import preprocess  # noqa: E402
 from megacoat.data.sources import INPUT_FORMATS  # noqa: E402
+from megacoat.training.errors import error_line  # noqa: E402
 
 SHOWN_ERRORS = 20
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="files, globs or directories")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin/.idx, or PREFIX_00000.bin/.idx ... "
                                                           "with --shard-tokens")
@@ -45,8 +47,8 @@ def main(argv=None) -> int:
         r = preprocess(args.input, args.output_prefix, args.tokenizer_model, json_key=args.json_key,
                        input_format=args.input_format, workers=args.workers, shard_tokens=args.shard_tokens,
                        strict=args.strict, progress=not args.no_progress)
-    except (MalformedInputError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (OSError, ValueError) as e:  # inputs, the tokenizer model, --output-prefix (MalformedInputError too)
+        print(error_line(e), file=sys.stderr)
         return 1
     rate = r.num_tokens / r.seconds if r.seconds else 0.0
     print(f"{r.num_documents:,} documents, {r.num_tokens:,} tokens in {len(r.prefixes)} shard(s), "

@@ -1,9 +1,12 @@
 """The start-up banner: what this run trains and how (model, precision, FP8, optimizer, parallel layout,
-batch), in one block that rank 0 prints before the model is built."""
+batch, data), in one block that rank 0 prints before the model is built; and the run's summary, the block it
+prints at the end (`run_summary`)."""
 from __future__ import annotations
 
 from megacoat.config import MegacoatConfig
-from megacoat.fp8.config import fp8_head_obstacle
+from megacoat.data.config import DataConfig, parse_data_path
+from megacoat.data.indexed_dataset import IndexedDataset
+from megacoat.coat.recipe import fp8_head_obstacle
 from megacoat.parallel import ParallelState
 
 
@@ -17,7 +20,7 @@ def _precision(bf16: bool, on_cuda: bool, precision: str, main_params_dtype: str
 
 def _bf16_head_reason(cfg: MegacoatConfig) -> str:
     """Why coat mode's head stays in high precision: where the FP8 head does not run (TP or PP, sizes off the FP8
-    GEMM alignment: auto keeps the BF16 head there, megacoat.fp8.config.resolve_output_layer), else the flag."""
+    GEMM alignment: auto keeps the BF16 head there, CoatRecipe.for_layout), else the flag."""
     if cfg.fp8.mode != "coat":
         return ""
     m, p = cfg.model, cfg.parallel
@@ -55,6 +58,27 @@ def _optimizer(cfg: MegacoatConfig) -> str:
             f"per group of {o.fp8_group_size}, dynamic range expansion {expansion}; {hyper}")
 
 
+SHOWN_PREFIXES = 4  # the data line names this many shards, then counts the rest
+
+
+def _data(d: DataConfig) -> str | None:
+    """The shards (with their weights), their documents and tokens (read from the .idx files), the split."""
+    if d.mock_data:
+        return "random tokens (--mock-data)"
+    if not d.data_path:
+        return None
+    weights, prefixes = parse_data_path(d.data_path)
+    shards = [IndexedDataset(prefix) for prefix in prefixes]
+    docs = sum(s.num_documents for s in shards)
+    tokens = sum(s.num_tokens for s in shards)
+    named = [prefix if weights is None else f"{prefix} (weight {w:g})"
+             for prefix, w in zip(prefixes, weights or [None] * len(prefixes))]
+    if len(named) > SHOWN_PREFIXES:
+        named = named[:SHOWN_PREFIXES] + [f"and {len(named) - SHOWN_PREFIXES} more"]
+    tokenizer = f"; tokenizer {d.tokenizer_model}" if d.tokenizer_model else ""
+    return f"{', '.join(named)}: {docs:,} documents, {tokens:,} tokens; split {d.split}{tokenizer}"
+
+
 def startup_banner(cfg: MegacoatConfig, state: ParallelState, world_size: int, grad_accum: int, bf16: bool,
                    on_cuda: bool, allocator: str | None = None, cublas_workspace: str = "default") -> str:
     m, t = cfg.model, cfg.training
@@ -72,8 +96,32 @@ def startup_banner(cfg: MegacoatConfig, state: ParallelState, world_size: int, g
         ("batch", f"micro-batch {t.micro_batch_size}, global batch {t.global_batch_size} (gradient accumulation "
                   f"{grad_accum}), {t.train_iters} iterations of {t.global_batch_size * m.seq_length} tokens"),
     ]
+    data = _data(cfg.data)
+    if data is not None:
+        rows.append(("data", data))
     if on_cuda and allocator is not None:
         rows.append(("CUDA allocator", f"{allocator} (PYTORCH_CUDA_ALLOC_CONF)"))
     if on_cuda and cublas_workspace != "default":
         rows.append(("cuBLAS workspace", cublas_workspace))
     return "\n".join(["megacoat run:"] + [f"  {k}: {v}" for k, v in rows])
+
+
+def run_summary(trainer, history: dict, seconds: float, start_iteration: int) -> str:
+    """The block rank 0 prints when a run ends: the iterations and tokens it trained and how long it took, the
+    last train and validation losses, the checkpoint it wrote. `trainer` is the Trainer that ran; `history` what
+    its `train()` returned; `start_iteration` where it started (a resumed run counts only its own work)."""
+    t, m = trainer.cfg.training, trainer.cfg.model
+    steps = trainer.state.iteration - start_iteration
+    tokens = steps * t.global_batch_size * m.seq_length
+    rate = f" ({tokens / seconds:,.0f} tokens/s)" if seconds > 0 else ""
+    train = "train {1:.4f} (iteration {0})".format(*history["loss"][-1]) if history["loss"] else "train -"
+    val = ("validation {1:.4f} (iteration {0})".format(*history["val_loss"][-1]) if history["val_loss"]
+           else "no validation (--eval-iters 0)" if not t.eval_iters else "no validation yet")
+    saved = trainer.saved_checkpoint or ("none (no --save)" if not t.save else "none")
+    rows = [
+        ("trained", f"{steps} iterations ({start_iteration} -> {trainer.state.iteration}), {tokens:,} tokens in "
+                    f"{seconds:.1f} s{rate}"),
+        ("final loss", f"{train}, {val}"),
+        ("checkpoint", saved),
+    ]
+    return "\n".join(["megacoat run done:"] + [f"  {k}: {v}" for k, v in rows])
