@@ -92,14 +92,11 @@ def test_compiled_activation_coefficients_match_the_partitioners_choice(mode):
     assert abs(estimate - saved) <= 0.03 * saved, (mode, estimate, saved)  # as the eager test: scalars dropped
 
 
-H100_RUNS = ("bench_e2e_speed_peers_mb1_2_3ff0ca4.json", "bench_e2e_speed_default_mb4_8_3ff0ca4.json",
-             "bench_e2e_speed_default_mb12_3ff0ca4.json", "bench_e2e_speed_default_mb16_3ff0ca4.json",
-             "bench_e2e_memory_default_mb1_4_8_d2f611c.json", "bench_e2e_memory_bf16_mb4_8_d2f611c.json",
-             "bench_e2e_speed_at_largest_mb32_d2f611c.json", "bench_e2e_memory_reserved_mb4_8_c29546e.json")
+H100_RUNS = ("peers_mb1_2.json", "default_mb4_8.json", "default_mb12.json", "default_mb16.json",
+             "memory_default_mb1_4_8.json", "memory_bf16_mb4_8.json", "largest_mb32.json", "memory_reserved_mb4_8.json")
 # runs before the row-major weight cache became the default: the flag's default then
 STEP_CACHE_DEFAULT = set(H100_RUNS)
-H100_RUNS += ("bench_e2e_memory_default_mb4_8_969a95b.json", "bench_e2e_speed_at_largest_mb32_3208e80.json",
-              "bench_e2e_speed_state_mb4_3208e80.json")
+H100_RUNS += ("memory_rowwise_mb4_8.json", "largest_rowwise_mb32.json", "state_rowwise_mb4.json")
 
 
 def test_estimate_within_10_percent_of_the_h100_peaks():
@@ -114,7 +111,7 @@ def test_estimate_within_10_percent_of_the_h100_peaks():
     from megacoat.arguments import parse_config
     from megacoat.training.deepspeed_config import resolve_main_params
 
-    results = os.path.join(ROOT, "benchmarks", "results")
+    results = os.path.join(ROOT, "benchmarks", "results", "estimator_h100")
     checked = set()
     for name in H100_RUNS:
         with open(os.path.join(results, name)) as f:
