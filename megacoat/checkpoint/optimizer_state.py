@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from megacoat.ops.formats import get_format
-from megacoat.ops.coat_adamw_ref import dequantize_moment_ref, quantize_moment_ref
-from megacoat.ops.numerics import num_groups
 from megacoat.coat.adamw import STATE_CONFIG_KEYS, STATE_KEYS
+from megacoat.coat.expansion import dequantize_moment, quantize_moment
+from megacoat.ops.formats import get_format
+from megacoat.ops.numerics import num_groups
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENT_FORMAT_KEY = {"exp_avg": "m_dtype", "exp_avg_sq": "v_dtype"}
@@ -60,7 +60,7 @@ def state_to_fp32(state: dict, group: dict) -> dict[str, torch.Tensor]:
             for s in range(0, n, _SLICE):
                 e = min(s + _SLICE, n)
                 g = slice(s // gs, num_groups(e, gs))
-                pieces.append(dequantize_moment_ref(q[s:e], scale[g], k[g], gs))
+                pieces.append(dequantize_moment(q[s:e], scale[g], k[g], gs))
             out[key] = torch.cat(pieces) if pieces else q.float()
     for key, value in state.items():
         if key in out or (coat and key in STATE_KEYS) or key == "step" or not isinstance(value, torch.Tensor):
@@ -95,7 +95,7 @@ def state_from_fp32(fp32: dict[str, torch.Tensor], step: int, group: dict, param
         for key in MOMENTS:
             flat = plain.pop(key).reshape(-1).to(param.device, torch.float32)
             fmt = get_format(group[MOMENT_FORMAT_KEY[key]]).dtype
-            pieces = [quantize_moment_ref(flat[s:s + _SLICE], fmt, gs, group["expand"])
+            pieces = [quantize_moment(flat[s:s + _SLICE], fmt, gs, group["expand"])
                       for s in range(0, max(n, 1), _SLICE)]
             state[key] = torch.cat([p[0] for p in pieces])
             state[key + "_scale"] = torch.cat([p[1] for p in pieces])

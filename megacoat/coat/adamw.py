@@ -29,9 +29,9 @@ from collections import defaultdict
 
 import torch
 
-from megacoat.ops.formats import get_format
+from megacoat.coat.group_scaling import check_group_size, num_groups
 from megacoat.ops.coat_adamw import BACKENDS, coat_adamw_step
-from megacoat.ops.numerics import check_group_size, num_groups
+from megacoat.ops.formats import get_format
 
 # Settings that define the stored state's meaning: a checkpoint only loads into an optimizer that agrees on them.
 STATE_CONFIG_KEYS = ("m_dtype", "v_dtype", "group_size", "expand", "param_remainders")

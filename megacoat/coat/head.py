@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megacoat.ops.formats import get_format
 from megacoat.coat.linear import Fp8Linear, Fp8LinearFunction, check_gemm_dims, fp8_linear_grads, quantize_x, scaled_mm
 from megacoat.ops.cross_entropy_fp8 import cross_entropy_grad_fp8, cross_entropy_stats
+from megacoat.ops.formats import get_format
 from megacoat.ops.label_corrections import label_corrections
 
 

@@ -31,12 +31,12 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from megacoat.coat.recipe import DEFAULT_WEIGHT_CACHE, WEIGHT_CACHES
-from megacoat.ops.formats import E4M3, get_format
-from megacoat.ops import fp8_gemm
 from megacoat.coat.delayed_scaling import DelayedScale, history_for_call
+from megacoat.coat.recipe import DEFAULT_WEIGHT_CACHE, WEIGHT_CACHES
+from megacoat.ops import fp8_gemm
 from megacoat.ops.cast_transpose import (cast_from_amax, cast_transpose, cast_transpose_delayed, quantize_transpose,
                                          quantize_transpose_into, transpose_fp8)
+from megacoat.ops.formats import E4M3, get_format
 
 _generation = 0  # bumped by invalidate_fp8_weight_caches(); every cache compares it with its own
 

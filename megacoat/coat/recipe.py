@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from megacoat.coat.group_scaling import GROUP_SIZES
 from megacoat.ops.formats import FP8_GEMM_MULTIPLE
-from megacoat.ops.numerics import GROUP_SIZES
 
 # bf16: no FP8. fp8-linear: FP8 GEMMs, BF16 activations saved. coat: the full FP8 precision flow (megacoat.coat.flow).
 ACTIVATION_MODES = ("bf16", "fp8-linear", "coat")

@@ -7,8 +7,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from megacoat.config import MegacoatConfig
 from megacoat.coat.convert import convert_to_coat
+from megacoat.config import MegacoatConfig
 from megacoat.model import GPT, cross_entropy_loss
 from megacoat.model.gpt import Head, RMSNorm
 from megacoat.optim import WarmupDecayLR, build_optimizer, param_groups
