@@ -18,7 +18,7 @@ from torch import nn
 from megacoat.coat.delayed_scaling import DelayedScale, drop_saved_history, history_for_call
 from megacoat.coat.linear import Fp8Linear, Fp8WeightCache, check_gemm_dims, fp8_weight_t, quantize_grad, scaled_mm
 from megacoat.coat.recipe import CoatRecipe
-from megacoat.coat.tensor_parallel import NO_REGION
+from megacoat.coat.tensor_parallel import NO_REGION, RegionBlock
 from megacoat.ops.attention import causal_attention
 from megacoat.ops.formats import get_format
 from megacoat.ops.rmsnorm import rmsnorm_fp8_bwd, rmsnorm_fp8_fwd, rmsnorm_fp8_fwd_delayed, rmsnorm_fp8_out
@@ -227,7 +227,7 @@ def coat_mlp(x, norm_weight, w1, w3, w2, cache13: Fp8WeightCache, cache2: Fp8Wei
         return out.view(x.shape)
     return (*(t.view(x.shape) for t in out[:1 + residual]), *out[1 + residual:])
 
-class CoatTransformerBlock(nn.Module):
+class CoatTransformerBlock(RegionBlock):
     def __init__(self, block: nn.Module, fp8: CoatRecipe):
         super().__init__()
         self.attention_norm = block.attention_norm

@@ -77,7 +77,8 @@ class Fp8WeightCache:
     they run as one GEMM, in both layouts, with one per-tensor scale.
 
     policy step (--fp8-weight-cache): both copies are kept from one optimizer step to the next, so micro-batches
-    between two steps reuse them. Costs 2 bytes per block-linear parameter for the whole run. `refresh` rewrites them in place.
+    between two steps reuse them. Costs 2 bytes per block-linear parameter for the whole run. `refresh` rewrites
+    them in place.
     rowwise (the default): only W8 is kept (1 byte per parameter); `get` hands out W8^T as a transposed view of it,
     which backward makes contiguous (fp8_weight_t): one FP8 transpose per backward GEMM, and exactly step's bytes
     (both layouts are casts of the same values with the same scale), so training is bit for bit the same.

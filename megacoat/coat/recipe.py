@@ -103,8 +103,8 @@ class CoatRecipe:
             raise ValueError("--fp8-grad-scaling delayed is not supported with --pipeline-model-parallel-size > 1 (the "
                              "pipeline schedule runs several forwards before the first backward records an amax)")
         if self.activation_scaling == "delayed" and pp > 1:
-            raise ValueError("--fp8-activation-scaling delayed is not supported with --pipeline-model-parallel-size > 1 "
-                             "(untested with DeepSpeed's pipeline engine)")
+            raise ValueError("--fp8-activation-scaling delayed is not supported with --pipeline-model-parallel-size "
+                             "> 1 (untested with DeepSpeed's pipeline engine)")
         auto_scaling = "delayed" if self.mode == "coat" and pp == 1 else "current"
         return replace(self,
                        grad_scaling=auto_scaling if self.grad_scaling == AUTO else self.grad_scaling,

@@ -1,4 +1,7 @@
-"""How a COAT block is sharded: the TP region it runs in and the plan apply_tp follows for it.
+"""How a COAT block is sharded: the TP region it runs in, which megacoat.parallel.apply_tp gives it.
+
+apply_tp makes a block's linears column- and row-parallel whatever the block; a `RegionBlock` (the COAT block) then
+keeps its norms, fused into its GEMMs, and enters its region with `enter_tp_region`.
 
 COAT fuses each norm into the GEMM after it, so a COAT block enters its region *before* the norm: every rank
 normalises the whole (replicated or, under sequence parallelism, all-gathered) input, and the norm weight's
@@ -9,6 +12,9 @@ the fused MLP, so its partial output leaves the region after it.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+from megacoat.coat.linear import check_gemm_dims
 
 
 class NoRegion:
@@ -26,3 +32,20 @@ class NoRegion:
 
 
 NO_REGION = NoRegion()
+
+
+class RegionBlock(nn.Module):
+    """A block that runs inside one TP region (NO_REGION on one rank), entered before its fused norms."""
+
+    LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
+               "feed_forward.w2", "feed_forward.w3")
+
+    def enter_tp_region(self, region, prefix: str = "") -> tuple[nn.Parameter, ...]:
+        """Run inside `region` from now on (apply_tp has made the linears shards, which the fused functions multiply
+        by directly: their dims must suit FP8 GEMMs). Returns the norm weights, replicated inside the region."""
+        for path in self.LINEARS:
+            out_features, in_features = self.get_submodule(path).weight.shape
+            check_gemm_dims(**{f"{prefix}{path} shard's in_features": in_features,
+                               f"{prefix}{path} shard's out_features": out_features})
+        self.region = region
+        return self.attention_norm.weight, self.ffn_norm.weight

@@ -8,18 +8,17 @@ torchtitan's parallelize.apply_tp). A plan per block:
     output                          → ColumnParallelLinear over the vocabulary (tied: the embedding's shard)
 
 FP8 is applied first (megacoat.coat.convert_to_coat, as torchtitan converts to float8 before apply_tp), and
-apply_tp shards whatever blocks it finds: the linears of an `fp8-linear` block are Fp8Linears and their
-shards keep running FP8 GEMMs; a CoatTransformerBlock keeps its norms (fused into its GEMMs) and gets the TP
-region it runs in. The model's loss becomes the vocab-parallel cross-entropy and its logits are gathered over
-the vocabulary when no labels are given (the GPT's `head` becomes a VocabParallelHead). Parameter names
-are unchanged, so checkpoints and optimizer groups read the same.
+apply_tp shards whatever blocks it finds: the linears of an `fp8-linear` block are Fp8Linears and their shards keep
+running FP8 GEMMs; a COAT block (megacoat.coat.tensor_parallel.RegionBlock) keeps its norms, fused into its GEMMs,
+and enters the TP region it runs in. The GPT's `head` becomes a VocabParallelHead: the vocab-parallel loss, and
+logits gathered over the vocabulary when no labels are given. Parameter names are unchanged, so checkpoints and
+optimizer groups read the same.
 """
 from __future__ import annotations
 
 from torch import nn
 
-from megacoat.coat.flow import CoatTransformerBlock
-from megacoat.coat.linear import check_gemm_dims
+from megacoat.coat.tensor_parallel import RegionBlock
 from megacoat.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megacoat.parallel.layers import (ColumnParallelLinear, ParallelRMSNorm, RowParallelLinear, TPRegion,
                                       VocabParallelEmbedding, mark_replicated)
@@ -44,15 +43,9 @@ def _parallelize_block(block: nn.Module, region: TPRegion, prefix: str) -> None:
         _set(block, path, ColumnParallelLinear(block.get_submodule(path), region, name=prefix + path))
     for path in ROW:
         _set(block, path, RowParallelLinear(block.get_submodule(path), region, name=prefix + path))
-    if isinstance(block, CoatTransformerBlock):
-        # the fused functions multiply by the column and row shards' weights directly
-        for path in COLUMN + ROW:
-            out_features, in_features = block.get_submodule(path).weight.shape
-            check_gemm_dims(**{f"{prefix}{path} shard's in_features": in_features,
-                               f"{prefix}{path} shard's out_features": out_features})
-        for norm in (block.attention_norm, block.ffn_norm):
-            mark_replicated(norm.weight)
-        block.region = region
+    if isinstance(block, RegionBlock):  # the COAT block: its norms stay fused into its GEMMs
+        for weight in block.enter_tp_region(region, prefix):
+            mark_replicated(weight)
         return
     block.attention_norm = ParallelRMSNorm(block.attention_norm, region)
     block.ffn_norm = ParallelRMSNorm(block.ffn_norm, region)
