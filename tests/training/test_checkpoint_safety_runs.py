@@ -132,3 +132,26 @@ def test_an_intact_checkpoint_resumes_and_is_not_saved_again_unchanged(saved, tm
         "iter_0000003"
     recorded = json.loads((ckpt / "iter_0000003" / META).read_text())["files"]
     assert sorted(os.listdir(ckpt / "iter_0000003")) == sorted([*recorded, META])
+
+
+FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_faults.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, expected", [
+    ("disk-full", "writing iter_0000004 failed: No space left on device (torch: [enforce fail at inline_container.cc:"
+                  "664] . unexpected pos 4736 vs 4630); the partial save was removed ('latest' still names "
+                  "iter_0000002)"),
+    ("inf-weights", "refusing to save iteration 4: tok_embeddings.weight holds NaN or Inf ({ckpt}/iter_0000002 is "
+                    "kept)")])
+def test_a_save_that_cannot_be_made_is_one_line_and_keeps_the_last_checkpoint(tmp_path, fault, expected):
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, FAULTS, fault, "4", *FLAGS, "--train-iters", "4", "--save-interval", "2",
+                           "--save", str(ckpt)], cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True,
+                          timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in out, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert lines == [f"error: --save {ckpt}: " + expected.format(ckpt=ckpt)], out[-3000:]
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
+    assert (ckpt / "latest").read_text() == "iter_0000002"
