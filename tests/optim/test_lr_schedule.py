@@ -30,3 +30,30 @@ def test_scheduler_state_round_trips():
     other = WarmupDecayLR(torch.optim.SGD([p], lr=0.0), cfg, train_iters=10)
     other.load_state_dict(sched.state_dict())
     assert other.get_last_lr() == sched.get_last_lr()
+
+
+def test_resume_takes_the_schedule_from_the_flags_and_names_what_changed():
+    """A ZeRO optimizer's saved state brings back the rate it was saved with after the scheduler was loaded;
+    resume() sets the rate of the new flags at the loaded step, and says which schedule flags changed."""
+    cfg = OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=2, lr_decay_style="cosine")
+    p = torch.nn.Parameter(torch.zeros(1))
+    short = WarmupDecayLR(torch.optim.SGD([p], lr=0.0), cfg, train_iters=4)
+    for _ in range(4):
+        short.step()
+    assert short.get_last_lr()[0] == pytest.approx(1e-4)  # the end of the 4-iteration schedule
+
+    opt = torch.optim.SGD([p], lr=0.0)
+    longer = WarmupDecayLR(opt, cfg, train_iters=8)
+    longer.load_state_dict(short.state_dict())
+    opt.param_groups[0]["lr"] = short.get_last_lr()[0]  # what loading the optimizer's state does
+    note = longer.resume()
+    assert opt.param_groups[0]["lr"] == pytest.approx(lr_at(4, cfg, 8)) and lr_at(4, cfg, 8) > 2e-4
+    assert note.startswith("LR schedule rebuilt from the flags at step 4 (--lr-decay-iters 4 -> 8, --train-iters 4 "
+                           "-> 8)"), note
+
+    same = WarmupDecayLR(torch.optim.SGD([p], lr=0.0), cfg, train_iters=4)
+    same.load_state_dict(short.state_dict())
+    assert same.resume() is None  # nothing changed: nothing said
+    old_format = WarmupDecayLR(torch.optim.SGD([p], lr=0.0), cfg, train_iters=8)
+    old_format.load_state_dict({"num_steps": 4})  # a checkpoint from before the settings were saved
+    assert old_format.resume() is None and old_format.get_last_lr()[0] == pytest.approx(lr_at(4, cfg, 8))
