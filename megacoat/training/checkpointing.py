@@ -252,6 +252,14 @@ def _write_failure(e: BaseException) -> str | None:
     return None
 
 
+def _kept(directory: str) -> str | None:
+    """The checkpoint a failed save leaves in place, for its message (None: there is none)."""
+    try:
+        return latest_tag(directory) if os.path.isdir(directory) else None
+    except (OSError, ValueError):
+        return None
+
+
 # --- save / load ------------------------------------------------------------------------------------------
 def _already_saved(final: str, state: TrainState, resumed_from: str | None) -> bool:
     """This run resumed from `final` and has not stepped since: saving it again would only risk the copy."""
@@ -280,8 +288,8 @@ def save_checkpoint(engine, directory: str, state: TrainState, config_dict: dict
         return final
     bad = first_nonfinite(engine)
     if bad is not None:
-        kept = (f"{directory}/{latest_tag(directory)} is kept" if os.path.isdir(directory) and
-                list_checkpoints(directory) else "nothing was saved")
+        kept = _kept(directory)
+        kept = f"{os.path.join(directory, kept)} is kept" if kept else "nothing was saved"
         raise NonFiniteTrainingError(f"--save {directory}: refusing to save iteration {state.iteration}: {bad} "
                                      f"holds NaN or Inf ({kept})")
     if state.run_id is None:
@@ -312,8 +320,8 @@ def save_checkpoint(engine, directory: str, state: TrainState, config_dict: dict
         if cause is None:
             raise
         shutil.rmtree(tmp_path, ignore_errors=True)
-        kept = f"'latest' still names {read_latest(directory)}" if os.path.isfile(
-            os.path.join(directory, LATEST_FILE)) else "no earlier checkpoint"
+        kept = _kept(directory)
+        kept = f"'latest' still names {kept}" if kept else "no earlier checkpoint"
         raise CheckpointWriteError(f"--save {directory}: writing {tag} failed: {cause}; the partial save was "
                                    f"removed ({kept})") from None
     dist.barrier()  # every rank's files are on disk before the checkpoint becomes visible
