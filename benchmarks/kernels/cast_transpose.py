@@ -4,7 +4,7 @@ fused elsewhere or a pass of its own), writing the row-major copy and the transp
 
 At micro-batch 12 the 1.3 B step spends 22.8 ms in this kernel (360 calls; benchmarks/results/
 kernels_coat-delayed-all_cudagraph_mb12_zero1.json), its backward calls at ~1.6 TB/s against ~3 TB/s for a copy.
-`--sweep BM:BN:WARPS ...` times other tiles (the library's, megacoat.ops.cast_transpose._BM/_BN/_WARPS, is each
+`--sweep BM:BN:WARPS ...` times other tiles (the library's, megacoat.ops.cast_transpose.tiles()["cast"], is each
 shape's first row); on the GPU every tile must write the torch reference's bytes, or the run fails. Each call is
 timed inside a CUDA graph (triton.testing.do_bench_cudagraph), repeated and interleaved with a device-to-device copy
 of the same bytes read, whose GB/s is the yardstick.
@@ -85,7 +85,7 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/results/bench_cast_transpose.json")
     p.add_argument("--cpu-smoke", action="store_true")
     args = p.parse_args()
-    started = start(args.cpu_smoke, lambda: [(ct._BM, ct._BN, ct._WARPS)] + [
+    started = start(args.cpu_smoke, lambda: [ct.tiles()["cast"]] + [
         parse_tile(t, "--sweep", ("BM", "BN", "WARPS"), 16) for t in args.sweep])
     if started is None:
         return 2
@@ -96,7 +96,7 @@ def main() -> int:
     for name, m, n in shapes:
         reference_bytes = {}  # this shape's reference outputs (the previous shape's freed)
         for tile in tiles:
-            ct._BM, ct._BN, ct._WARPS = tile  # read at each launch
+            ct.set_tile("cast", tile)
             for layout in args.layouts:
                 r = measure(name, m, n, layout, repeats, device, reference_bytes)
                 r["tile"] = {"BM": tile[0], "BN": tile[1], "warps": tile[2], "library": tile == library}
@@ -104,7 +104,7 @@ def main() -> int:
                 print(f"{name:9s} {layout:9s} BM {tile[0]:3d} BN {tile[1]:3d} warps {tile[2]:2d}  "
                       f"{r['ms'] * 1e3:7.1f} us  {r['gb_per_s']:6.0f} GB/s ({r['fraction_of_copy']:.2f} of a copy)  "
                       f"same bytes: {r['same_bytes']}", flush=True)
-        ct._BM, ct._BN, ct._WARPS = library
+        ct.set_tile("cast", library)
     return log.finish(best_tiles(log.rows))
 
 

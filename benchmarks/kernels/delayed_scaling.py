@@ -152,13 +152,13 @@ def _per_warp(text: str) -> tuple[int]:
 
 def _apply(op: str, setting: tuple) -> None:
     if op == "swiglu_bwd":
-        swiglu._BM_T, swiglu._WARPS_T = setting
+        swiglu.set_tile("backward", setting)
     elif op == "swiglu_fwd":
-        swiglu._BM_F, swiglu._WARPS_F = setting
+        swiglu.set_tile("forward", setting)
     elif op == "rope_qkv_bwd":  # the cast's tile (the delayed path's byte transpose has its own: bench_transpose_fp8)
-        cast_transpose._BM, cast_transpose._BN, cast_transpose._WARPS = setting
+        cast_transpose.set_tile("cast", setting)
     else:
-        rmsnorm._FWD_PER_WARP, = setting
+        rmsnorm.set_tile("forward", setting)
 
 
 def best_settings(rows: list[dict]) -> list[str]:
@@ -194,10 +194,10 @@ def main() -> int:
         unknown = sorted(set(args.ops) - set(OPS))
         if unknown:
             raise ValueError(f"--ops: unknown {', '.join(unknown)} (choose from {', '.join(OPS)})")
-        return {"swiglu_bwd": [(swiglu._BM_T, swiglu._WARPS_T)] + [_tile(c, "--sweep") for c in args.sweep],
-                "swiglu_fwd": [(swiglu._BM_F, swiglu._WARPS_F)] + [_tile(c, "--sweep-fwd") for c in args.sweep_fwd],
-                "rmsnorm_fwd": [(rmsnorm._FWD_PER_WARP,)] + [_per_warp(c) for c in args.sweep_norm],
-                "rope_qkv_bwd": [(cast_transpose._BM, cast_transpose._BN, cast_transpose._WARPS)]}
+        return {"swiglu_bwd": [swiglu.tiles()["backward"]] + [_tile(c, "--sweep") for c in args.sweep],
+                "swiglu_fwd": [swiglu.tiles()["forward"]] + [_tile(c, "--sweep-fwd") for c in args.sweep_fwd],
+                "rmsnorm_fwd": [rmsnorm.tiles()["forward"]] + [_per_warp(c) for c in args.sweep_norm],
+                "rope_qkv_bwd": [cast_transpose.tiles()["cast"]]}
 
     started = start(args.cpu_smoke, settings)
     if started is None:

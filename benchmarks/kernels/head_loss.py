@@ -84,7 +84,7 @@ def corrections_rows(shape, tiles, repeats, device):
                                                                        tile=tile), repeats, device)
             rows.append({"part": "corrections", "shape": name, "labels": dist,
                          "setting": {"BT": tile[0], "BK": tile[1], "warps": tile[2]},
-                         "library": tile == (lc._BT, lc._BK, lc._WARPS), "ms": ms, "ms_repeats": times,
+                         "library": tile == lc.tiles()["corrections"], "ms": ms, "ms_repeats": times,
                          "same_bytes": ok, "dx_changed_share": (out[0] != ref[0]).float().mean().item(),
                          "dw_rel_err": dw_err, "bytes": moved, "gb_per_s": moved / (ms * 1e-3) / 1e9})
     return rows
@@ -99,16 +99,16 @@ def _logits(shape, device):
 
 def stats_rows(shape, settings, repeats, device, logits, labels):
     rows = []
-    library = (ce._STATS_BLOCK, ce._STATS_WARPS)
+    library = ce.tiles()["stats"]
     base = ce.cross_entropy_stats_triton(logits, labels, -100)
     for setting in settings:
-        ce._STATS_BLOCK, ce._STATS_WARPS = setting
+        ce.set_tile("stats", setting)
         try:
             loss, lse, amax = ce.cross_entropy_stats_triton(logits, labels, -100)
             ok = all(torch.allclose(a, b, rtol=2 ** -20, atol=0) for a, b in zip((loss, lse, amax), base))
             ms, times = _median_ms(lambda: ce.cross_entropy_stats_triton(logits, labels, -100), repeats, device)
         finally:
-            ce._STATS_BLOCK, ce._STATS_WARPS = library
+            ce.set_tile("stats", library)
         moved = logits.numel() * logits.element_size()
         rows.append({"part": "stats", "shape": shape[0], "setting": {"BLOCK": setting[0], "warps": setting[1]},
                      "library": setting == library, "ms": ms, "ms_repeats": times, "same_bytes": ok,
@@ -118,20 +118,20 @@ def stats_rows(shape, settings, repeats, device, logits, labels):
 
 def grad_rows(shape, tiles, repeats, device, logits, labels):
     rows = []
-    library = (ce._BM, ce._BN, ce._WARPS)
+    library = ce.tiles()["grad"]
     _, lse, amax = ce.cross_entropy_stats_triton(logits, labels, -100)
     coef = torch.tensor([1.0 / labels.numel()], device=device)
     args = (logits, labels, lse, amax, coef, torch.float8_e5m2, -100)
     base = ce.cross_entropy_grad_fp8_triton(*args)
     for tile in tiles:
-        ce._BM, ce._BN, ce._WARPS = tile
+        ce.set_tile("grad", tile)
         try:
             out = ce.cross_entropy_grad_fp8_triton(*args)
             ok = all(same_bytes(a, b) for a, b in zip(out, base))
             del out
             ms, times = _median_ms(lambda: ce.cross_entropy_grad_fp8_triton(*args), repeats, device)
         finally:
-            ce._BM, ce._BN, ce._WARPS = library
+            ce.set_tile("grad", library)
         moved = 2 * logits.numel() * logits.element_size()  # the logits read, two FP8 layouts written
         rows.append({"part": "grad", "shape": shape[0], "setting": {"BM": tile[0], "BN": tile[1], "warps": tile[2]},
                      "library": tile == library, "ms": ms, "ms_repeats": times, "same_bytes": ok, "bytes": moved,
@@ -182,11 +182,11 @@ def main() -> int:
     p.add_argument("--cpu-smoke", action="store_true")
     args = p.parse_args()
     started = start(args.cpu_smoke, lambda: (
-        [(lc._BT, lc._BK, lc._WARPS)] + [parse_tile(t, "--sweep-corrections", ("BT", "BK", "WARPS"), 16)
+        [lc.tiles()["corrections"]] + [parse_tile(t, "--sweep-corrections", ("BT", "BK", "WARPS"), 16)
                                          for t in args.sweep_corrections],
-        [(ce._STATS_BLOCK, ce._STATS_WARPS)] + [parse_tile(t, "--sweep-stats", ("BLOCK", "WARPS"), 32)
+        [ce.tiles()["stats"]] + [parse_tile(t, "--sweep-stats", ("BLOCK", "WARPS"), 32)
                                                 for t in args.sweep_stats],
-        [(ce._BM, ce._BN, ce._WARPS)] + [parse_tile(t, "--sweep-grad", ("BM", "BN", "WARPS"), 16)
+        [ce.tiles()["grad"]] + [parse_tile(t, "--sweep-grad", ("BM", "BN", "WARPS"), 16)
                                         for t in args.sweep_grad]))
     if started is None:
         return 2

@@ -31,8 +31,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
-_CLASSES = {  # first word of the opcode -> class; anything else is "other"
+INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
+CLASSES = {  # first word of the opcode -> class; anything else is "other"
     "MUFU": "mufu", "FFMA": "fp32", "FADD": "fp32", "FMUL": "fp32", "FMNMX": "fp32", "FSETP": "fp32",
     "FSEL": "fp32", "FCHK": "fp32", "IMAD": "int", "IADD3": "int", "LEA": "int", "SHF": "int", "LOP3": "int",
     "ISETP": "int", "IABS": "int", "SEL": "int", "PRMT": "int", "IMNMX": "int", "VIMNMX": "int", "MOV": "move",
@@ -42,7 +42,7 @@ _CLASSES = {  # first word of the opcode -> class; anything else is "other"
 }
 
 
-def _tool(name: str) -> str:
+def tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
@@ -83,13 +83,13 @@ def sass_stats(kernel, elements: int | None = None) -> dict:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(kernel.asm["cubin"])
-        sass = subprocess.run([_tool("nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
-        res = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool("nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
     lines = sass.splitlines()
     exits = [i for i, line in enumerate(lines) if re.search(r"\bEXIT\b", line)]
     body = lines[: exits[-1] + 1] if exits else lines  # after the last EXIT: slow-path subroutines (div_rn, ...)
-    ops = [m.group(1) for m in map(_INSTR.search, body) if m]
-    mix = collections.Counter(_CLASSES.get(op.split(".")[0], "other") for op in ops if op != "NOP")
+    ops = [m.group(1) for m in map(INSTR.search, body) if m]
+    mix = collections.Counter(CLASSES.get(op.split(".")[0], "other") for op in ops if op != "NOP")
     usage = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", res))
     stats = {
         "registers": int(usage.get("REG", -1)),

@@ -4,7 +4,7 @@ gradient's wgrad layout under delayed scaling, which RoPE's backward writes row-
 With the cast's 64 x 64 tile, which moves 64-byte segments each way for 1-byte elements, the 1.3 B step at
 micro-batch 32 spent 16.8 ms in it (48 calls of 350 us, ~2.3 TB/s; benchmarks/results/
 kernels_coat-delayed-all_cudagraph_mb32_zero1_ab48ffb.json); the library's tile is now its own
-(cast_transpose._TRANSPOSE_BM/BN/WARPS). `--sweep BM:BN:WARPS ...` times other tiles (the library's first); every
+(megacoat.ops.cast_transpose.tiles()["transpose"]). `--sweep BM:BN:WARPS ...` times other tiles (the library's first); every
 tile must write q.t().contiguous()'s bytes, or the run fails. Each call is timed inside a CUDA graph, repeated and
 interleaved with a device-to-device copy of the same bytes, whose GB/s is the yardstick.
 
@@ -57,7 +57,7 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/results/bench_transpose_fp8.json")
     p.add_argument("--cpu-smoke", action="store_true")
     args = p.parse_args()
-    library = (ct._TRANSPOSE_BM, ct._TRANSPOSE_BN, ct._TRANSPOSE_WARPS)
+    library = ct.tiles()["transpose"]
     started = start(args.cpu_smoke, lambda: [library] + [
         parse_tile(t, "--sweep", ("BM", "BN", "WARPS"), 16) for t in args.sweep])
     if started is None:
@@ -67,14 +67,14 @@ def main() -> int:
     log = SweepLog(args.out, device, "the FP8 byte transpose (transpose_fp8_triton) per tile")
     for name, m, n in shapes:
         for tile in tiles:
-            ct._TRANSPOSE_BM, ct._TRANSPOSE_BN, ct._TRANSPOSE_WARPS = tile  # read at each launch
+            ct.set_tile("transpose", tile)
             r = {"shape": name, **measure(m, n, repeats, device),
                  "tile": {"BM": tile[0], "BN": tile[1], "warps": tile[2], "library": tile == library}}
             log.add(r)
             print(f"{name:9s} BM {tile[0]:3d} BN {tile[1]:3d} warps {tile[2]:2d}  {r['ms'] * 1e3:7.1f} us  "
                   f"{r['gb_per_s']:6.0f} GB/s ({r['fraction_of_copy']:.2f} of a copy)  same bytes: {r['same_bytes']}",
                   flush=True)
-        ct._TRANSPOSE_BM, ct._TRANSPOSE_BN, ct._TRANSPOSE_WARPS = library
+        ct.set_tile("transpose", library)
     lines = []
     for shape, best, speedup, _ in best_rows(log.rows, lambda r: r["shape"], lambda r: r["ms"],
                                              lambda r: r["tile"]["library"]):

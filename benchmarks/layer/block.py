@@ -10,29 +10,25 @@ figure can be read against what its GEMMs allow.
 It also says where the time goes besides the GEMMs: launches per step (torch.profiler's kernel count) and
 host time per step (the time to launch one step while the GPU is held busy, so launching never waits on it):
 when host ms >= GPU ms the layer is launch-bound and a smaller micro-batch cannot run faster than its host
-code (what made fp8-linear at micro-batch 1 slower than bf16, see results/bench_layer_notes.md).
-`--ab` adds `fp8-linear-legacy`: the FP8 linear before quantize_transpose and Fp8InputCache (composite 7-launch amax per
-operand, no input sharing between wq/wk/wv and w1/w3), measured in the same run, plus the quantization
-kernels alone (old composite vs quantize_transpose) at the layer's operand shapes. `--cuda-graph` adds
+code. `--cuda-graph` adds
 `MODE+graph` for bf16-compile, coat and coat-compile: the same step captured once and replayed as one CUDA graph,
 timed without its host time (training's --enable-cuda-graph), with the ratio to `bf16-compile+graph` beside the
 one to `bf16-compile`.
 
-    python -m benchmarks.layer.block [--micro-batches 1 2 4] [--seq-length 2048] [--ab]
+    python -m benchmarks.layer.block [--micro-batches 1 2 4] [--seq-length 2048]
         [--compile-fp8] [--cuda-graph] [--trace-dir DIR] [--out benchmarks/results/bench_layer.json]
-    # issue 17's 7B-shape layer: seq 4096, micro-batch 1
+    # the 7B-shape layer at sequence 4096, micro-batch 1
     python -m benchmarks.layer.block --micro-batches 1 --seq-length 4096 --compile-fp8 --cuda-graph
 
 Without a GPU, `--count-launches` runs one small layer per mode on CPU with the FP8 flow routed through its
 Triton kernels (interpreter) and counts, per forward and backward, the aten ops that launch a kernel on CUDA
-and the Triton launches: the launch budget of each mode, old and new.
+and the Triton launches: the launch budget of each mode.
 
-    python -m benchmarks.layer.block --count-launches [--ab]
+    python -m benchmarks.layer.block --count-launches
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os
@@ -154,38 +150,6 @@ def measure(module, x, params, extra=(), trace: str | None = None, graph: bool =
             "peak_mem_bytes": peak, "saved_bytes": saved, "saved_by_dtype": by_dtype, "_out": out}
 
 
-@contextlib.contextmanager
-def legacy_fp8_linear(modules=()):
-    """The FP8 linear as it was before quantize_transpose and Fp8InputCache: per operand a composite amax
-    (aminmax, abs, abs, maximum, float, clamp, div: 7 launches) then the cast kernel, every linear
-    quantizing its own input. For A/B in one run; the library keeps only the new path."""
-    import megacoat.fp8.linear as linear
-    from megacoat.ops.cast_transpose import cast_transpose_ref, cast_transpose_triton
-
-    def quantize_transpose(x, out_dtype, rowwise=True, transpose=True):
-        lo, hi = torch.aminmax(x.detach())
-        amax = torch.maximum(lo.abs(), hi.abs()).float()
-        scale = (amax.clamp(min=torch.finfo(torch.float32).tiny) / torch.finfo(out_dtype).max).reshape(1)
-        cast = cast_transpose_triton if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" else cast_transpose_ref
-        return (*cast(x, scale, out_dtype, rowwise, transpose), scale)
-
-    lins = [m for mod in modules for m in mod.modules() if hasattr(m, "input_cache")]
-    saved = linear.quantize_transpose, [m.input_cache for m in lins]
-    linear.quantize_transpose = quantize_transpose
-    for m in lins:
-        m.input_cache = None
-    try:
-        yield
-    finally:
-        linear.quantize_transpose = saved[0]
-        for m, c in zip(lins, saved[1]):
-            m.input_cache = c
-
-
-def mode_context(mode, module):
-    return legacy_fp8_linear([module]) if mode == "fp8-linear-legacy" else contextlib.nullcontext()
-
-
 def check_outputs(rows: list[dict]) -> None:
     """Relative error of each mode's output against eager BF16 on the same input (a fast wrong kernel would
     show here, not as a speed-up)."""
@@ -208,27 +172,6 @@ def add_ratios(rows: list[dict], tokens: int) -> None:
             r["speedup_vs_bf16_compile_graph"] = base[GRAPHED_BASELINE]["ms"] / r["ms"]
         r["saved_vs_bf16_eager"] = r["saved_bytes"] / base["bf16"]["saved_bytes"]
         r["peak_mem_vs_bf16_eager"] = r["peak_mem_bytes"] / base["bf16"]["peak_mem_bytes"]
-
-
-def quantize_entries(tokens: int, h: int, f: int) -> list[dict]:
-    """The per-tensor quantization of one GEMM operand alone (old composite vs quantize_transpose), at the
-    layer's operand shapes: time and bandwidth over the bytes it must move (read bf16, write q and q^T)."""
-    from megacoat.ops.cast_transpose import quantize_transpose
-
-    rows = []
-    for name, shape in (("x / dy [tokens, h]", (tokens, h)), ("ffn act [tokens, f]", (tokens, f)),
-                        ("w13 [2f, h]", (2 * f, h))):
-        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-        nbytes = x.numel() * (2 + 1 + 1)
-        with legacy_fp8_linear():
-            import megacoat.fp8.linear as linear
-            old = bench_ms(lambda: linear.quantize_transpose(x, torch.float8_e4m3fn))
-        new = bench_ms(lambda: quantize_transpose(x, torch.float8_e4m3fn))
-        rows.append({"operand": name, "shape": shape, "legacy_ms": old, "new_ms": new, "speedup": old / new,
-                     "new_gb_per_s": nbytes / (new * 1e-3) / 1e9, "legacy_gb_per_s": nbytes / (old * 1e-3) / 1e9})
-        print(f"quantize {name:>20} {str(shape):>14}: legacy {old * 1e3:7.1f} us, new {new * 1e3:7.1f} us "
-              f"({old / new:.2f}x, {rows[-1]['new_gb_per_s']:.0f} GB/s)")
-    return rows
 
 
 def fp8_gemm_peak_tflops(n: int = 8192) -> float:
@@ -275,7 +218,7 @@ def bf16_gemms_ms(shapes) -> float:
     return bench_ms(run)
 
 
-def count_launches(ab: bool) -> dict:
+def count_launches() -> dict:
     """CPU: per mode, the aten ops that launch a CUDA kernel and the Triton launches of one small layer's
     forward and backward (steady state: weight caches built), the FP8 flow on its Triton kernels."""
     from tests.fp8.flow_paths import LaunchCounter, triton_paths
@@ -285,11 +228,11 @@ def count_launches(ab: bool) -> dict:
     base = GPT(cfg).bfloat16()
     cos, sin = base._rope(torch.device("cpu"))
     out = {}
-    for mode in ("bf16", "fp8-linear") + (("fp8-linear-legacy",) if ab else ()) + ("coat",):
-        model = convert_to_fp8(copy.deepcopy(base), FP8Config(mode=mode.replace("-legacy", ""), group_size=64))
+    for mode in ("bf16", "fp8-linear", "coat"):
+        model = convert_to_fp8(copy.deepcopy(base), FP8Config(mode=mode, group_size=64))
         layer = model.layers[0]
         x = torch.randn(1, cfg.seq_length, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-        with triton_paths(), mode_context(mode, layer):
+        with triton_paths():
             layer(x, cos, sin).sum().backward()  # builds the weight caches
             for prm in layer.parameters():
                 prm.grad = None  # as in measure(): no accumulation into existing .grad
@@ -314,9 +257,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--seq-length", type=int, default=LLAMA2_7B["seq_length"],
-                    help="tokens per sample (issue 17's 7B-layer target is at 4096)")
+                    help="tokens per sample")
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--ab", action="store_true", help="also run fp8-linear-legacy (the FP8 linear before this change)")
     ap.add_argument("--compile-fp8", action="store_true",
                     help="also run torch.compile of the fp8-linear and coat layers (the training --compile path: "
                          "one graph per layer, fullgraph, the FP8 flow's Triton kernels inside it)")
@@ -329,8 +271,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.count_launches:
-        counts = count_launches(args.ab)
-        out = args.out or "benchmarks/results/bench_layer_launches.json"
+        counts = count_launches()
+        out = args.out or "benchmarks/results/layer_launches.json"
         with open(out, "w") as f:
             json.dump({"benchmark": "bench_layer --count-launches", "command": " ".join(sys.argv),
                        "torch": torch.__version__, "triton": triton.__version__, "modes": counts}, f, indent=1)
@@ -345,10 +287,10 @@ def main() -> None:
     modules = {"bf16": layer}
     if not args.no_compile:
         modules["bf16-compile"] = torch.compile(layer)
-    for mode in ("fp8-linear",) + (("fp8-linear-legacy",) if args.ab else ()) + ("coat",):
+    for mode in ("fp8-linear", "coat"):
         holder = torch.nn.Module()
         holder.layers = torch.nn.ModuleList([copy.deepcopy(layer)])
-        convert_to_fp8(holder, FP8Config(mode=mode.replace("-legacy", "")))
+        convert_to_fp8(holder, FP8Config(mode=mode))
         modules[mode] = holder.layers[0]
     if args.compile_fp8:  # fullgraph: the FP8 flow is inside the graph; it reads the refreshed FP8 weight copies
         for mode in ("fp8-linear", "coat"):
@@ -365,18 +307,15 @@ def main() -> None:
     result = {"benchmark": "bench_layer", "shape": shape, "env": environment(),
               "fp8_scaled_mm_peak_tflops_8192": peak, "runs": []}
     print(f"FP8 _scaled_mm 8192^3: {peak:.0f} TFLOP/s")
-    if args.ab:
-        result["quantize_kernels"] = quantize_entries(cfg.seq_length, cfg.hidden_size, cfg.ffn_hidden_size)
     for mb in args.micro_batches:
         tokens = mb * cfg.seq_length
         rows = []
         x = torch.randn(mb, cfg.seq_length, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for mode, mod in modules.items():
             graph = mode.endswith(GRAPH)
-            with mode_context(mode, mod):
-                trace = args.trace_dir and os.path.join(args.trace_dir, f"layer_{mode}_mb{mb}.json")
-                r = measure(mod, x.detach().clone().requires_grad_() if graph else x, list(mod.parameters()),
-                            (cos, sin), trace, graph=graph)
+            trace = args.trace_dir and os.path.join(args.trace_dir, f"layer_{mode}_mb{mb}.json")
+            r = measure(mod, x.detach().clone().requires_grad_() if graph else x, list(mod.parameters()),
+                        (cos, sin), trace, graph=graph)
             rows.append({"mode": mode, "micro_batch": mb, **r})
             torch.cuda.empty_cache()
         check_outputs(rows)
@@ -421,7 +360,7 @@ def main() -> None:
                   f"{r['saved_vs_bf16_eager']:10.3f} {r['peak_mem_bytes'] / 2**20:9.0f} {r['gemm_tflops_achieved']:9.0f} "
                   f"{r['non_gemm_ms']:8.3f} {r.get('fraction_of_ceiling', float('nan')):7.2f} "
                   f"{r['out_rel_err_vs_bf16']:6.3f}")
-    out = args.out or "benchmarks/results/bench_layer.json"
+    out = args.out or "benchmarks/results/layer.json"
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"\nwrote {out}")

@@ -111,7 +111,7 @@ def sass_of_kernel(build: str) -> dict:
     import re
     import tempfile
 
-    from benchmarks.kernels.sass import _CLASSES, _INSTR, _tool
+    from benchmarks.kernels.sass import CLASSES, INSTR, tool
     from megacoat.ops.op_builder import kernels_dir
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,7 +119,7 @@ def sass_of_kernel(build: str) -> dict:
         cmd = ["nvcc", "-cubin", *_STATIC_FLAGS, "-Xptxas", "-v", str(kernels_dir() / "coat_adamw.cu"), "-o", cubin]
         cmd += _BUILDS[build]
         ptxas = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
     spills = {}
     for name, body in re.findall(r"Compiling entry function '(\w+)'.*?\n(.*?Used \d+ registers)", ptxas, re.S):
         st, ld = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", body).groups()
@@ -130,8 +130,8 @@ def sass_of_kernel(build: str) -> dict:
         lines = text.splitlines()
         exits = [i for i, line in enumerate(lines) if re.search(r"\bEXIT\b", line)]
         lines = lines[: exits[-1] + 1] if exits else lines
-        ops = [m.group(1) for m in map(_INSTR.search, lines) if m and m.group(1) != "NOP"]
-        mix = collections.Counter(_CLASSES.get(op.split(".")[0], "other") for op in ops)
+        ops = [m.group(1) for m in map(INSTR.search, lines) if m and m.group(1) != "NOP"]
+        mix = collections.Counter(CLASSES.get(op.split(".")[0], "other") for op in ops)
         mem = collections.Counter(op for op in ops
                                   if re.match(r"(LD|ST|RED)", op) and not op.startswith(("LDC", "LDS")))
         regs, spill_st, spill_ld = spills[name]

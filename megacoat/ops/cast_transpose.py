@@ -58,8 +58,7 @@ def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, hist_p
     # out is [M, N] row-major; outt [N, M] with row stride ldt (M, or more when it is a column block of a wider
     # transpose: refresh writes each part of a joined weight straight into its place). HIST > 0 (delayed scaling):
     # the scale from the amax history's maximum, written by the first program, and max|x| folded into amax_ptr.
-    # A 1-D grid, column tiles fastest: the programs in flight read whole rows of a few row blocks (on an H200, 4-5%
-    # faster than row blocks fastest for a [65536, 2048] gradient into both layouts; bench_kernel_variants_notes.md).
+    # A 1-D grid, column tiles fastest: the programs in flight read whole rows of a few row blocks.
     tiles_n = tl.cdiv(N, BN)
     pid_m, pid_n = tl.program_id(0) // tiles_n, tl.program_id(0) % tiles_n
     if HIST > 0:
@@ -80,7 +79,7 @@ def _cast_transpose_kernel(x_ptr, amax_ptr, scale_ptr, out_ptr, outt_ptr, hist_p
                  mask=tl.trans(mask))
 
 
-_BM, _BN, _WARPS = 64, 64, 4  # the cast's tile (benchmarks/bench_cast_transpose.py --sweep times others)
+_BM, _BN, _WARPS = 64, 64, 4  # the cast's tile
 
 
 def _launch(x, amax, scale, out_dtype, rowwise, transpose, out=None, outt=None, history=None):
@@ -126,9 +125,20 @@ def _transpose_bytes_kernel(q_ptr, qt_ptr, M, N, BM: tl.constexpr, BN: tl.conste
 
 
 # The byte transpose's own tile: its elements are 1 byte, so the cast's 64 x 64 tile would move 64-byte segments
-# each way; 128 x 256 moves 128 and 256 (on the H100, 2.83 against 2.30 TB/s for the 1.3 B model's [q|k|v]
-# gradient at micro-batch 32; benchmarks/bench_transpose_fp8.py --sweep times others).
+# each way; 128 x 256 moves 128 and 256.
 _TRANSPOSE_BM, _TRANSPOSE_BN, _TRANSPOSE_WARPS = 128, 256, 8
+_TILES = {"cast": ("_BM", "_BN", "_WARPS"), "transpose": ("_TRANSPOSE_BM", "_TRANSPOSE_BN", "_TRANSPOSE_WARPS")}
+
+
+def tiles() -> dict[str, tuple[int, ...]]:
+    """Each kernel's launch tile (block sizes, then warps), read at every launch: {"cast": .., "transpose": ..}."""
+    return {kernel: tuple(globals()[name] for name in names) for kernel, names in _TILES.items()}
+
+
+def set_tile(kernel: str, tile: tuple[int, ...]) -> None:
+    """Launch `kernel` with another tile from now on (the benchmarks' tile sweeps); tiles() before it gives the
+    library's."""
+    globals().update(dict(zip(_TILES[kernel], tile, strict=True)))  # all or nothing
 
 
 def transpose_fp8_ref(q: torch.Tensor) -> torch.Tensor:
@@ -345,9 +355,8 @@ AMAX_BLOCK = 8192  # elements per program: 32 a thread at 8 warps, 16 KiB of bf1
 
 
 def joined_amax_triton(parts) -> torch.Tensor:
-    """joined_amax_ref's max as float32 [1]: one launch per part, each program one block. On an H100 it reads the
-    1.3 B model's bf16 weights at ~1.7 TB/s, where torch's multi-tensor inf-norm and inf-norm reduction read them
-    at ~1.1."""
+    """joined_amax_ref's max as float32 [1]: one launch per part, each program one block (one pass over the
+    weights, where torch's multi-tensor inf-norm and its reduction take two)."""
     amax = torch.zeros(1, dtype=torch.float32, device=parts[0].device)
     for p in parts:
         p = p.detach().contiguous()

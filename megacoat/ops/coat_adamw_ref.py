@@ -1,8 +1,8 @@
 """Plain-torch reference of the fused CoatAdamW step: the contract the CUDA kernel is tested against.
 
 Each moment of a parameter with n elements is stored flat: `q` (n FP8 values), `scale` (ceil(n/G) float32:
-max(amax, AMAX_FLOOR) / F.max, the dequantization multiplier) and `k` (ceil(n/G) bfloat16 expansion exponents).
-Groups are G consecutive elements of the flattened tensor; the last one may be shorter.
+max(amax, AMAX_FLOOR) / F.max) and `k` (ceil(n/G) bfloat16 expansion exponents), over groups of G consecutive
+elements of the flattened tensor (the last one may be shorter).
 
 Dynamic range expansion (COAT), per group:
   amax = max|x|, amin = min|x| over the group's non-zero entries;
@@ -16,8 +16,7 @@ This is COAT's f(x) = sign(x)|x|^k scaled by max|f| / F.max, written so nothing 
 Rounding f to a normal FP8 value has relative error <= u = F.eps / 2 and x = f^(1/k), so the moment's relative
 error is <= (1+u)^(1/k) - 1 (~u / k) plus a few float32 ulps; an f in FP8's sub-normal range has absolute error
 <= F.min_subnormal / 2 in f-space.
-Float32 sub-normals of |x| / amax and of (|q| / F.max)^(1/k) are flushed to zero, as the kernel's ex2/lg2
-approximations (.ftz) do: they lie below amax * 2^-126, far under what the group's FP8 codes resolve.
+Float32 sub-normals of |x| / amax and (|q| / F.max)^(1/k) flush to zero, as the kernel's ex2/lg2 (.ftz) do.
 
 Kernel and reference share one signature: lists of tensors (one launch for all of them in the kernel), updated in
 place. With `remainders` (one int16 tensor per bf16 parameter) the parameter and its remainder together are the

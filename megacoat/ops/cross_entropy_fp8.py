@@ -14,7 +14,7 @@ over it and a cast pass: 10 bytes moved per logit in backward. Here:
 The backward also returns each token's label residual r = g_y - dq(g8_y), the rounding error of its label's entry,
 for the head to add back (megacoat.coat.head). That entry, c (p_y - 1), is the row's largest, and near the
 per-tensor amax (~c, set by some token with p_y ~ 0), E5M2 sees it in steps of c/7: every p_y below 1/14 would
-count as 0, an error of one sign that does not average out over micro-batches (benchmarks/head_grad_error.py).
+count as 0, an error of one sign that does not average out over micro-batches.
 
 The codes are current scaling's of the float32 gradient (one rounding, where a bf16 gradient cast again has two).
 The amax is exact up to exp's rounding in the two kernels, which compute p alike; a value an ulp above it would
@@ -87,9 +87,7 @@ def _stats_kernel(z_ptr, y_ptr, loss_ptr, lse_ptr, amax_ptr, V, ignore_index, BL
     tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), bits, sem="relaxed")
 
 
-# 8 logits a thread per step, the 32 k vocabulary in 32 steps of 4 warps: 1,861 us a call on the H100 at micro-batch
-# 32, against 1,955 for 2048 x 8 and 2,402 for 4096 x 8 (benchmarks/bench_head_loss.py, --sweep-stats BLOCK:WARPS;
-# bench_head_loss_notes.md)
+# 8 logits a thread per step: a 32 k vocabulary in 32 steps of 4 warps
 _STATS_BLOCK, _STATS_WARPS = 1024, 4
 
 
@@ -167,6 +165,18 @@ def _grad_cast_kernel(z_ptr, y_ptr, lse_ptr, coef_ptr, amax_ptr, scale_ptr, out_
 
 
 _BM, _BN, _WARPS = 64, 64, 4  # cast_transpose's tile
+_TILES = {"stats": ("_STATS_BLOCK", "_STATS_WARPS"), "grad": ("_BM", "_BN", "_WARPS")}
+
+
+def tiles() -> dict[str, tuple[int, ...]]:
+    """Each kernel's launch tile (block sizes, then warps), read at every launch: {"stats": .., "grad": ..}."""
+    return {kernel: tuple(globals()[name] for name in names) for kernel, names in _TILES.items()}
+
+
+def set_tile(kernel: str, tile: tuple[int, ...]) -> None:
+    """Launch `kernel` with another tile from now on (the benchmarks' tile sweeps); tiles() before it gives the
+    library's."""
+    globals().update(dict(zip(_TILES[kernel], tile, strict=True)))  # all or nothing
 
 
 def cross_entropy_grad_fp8_triton(logits, labels, lse, amax, coef, grad_dtype: torch.dtype, ignore_index: int,
@@ -194,7 +204,7 @@ def cross_entropy_grad_fp8_triton(logits, labels, lse, amax, coef, grad_dtype: t
 def label_residual(logits, labels, lse, coef, g8, g8t, scale, ignore_index: int) -> torch.Tensor:
     """r [T] float32 = g_y - code_y * scale from the codes a kernel wrote (g8 [T, V], else g8^T [V, T]): one
     gather of T logits and T codes, from the stored codes themselves. Outside the tile kernel because a masked sum
-    over a tile's columns at the label miscomputes on sm_90 under Triton 3.6 (benchmarks/results/gpu_tests_h100.txt)."""
+    over a tile's columns at the label miscomputes on sm_90 under Triton 3.6 (the GPU tests catch it)."""
     counted = labels != ignore_index
     label = torch.where(counted, labels, 0)
     z_y = logits.gather(1, label[:, None])[:, 0].float()

@@ -11,9 +11,7 @@ One kernel does both, over tiles of tokens x hidden columns: it reads each token
 updates dx in place, and adds r_t x_t into a float32 copy of dW with atomics (frequent labels sum thousands of rows,
 hence float32, not bf16; the atomics sum in no fixed order, as attention's backward does). dW is then rounded back
 into the wgrad GEMM's own output. Done in torch, the same sums take eight kernels a piece of tokens (gather,
-addcmul, the FP8 rows' float copy, their scaling, index_add, then the sum's zero fill, add and copy): ~3.5 ms a
-micro-batch of 65,536 tokens of the 1.3 B model in an H100 step, where this kernel takes ~1 ms
-(benchmarks/results/bench_head_loss_notes.md).
+addcmul, the FP8 rows' float copy, their scaling, index_add, then the sum's zero fill, add and copy).
 
 The torch reference goes over the tokens in pieces of LABEL_PIECE_ELEMENTS (a bounded transient on the CPU); it is
 also the path under torch's deterministic mode, where index_add_ sums in a fixed order.
@@ -83,7 +81,21 @@ def _label_corrections_kernel(dx_ptr, total_ptr, r_ptr, y_ptr, w_ptr, xt_ptr, xs
                       sem="relaxed")
 
 
-_BT, _BK, _WARPS = 32, 128, 4  # benchmarks/bench_head_loss.py --sweep-corrections times others
+_BT, _BK, _WARPS = 32, 128, 4  # tokens x hidden columns a program, warps
+
+
+def tiles() -> dict[str, tuple[int, ...]]:
+    """The kernel's launch tile (tokens, hidden columns, warps), read at every launch: {"corrections": ..}."""
+    return {"corrections": (_BT, _BK, _WARPS)}
+
+
+def set_tile(kernel: str, tile: tuple[int, ...]) -> None:
+    """Launch `kernel` with another tile from now on (the benchmarks' tile sweeps); tiles() before it gives the
+    library's."""
+    global _BT, _BK, _WARPS
+    if kernel != "corrections":
+        raise KeyError(kernel)
+    _BT, _BK, _WARPS = tile
 
 
 def label_corrections_triton(dx: torch.Tensor | None, dw: torch.Tensor | None, residual: torch.Tensor,

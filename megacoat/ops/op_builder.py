@@ -26,7 +26,7 @@ def kernels_dir() -> Path:
 
 def normalize_arch_list(arch_list: str) -> str:
     """'9.0a;8.0' -> '9.0;8.0': DeepSpeed parses each entry as int.int(+PTX) and fails on the arch-specific 'a'/'f'
-    suffix (TORCH_CUDA_ARCH_LIST=9.0a on the H100 machines). The kernels use no sm_90a-only instruction."""
+    suffix (e.g. TORCH_CUDA_ARCH_LIST=9.0a). The kernels use no sm_90a-only instruction."""
     return re.sub(r"(\d+\.\d+)[a-zA-Z]+", r"\1", arch_list)
 
 

@@ -288,7 +288,7 @@ def _fwd_launch(x, weight, eps, group_size, out_dtype, history=None, add=None):
     return x8, xs, rstd, y_scale, y, h_out, amax
 
 
-_FWD_PER_WARP = 1024  # the forward's row elements per warp (benchmarks/bench_delayed_scaling.py --sweep-norm)
+_FWD_PER_WARP = 1024  # the forward's row elements per warp
 
 
 def _warps(row_elements: int, per_warp: int) -> int:
@@ -305,9 +305,21 @@ def rmsnorm_fp8_out_triton(x8, x_scales, rstd, weight, y_scale, group_size: int,
     return y
 
 
-# The output pass's tile: BM rows, so a transposed store writes BM-byte pieces of each row
-# (benchmarks/bench_kernel_variants.py --norm-out-tiles times others).
+# The output pass's tile: BM rows, so a transposed store writes BM-byte pieces of each row.
 _OUT_BM, _OUT_WARPS = 64, 4
+_TILES = {"forward": ("_FWD_PER_WARP",), "out": ("_OUT_BM", "_OUT_WARPS")}
+
+
+def tiles() -> dict[str, tuple[int, ...]]:
+    """Each kernel's launch setting, read at every launch: {"forward": (row elements per warp,), "out": (BM,
+    warps)}."""
+    return {kernel: tuple(globals()[name] for name in names) for kernel, names in _TILES.items()}
+
+
+def set_tile(kernel: str, tile: tuple[int, ...]) -> None:
+    """Launch `kernel` with another setting from now on (the benchmarks' tile sweeps); tiles() before it gives the
+    library's."""
+    globals().update(dict(zip(_TILES[kernel], tile, strict=True)))  # all or nothing
 
 
 def _out_launch(x8, x_scales, rstd, weight, y_scale, y, group_size, transpose, amax=None):
@@ -330,8 +342,8 @@ def _persistent_programs(m: int, warps: int, device) -> int:
 @triton.jit
 def _column_sum_kernel(p_ptr, out_ptr, P, H, BP: tl.constexpr, BH: tl.constexpr):
     """out[h] = sum over the P rows of p[:, h] (float32), each program BH columns, its rows in a fixed order:
-    the dw partials' sum, deterministic. torch's sum(0) of the [P, H] partials took ~20 us a call on the H100
-    (1.3 B model: 96 calls a step), several times the read of its 4 MB."""
+    the dw partials' sum, deterministic (torch's sum(0) of the [P, H] partials takes several times the read of
+    its bytes)."""
     cols = tl.program_id(0) * BH + tl.arange(0, BH)
     col_ok = cols < H
     acc = tl.zeros([BP, BH], dtype=tl.float32)

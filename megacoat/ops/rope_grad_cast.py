@@ -8,9 +8,6 @@ v's, writes each straight into its columns of the joined gradient and folds the 
 (megacoat.ops.cast_transpose) then writes both layouts. Four launches, about 8 bytes moved per element, against
 the unfused path's ~13 (separate rotations, a torch.cat, a separate amax pass).
 
-(Casting from dq, dk, dv in place, without the joined tensor, moves fewer bytes but its tiles of 64 tokens x 64
-columns ran 3.3x slower than this on the H100: benchmarks/results/bench_e2e_notes.md.)
-
 With delayed scaling (`rope_qkv_grad_fp8_delayed`, --fp8-grad-scaling delayed) the scale is known before the pass,
 so RoPE's kernel, keeping its one-token programs, writes the FP8 codes row-major itself, rounding each value to the
 gradients' dtype first as the joined tensor would hold it; g8^T is then a byte transpose with the cast's tile

@@ -153,8 +153,7 @@ def _fwd_kernel(a_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr, y_pt
     for roll_history. HIST > 0 (delayed scaling): s's scale comes from the amax history's maximum and s is
     written here (row-major, _out_kernel's bytes).
     A 1-D grid, group columns fastest: the programs in flight read and write whole rows of a few row blocks (every
-    store is row-major), not one 256-byte piece of each of many rows; on an H200 at micro-batch 32 of the 1.3 B
-    model that is 0.70 ms a call against 0.98 (benchmarks/results/bench_kernel_variants_notes.md)."""
+    store is row-major), not one 256-byte piece of each of many rows."""
     pid = tl.program_id(0)
     gi = pid % NG
     rm = ((pid // NG) * BM + tl.arange(0, BM)).to(tl.int64)
@@ -275,8 +274,20 @@ def _bwd_cast_kernel(ds_ptr, a1_ptr, s1_ptr, a3_ptr, s3_ptr, amax_ptr, scale_ptr
 
 
 _BM = 32
-_BM_F, _WARPS_F = 32, 4  # the forward's tile (benchmarks/bench_delayed_scaling.py --sweep-fwd times others)
+_BM_F, _WARPS_F = 32, 4  # the forward's tile
 _BM_T, _WARPS_T = 64, 8  # the transposed store writes BM contiguous bytes per row: 64 of them
+_TILES = {"forward": ("_BM_F", "_WARPS_F"), "backward": ("_BM_T", "_WARPS_T")}
+
+
+def tiles() -> dict[str, tuple[int, ...]]:
+    """Each kernel's launch tile (rows, warps), read at every launch: {"forward": .., "backward": ..}."""
+    return {kernel: tuple(globals()[name] for name in names) for kernel, names in _TILES.items()}
+
+
+def set_tile(kernel: str, tile: tuple[int, ...]) -> None:
+    """Launch `kernel` with another tile from now on (the benchmarks' tile sweeps); tiles() before it gives the
+    library's."""
+    globals().update(dict(zip(_TILES[kernel], tile, strict=True)))  # all or nothing
 
 
 def swiglu_fp8_fwd_triton(a13, group_size: int, out_dtype=E4M3):

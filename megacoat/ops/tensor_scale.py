@@ -5,10 +5,7 @@ Each program folds its amax into one zeroed float by a relaxed atomic max (`reco
 instruction that no program waits on), and the kernel that consumes the total turns it into the dequantization
 scale max(amax, AMAX_FLOOR) / fmt_max (`scale_from_total`, the same IEEE division as the torch references). No
 partial-amax array and no torch reductions over it (amax, clamp, divide: three launches of a few microseconds
-each, beside kernels of a few tens) are needed. (Writing the scale in the amax kernel's last program, found by an
-atomic counter, needs every program to wait for its counter's answer behind a GPU-scope fence: on the H100 that
-made SwiGLU's one-pass backward 30% slower, 272 against 208 us a call at the 1.3 B shape, and the forward kernels
-that did it ran at ~2.1 TB/s against their second pass's ~2.6; benchmarks/results/bench_e2e_notes.md.)
+each, beside kernels of a few tens) are needed, and no program waits on another's answer.
 """
 from __future__ import annotations
 
