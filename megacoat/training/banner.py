@@ -8,6 +8,7 @@ from megacoat.data.config import DataConfig, parse_data_path
 from megacoat.data.indexed_dataset import IndexedDataset
 from megacoat.coat.recipe import fp8_head_obstacle
 from megacoat.parallel import ParallelState
+from megacoat.training.fp8_report import fp8_row
 
 
 def _precision(bf16: bool, on_cuda: bool, precision: str, main_params_dtype: str | None = "fp32") -> str:
@@ -124,4 +125,7 @@ def run_summary(trainer, history: dict, seconds: float, start_iteration: int) ->
         ("final loss", f"{train}, {val}"),
         ("checkpoint", saved),
     ]
+    fp8 = fp8_row(trainer, history["loss"][-1][1] if history["loss"] else None)
+    if fp8 is not None:
+        rows.append(("FP8", fp8))
     return "\n".join(["megacoat run done:"] + [f"  {k}: {v}" for k, v in rows])
