@@ -68,3 +68,37 @@ def test_sentence_sample_is_seeded_and_capped():
     # A uniform sample reaches the end of the input, unlike taking the first sentences.
     assert max(int(x.split()[1]) for x in a) > 500
     assert len(sample_sentences(docs, 5000, 100)) == 1000
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "flipped", "text", "directory"])
+def test_a_bad_model_file_is_one_error_naming_it(tmp_path, tokenizer_model, damage):
+    data = open(tokenizer_model, "rb").read()
+    bad = tmp_path / "tokenizer.model"
+    if damage == "empty":
+        bad.write_bytes(b"")
+    elif damage == "truncated":
+        bad.write_bytes(data[: len(data) // 3])
+    elif damage == "flipped":
+        bad.write_bytes(data[:100] + bytes(b ^ 0xFF for b in data[100:116]) + data[116:])
+    elif damage == "text":
+        bad.write_text("this is not a sentencepiece model\n")
+    else:
+        bad.mkdir()
+    with pytest.raises((ValueError, FileNotFoundError)) as e:
+        SentencePieceTokenizer(str(bad))
+    assert str(bad) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_pretrain_gpt_says_so_in_one_line(tmp_path, tokenizer_model):
+    import subprocess
+    import sys
+
+    from tests.training.checkpoint_runs import PRETRAIN, TINY, env
+
+    bad = tmp_path / "tokenizer.model"
+    bad.write_bytes(open(tokenizer_model, "rb").read()[:500])
+    proc = subprocess.run([sys.executable, PRETRAIN] + TINY + ["--train-iters", "1", "--tokenizer-model", str(bad)],
+                          cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if "[real_accelerator.py" not in line]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"error: {bad}: not a sentencepiece model, or a truncated or corrupted one")

@@ -1,4 +1,6 @@
-"""tools/train_tokenizer.py from text files, directories and JSONL."""
+"""tools/train_tokenizer.py from text files, directories and JSONL; its errors."""
+import os
+
 import pytest
 
 from megacoat.data.tokenizer import SentencePieceTokenizer
@@ -26,11 +28,41 @@ def test_from_text_directory_unigram(tmp_path, train_tokenizer, documents):
     assert SentencePieceTokenizer(str(out)).vocab_size == 300
 
 
-def test_bad_arguments(tmp_path, train_tokenizer):
-    with pytest.raises(SystemExit):
+def test_bad_arguments(tmp_path, train_tokenizer, capsys):
+    with pytest.raises(SystemExit) as e:
         train_tokenizer.main([str(tmp_path), "--output", str(tmp_path / "x.model"), "--model-type", "wordpiece"])
-    with pytest.raises(FileNotFoundError, match="no input files"):
-        train_tokenizer.main([str(tmp_path), "--output", str(tmp_path / "x.model")])
+    assert e.value.code == 1
+    assert capsys.readouterr().err.startswith("error: argument --model-type: invalid choice: 'wordpiece'")
+
+
+def _error(train_tokenizer, capsys, argv) -> str:
+    assert train_tokenizer.main(argv) == 1
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and not captured.out, captured
+    return lines[0]
+
+
+def test_every_error_is_one_line(tmp_path, train_tokenizer, capsys):
+    """Missing, empty and unusable inputs, and an --output that cannot be written (found before training)."""
+    good = tmp_path / "good.txt"
+    good.write_text("alpha beta gamma\n" * 50)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text("  \n\n")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "FILE").write_text("x")
+    out = str(tmp_path / "t.model")
+    assert "'missing.txt' is not a file or directory" in _error(train_tokenizer, capsys, ["missing.txt", "--output", out])
+    assert "no input files found" in _error(train_tokenizer, capsys, [str(tmp_path / "dir"), "--output", out])
+    line = _error(train_tokenizer, capsys, [str(tmp_path / "empty.txt"), str(tmp_path / "blank.txt"), "--output", out])
+    assert line.startswith(f"error: {tmp_path / 'empty.txt'} and 1 more input files: no text to train")
+    assert _error(train_tokenizer, capsys, [str(good), "--output", str(tmp_path / "dir")]) == \
+        f"error: --output {tmp_path / 'dir'}: is a directory, not a .model file"
+    assert _error(train_tokenizer, capsys, [str(good), "--output", str(tmp_path / "FILE" / "t.model")]) == \
+        f"error: --output {tmp_path / 'FILE' / 't.model'}: {tmp_path / 'FILE'} is a file, not a directory"
+    assert _error(train_tokenizer, capsys, [str(good), "--output", "/proc/t.model"]).startswith(
+        "error: --output /proc/t.model: cannot write there")
+    assert not os.path.exists(out)
 
 
 def test_small_input_warns_and_prints_the_vocabulary_it_made(tmp_path, train_tokenizer, capsys):

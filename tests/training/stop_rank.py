@@ -1,9 +1,10 @@
 """pretrain_gpt.py with one rank stopping (SIGSTOP, as a hung or frozen process) before a chosen iteration: the
 stopped-rank test's fixture, kept out of the library's training loop.
 
-    python tests/training/stop_rank.py RANK ITERATION [pretrain_gpt.py flags]
+    STOP_RANK_AT=RANK:ITERATION python tests/training/stop_rank.py [pretrain_gpt.py flags]
 
-RANK stops itself before computing ITERATION (1-based); the other ranks go on into the step's collectives.
+RANK stops itself before computing ITERATION (1-based); the other ranks go on into the step's collectives. (An
+environment variable, since DeepSpeed's launcher puts --local_rank before the script's own arguments.)
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def stop_at(rank: int, iteration: int) -> None:
 
 
 if __name__ == "__main__":
-    stop_at(int(sys.argv[1]), int(sys.argv[2]))
-    pretrain_gpt.main(sys.argv[3:])
+    rank, iteration = os.environ["STOP_RANK_AT"].split(":")
+    stop_at(int(rank), int(iteration))
+    pretrain_gpt.main(sys.argv[1:])
     sys.exit(0)

@@ -66,3 +66,48 @@ def test_coat_says_why_its_head_stays_in_bf16():
     assert "the output layer in high precision (the FP8 head needs vocabulary and hidden sizes that are multiples " \
            "of 16)" in head(["--vocab-size", "1000"])
     assert "the output layer in high precision (--fp8-output-layer off)" in head(["--fp8-output-layer", "off"])
+
+
+def _shard(prefix, documents):
+    import numpy as np
+
+    from megacoat.data.indexed_dataset import IndexedDatasetWriter
+
+    writer = IndexedDatasetWriter(str(prefix), np.uint16)
+    for doc in documents:
+        writer.add_document(doc)
+    writer.finalize()
+    return str(prefix)
+
+
+def test_data_line_names_the_shards_weights_documents_and_tokens(tmp_path):
+    a = _shard(tmp_path / "a", [[1, 2, 3], [4, 5]])
+    b = _shard(tmp_path / "b", [[6] * 10])
+    cfg = parse_config(["--data-path", "0.7", a, "0.3", b, "--tokenizer-model", "tok.model"])
+    text = startup_banner(cfg, ParallelState(), 1, 2, bf16=False, on_cuda=False)
+    assert f"  data: {a} (weight 0.7), {b} (weight 0.3): 3 documents, 15 tokens; split 969,30,1; tokenizer " \
+           "tok.model" in text.splitlines()
+    many = [_shard(tmp_path / f"s{i}", [[i + 1]]) for i in range(6)]
+    text = startup_banner(parse_config(["--data-path"] + many), ParallelState(), 1, 2, bf16=False, on_cuda=False)
+    assert f"data: {', '.join(many[:4])}, and 2 more: 6 documents, 6 tokens" in text
+    assert "data: random tokens (--mock-data)" in startup_banner(parse_config(["--mock-data"]), ParallelState(), 1,
+                                                                 2, bf16=False, on_cuda=False)
+
+
+def test_run_summary():
+    from types import SimpleNamespace
+
+    from megacoat.training.banner import run_summary
+
+    cfg = parse_config(["--global-batch-size", "8", "--seq-length", "32", "--save", "ckpt"])
+    trainer = SimpleNamespace(cfg=cfg, state=SimpleNamespace(iteration=30), saved_checkpoint="ckpt/iter_0000030")
+    history = {"loss": [(20, 5.0), (30, 4.25)], "val_loss": [(30, 4.5)]}
+    assert run_summary(trainer, history, seconds=2.0, start_iteration=10).splitlines() == [
+        "megacoat run done:",
+        "  trained: 20 iterations (10 -> 30), 5,120 tokens in 2.0 s (2,560 tokens/s)",
+        "  final loss: train 4.2500 (iteration 30), validation 4.5000 (iteration 30)",
+        "  checkpoint: ckpt/iter_0000030"]
+    unsaved = SimpleNamespace(cfg=parse_config(["--eval-iters", "0"]), state=SimpleNamespace(iteration=0),
+                              saved_checkpoint=None)
+    text = run_summary(unsaved, {"loss": [], "val_loss": []}, seconds=0.0, start_iteration=0)
+    assert "final loss: train -, no validation (--eval-iters 0)" in text and "checkpoint: none (no --save)" in text

@@ -11,7 +11,8 @@ FLAGS = ["--zero-stage", "1", "--lr-decay-style", "cosine", "--min-lr", "1e-4"]
 @pytest.mark.slow
 def test_first_resumed_step_uses_the_new_schedule(tmp_path):
     run(tmp_path, FLAGS + ["--train-iters", "8"], tmp_path / "full.json")
-    run(tmp_path, FLAGS + ["--train-iters", "4", "--save", str(tmp_path / "ckpt")], tmp_path / "short.json")
+    short = run(tmp_path, FLAGS + ["--train-iters", "4", "--save", str(tmp_path / "ckpt")], tmp_path / "short.json")
+    assert f"  checkpoint: {tmp_path / 'ckpt' / 'iter_0000004'}" in short.stdout.splitlines()  # the run summary
     proc = run(tmp_path, FLAGS + ["--train-iters", "8", "--load", str(tmp_path / "ckpt")], tmp_path / "resumed.json")
     full = {r["iteration"]: r["lr"] for r in records(tmp_path / "full.json") if "lr" in r}
     resumed = {r["iteration"]: r["lr"] for r in records(tmp_path / "resumed.json") if "lr" in r}
@@ -20,3 +21,4 @@ def test_first_resumed_step_uses_the_new_schedule(tmp_path):
         assert resumed[it] == pytest.approx(full[it], rel=1e-12), (it, resumed, full)
     assert "LR schedule rebuilt from the flags at step 4 (--lr-decay-iters 4 -> 8, --train-iters 4 -> 8)" \
         in proc.stdout
+    assert "  trained: 4 iterations (4 -> 8), 1,024 tokens in " in proc.stdout  # this run's own work

@@ -53,10 +53,11 @@ def test_a_stopped_rank_ends_the_run_with_one_line(tmp_path):
     """Two ranks train with ZeRO-1; rank 1 stops (SIGSTOP) before iteration 3. Rank 0 waits in the step's
     collectives for --distributed-timeout-minutes (6 s), then says so in one line and the launcher ends the job."""
     script = os.path.join(ROOT, "tests", "training", "stop_rank.py")
-    cmd = launcher(2, 29655) + [script, "1", "3"] + TINY + [
+    cmd = launcher(2, 29655) + [script] + TINY + [
         "--train-iters", "6", "--zero-stage", "1", "--distributed-timeout-minutes", "0.1"]
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env(tmp_path, STOP_RANK_AT="1:3"), capture_output=True, text=True,
+                          timeout=400)
     elapsed = time.monotonic() - start
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
