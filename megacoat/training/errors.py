@@ -29,7 +29,8 @@ def error_line(e: BaseException) -> str:
     return text if text.startswith("error: ") else f"error: {text}"
 
 
-def _prints_errors() -> bool:
+def prints_errors() -> bool:
+    """Whether this process prints the run's `error:` line: the first rank of each node."""
     return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
@@ -42,6 +43,6 @@ def one_line_errors(kinds: tuple[type[BaseException], ...] = INPUT_ERRORS, debug
     except kinds as e:
         if debug_requested(debug):
             raise
-        if _prints_errors():
+        if prints_errors():
             print(error_line(e), file=sys.stderr, flush=True)
         raise SystemExit(EXIT_STATUS) from None
