@@ -50,6 +50,37 @@ def load_tool(name: str):
     return sys.modules[module_name]
 
 
+def fixed_recipe(mode: str, **choices):
+    """A resolved CoatRecipe with COAT's just-in-time (current) scaling and the BF16 head unless `choices` say
+    otherwise: what the per-layer and per-checkpoint measurements run, whatever the trainer's defaults are."""
+    from megacoat.coat.recipe import CoatRecipe
+
+    return CoatRecipe(**{"mode": mode, "grad_scaling": "current", "activation_scaling": "current",
+                         "output_layer": False, **choices})
+
+
+def saved_activation_bytes(fn, params=()) -> tuple[int, dict]:
+    """Bytes autograd keeps for backward while fn() runs, over unique storages, parameters (and their views) left
+    out: (total, {dtype name: bytes})."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, tuple[int, torch.dtype]] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip and storage.data_ptr() != 0:
+            seen[storage.data_ptr()] = (storage.nbytes(), t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    by_dtype: dict[str, int] = {}
+    for nbytes, dtype in seen.values():
+        name = str(dtype).replace("torch.", "")
+        by_dtype[name] = by_dtype.get(name, 0) + nbytes
+    del out
+    return sum(n for n, _ in seen.values()), by_dtype
+
+
 def time_call_ms(fn, device: str, eager: bool = False) -> float:
     """Median milliseconds of one call: inside a CUDA graph (do_bench_cudagraph: many calls captured, so Python's
     launch cost is not timed), launched from Python with `eager`, or one wall-clock call under the interpreter."""

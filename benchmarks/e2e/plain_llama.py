@@ -1,6 +1,5 @@
 """A plain Llama training loop with no DeepSpeed and no megacoat trainer: the reference that shows what the
-trainer's own per-step host work costs (issue 17: a plain compiled Llama reached 44.6% MFU at micro-batch 2 on
-an H100 where the trainer's bf16 mode reached 35.6%).
+trainer's own per-step host work costs.
 
     python -m benchmarks.e2e.plain_llama --num-layers 24 --hidden-size 2048 --ffn-hidden-size 5632 \
         --num-attention-heads 16 --seq-length 2048 --vocab-size 32000 --micro-batch-size 2 --global-batch-size 4 \

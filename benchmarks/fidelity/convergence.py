@@ -1,7 +1,7 @@
 """Convergence of the FP8 activation modes against BF16: the same small model, data, seed and schedule trained
 with pretrain_gpt.py once per mode; loss curves saved as JSON and PNG.
 
-Pass criterion of issue 6: the final training loss (mean of the last 10% of logged iterations, to look past
+Pass criterion: the final training loss (mean of the last 10% of logged iterations, to look past
 single-batch noise) of `coat` within 2% of `bf16`; the final validation losses are reported beside it.
 
     python -m benchmarks.fidelity.convergence --iters 300 [--modes bf16 coat] [-- extra pretrain flags]

@@ -14,7 +14,7 @@ import os
 import statistics
 import sys
 
-from benchmarks.common import ROOT, load_tool
+from benchmarks.common import ROOT, fixed_recipe, load_tool
 from benchmarks.fidelity.stats import TARGET_GRAD_COSINE
 
 
@@ -39,8 +39,7 @@ def mode_gradients(model_cfg, state: dict, mode: str, tokens, labels) -> dict:
     ('fp32', 'bf16', 'fp8-linear' or 'coat'); bf16 and FP8 modes hold bf16 weights on CUDA, as the trainer does."""
     import torch
 
-    from megacoat.fp8.config import FP8Config
-    from megacoat.fp8.convert import convert_to_fp8
+    from megacoat.coat import convert_to_coat
     from megacoat.model.gpt import GPT
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -49,7 +48,7 @@ def mode_gradients(model_cfg, state: dict, mode: str, tokens, labels) -> dict:
         model = GPT(model_cfg)
     model.load_state_dict(state)
     if mode not in ("fp32", "bf16"):
-        model = convert_to_fp8(model, FP8Config(mode=mode))
+        model = convert_to_coat(model, fixed_recipe(mode))
     model = model.to(device=device, dtype=dtype)
     loss = model(tokens.to(device), labels.to(device))
     loss.backward()

@@ -63,10 +63,11 @@ import torch
 
 from benchmarks.common import ROOT, load_tool  # noqa: E402
 
-from megacoat.fp8.formats import E4M3, E5M2  # noqa: E402
-from megacoat.fp8.linear import quantize_transpose, quantize_x  # noqa: E402
+from megacoat.ops.formats import E4M3, E5M2  # noqa: E402
+from megacoat.coat.linear import quantize_x  # noqa: E402
 from megacoat.model.config import ModelConfig  # noqa: E402
 from megacoat.model.gpt import GPT, IGNORE_INDEX  # noqa: E402
+from megacoat.ops.cast_transpose import quantize_transpose  # noqa: E402
 from megacoat.ops.cross_entropy_fp8 import cross_entropy_grad_fp8_ref, cross_entropy_stats_ref  # noqa: E402
 
 MODEL = dict(num_layers=4, hidden_size=256, ffn_hidden_size=768, num_attention_heads=4, seq_length=128)
@@ -177,8 +178,8 @@ def lib_grad(z32: torch.Tensor, labels: torch.Tensor, coef: float, fmt: str) -> 
 
 def library_head(x: torch.Tensor, W: torch.Tensor, labels: torch.Tensor):
     """dx, dW of the library's own fp8_head_loss (an Fp8Linear on bf16 weights, CPU torch._scaled_mm)."""
-    from megacoat.fp8.head_loss import fp8_head_loss
-    from megacoat.fp8.linear import Fp8Linear
+    from megacoat.coat.head import fp8_head_loss
+    from megacoat.coat.linear import Fp8Linear
 
     lin = torch.nn.Linear(W.shape[1], W.shape[0], bias=False).bfloat16()
     with torch.no_grad():

@@ -1,13 +1,12 @@
 """How much of the FP8 output layer's loss gap is its evaluation: one trained checkpoint, its held-out loss with
 the head in FP8 and in BF16 (same weights, the blocks in the COAT flow both times), and with no FP8 at all.
 
---fp8-output-layer's runs ended +0.30% [+0.03, +0.57] above bf16 at 350 M (benchmarks/results/fidelity_notes.md),
-and their validation ran the head in FP8 too. The logits of an E4M3 GEMM carry its rounding (3 mantissa bits an
+The FP8 head's runs are validated with the head in FP8 too. The logits of an E4M3 GEMM carry its rounding (3 mantissa bits an
 operand), noise that by itself raises a cross-entropy. If the gap is that noise, a checkpoint evaluated with its
 head in BF16 loses it; if the training is worse, it stays. Batch-paired gaps with a 95% t-interval over batches.
 
-    python -m benchmarks.fidelity.head_precision_eval --checkpoint RUNDIR/coat-fp8-head_s3/checkpoint \\
-        --data .cache/fidelity_data --samples 64 --batch-size 8 --out benchmarks/results/head_precision_eval.json
+    python -m benchmarks.fidelity.head_precision_eval --checkpoint RUNDIR/coat_s3/checkpoint \\
+        --data .cache/fidelity_data --samples 64 --batch-size 8 --out head_precision_eval.json
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import json
 import os
 import sys
 
-from benchmarks.common import ROOT, load_tool  # noqa: E402
+from benchmarks.common import ROOT, fixed_recipe, load_tool  # noqa: E402
 
 HEADS = {  # name: (activation mode, head in FP8)
     "bf16": ("bf16", False),
@@ -31,15 +30,14 @@ def batch_losses(model_cfg, state: dict, mode: str, fp8_head: bool, group_size: 
     scaling sites then cast with current scaling), the checkpoint's weights in bf16 on CUDA (fp32 on CPU)."""
     import torch
 
-    from megacoat.fp8.config import FP8Config
-    from megacoat.fp8.convert import convert_to_fp8
+    from megacoat.coat import convert_to_coat
     from megacoat.model.gpt import GPT
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with torch.device(device):
         model = GPT(model_cfg)
     model.load_state_dict(state)
-    model = convert_to_fp8(model, FP8Config(mode=mode, output_layer=fp8_head, group_size=group_size))
+    model = convert_to_coat(model, fixed_recipe(mode, output_layer=fp8_head, group_size=group_size))
     model = model.to(dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
     out = []
     with torch.no_grad():

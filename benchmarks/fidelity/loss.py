@@ -41,33 +41,20 @@ import time
 from benchmarks.common import ROOT
 from benchmarks.fidelity import stats
 
-# Each name keeps the flags it was measured with, whatever the trainer's defaults become: "coat" and its variants
-# pin COAT's just-in-time (current) scaling, and every coat name pins its head, the BF16 one but in
-# "coat-fp8-head-lx". "coat-fp8-head-lx" is --coat-fp8's default (delayed scaling at both sites, the FP8 head with
-# its label correction), and "coat-delayed-all" the same with the BF16 head.
-HEAD_BF16 = ["--fp8-output-layer", "off"]
-COAT = ["--coat-fp8", "--fp8-grad-scaling", "current", "--fp8-activation-scaling", "current", *HEAD_BF16]
-DELAYED_ALL = ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling", "delayed"]
+# Modes by recipe (benchmarks/suite.py's names), then single changes to the default recipe. JSON written under
+# earlier names stays readable: report pools runs by the name they carry.
 MODES = {
     "bf16": [],
-    "coat": COAT,
-    "fp8-optimizer": ["--fp8-optimizer"],
-    "fp8-activations": ["--fp8-activations", "coat", "--fp8-grad-scaling", "current", "--fp8-activation-scaling",
-                        "current", *HEAD_BF16],
+    "coat": ["--coat-fp8"],  # the default: delayed scaling, the FP8 head
+    "coat-current": ["--coat-fp8", "--fp8-grad-scaling", "current", "--fp8-activation-scaling", "current",
+                     "--fp8-output-layer", "off"],  # COAT's own: just-in-time scaling, the BF16 head
     "fp8-linear": ["--fp8-activations", "fp8-linear"],
-    "coat-no-expansion": [*COAT, "--fp8-no-expansion"],
-    "coat-v-e5m2": [*COAT, "--fp8-v-dtype", "e5m2"],
-    # forward GEMMs with fast accumulation: whether --fp8-fast-accum costs loss (it is off by default until shown)
-    "coat-fast-accum": [*COAT, "--fp8-fast-accum"],
-    # SwiGLU's gradient scaled by the amaxes of earlier backward calls: whether --fp8-grad-scaling delayed costs loss
-    "coat-delayed": ["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-activation-scaling", "current",
-                     *HEAD_BF16],
-    # and the norms' and SwiGLU's FP8 outputs scaled by the amaxes of earlier forwards (--fp8-activation-scaling)
-    "coat-delayed-all": [*DELAYED_ALL, *HEAD_BF16],
-    # and the output layer in FP8 too, each label entry's rounding added back (--fp8-output-layer): whether it still
-    # costs loss. Its runs without that residual are "coat-fp8-head" (+0.30% at 350 M): a new name, since report
-    # pools runs by name and the flags did not change
-    "coat-fp8-head-lx": [*DELAYED_ALL, "--fp8-output-layer", "on"],
+    "coat-bf16-head": ["--coat-fp8", "--fp8-output-layer", "off"],
+    "fp8-optimizer": ["--fp8-optimizer"],  # CoatAdamW alone
+    "fp8-activations": ["--fp8-activations", "coat"],  # the precision flow alone
+    "coat-no-expansion": ["--coat-fp8", "--fp8-no-expansion"],
+    "coat-v-e5m2": ["--coat-fp8", "--fp8-v-dtype", "e5m2"],
+    "coat-fast-accum": ["--coat-fp8", "--fp8-fast-accum"],
 }
 MODEL_125M = ["--num-layers", "12", "--hidden-size", "768", "--ffn-hidden-size", "2048", "--num-attention-heads", "12"]
 MODEL_350M = ["--num-layers", "24", "--hidden-size", "1024", "--ffn-hidden-size", "2816", "--num-attention-heads", "16"]
@@ -75,8 +62,7 @@ PRESETS = {
     # model flags, sequence length, tokens per run, global/micro batch, peak LR, validation points per run
     "125m": dict(model=MODEL_125M, seq=1024, tokens=50e6, gbs=32, mbs=16, lr=6e-4, val_points=4),
     "350m": dict(model=MODEL_350M, seq=1024, tokens=30e6, gbs=32, mbs=16, lr=3e-4, val_points=4),
-    # twice the tokens: at 30 M one run's own noise is ~2% (benchmarks/results/fidelity_notes.md); a pair takes
-    # two device calls (RESUME=1 in device_run.sh)
+    # twice the tokens: at 30 M one run's own noise is ~2%
     "350m-long": dict(model=MODEL_350M, seq=1024, tokens=60e6, gbs=32, mbs=16, lr=3e-4, val_points=4),
     "ablation": dict(model=MODEL_125M, seq=1024, tokens=20e6, gbs=32, mbs=16, lr=6e-4, val_points=2),
     # a CPU check of this script (tests/benchmarks/test_fidelity.py), not a measurement

@@ -2,8 +2,6 @@
 launch alone, given the tensor's amax (as the trained step runs it: under torch.compile the amax is a reduction
 fused elsewhere or a pass of its own), writing the row-major copy and the transpose, or one of them.
 
-At micro-batch 12 the 1.3 B step spends 22.8 ms in this kernel (360 calls; benchmarks/results/
-kernels_coat-delayed-all_cudagraph_mb12_zero1.json), its backward calls at ~1.6 TB/s against ~3 TB/s for a copy.
 `--sweep BM:BN:WARPS ...` times other tiles (the library's, megacoat.ops.cast_transpose.tiles()["cast"], is each
 shape's first row); on the GPU every tile must write the torch reference's bytes, or the run fails. Each call is
 timed inside a CUDA graph (triton.testing.do_bench_cudagraph), repeated and interleaved with a device-to-device copy

@@ -98,7 +98,7 @@ def main() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        sys.exit("bench_gemm_workspace.py needs a CUDA GPU (it times cuBLASLt's FP8 GEMMs in a CUDA graph)")
+        sys.exit("error: benchmarks.kernels.gemm_workspace needs a CUDA GPU (it times cuBLASLt's FP8 GEMMs in a CUDA graph)")
     results = {}
     for name, env in SETTINGS.items():
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--tokens", str(args.tokens),

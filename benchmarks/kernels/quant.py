@@ -105,7 +105,7 @@ def main(argv=None) -> None:
         args.out = args.out or "benchmarks/results/bench_quant_cpu_smoke.json"
     else:
         if not torch.cuda.is_available():
-            raise SystemExit("error: bench_quant.py needs a CUDA GPU (or --cpu-smoke)")
+            raise SystemExit("error: benchmarks.kernels.quant needs a CUDA GPU (or --cpu-smoke)")
         device, (m, h, f) = "cuda", (args.tokens, args.hidden, args.ffn)
         args.out = args.out or "benchmarks/results/bench_quant.json"
     torch.manual_seed(0)

@@ -1,10 +1,8 @@
 """The FP8 byte transpose per call (megacoat.ops.cast_transpose.transpose_fp8_triton), per tile: the [q|k|v]
 gradient's wgrad layout under delayed scaling, which RoPE's backward writes row-major, one token per program.
 
-With the cast's 64 x 64 tile, which moves 64-byte segments each way for 1-byte elements, the 1.3 B step at
-micro-batch 32 spent 16.8 ms in it (48 calls of 350 us, ~2.3 TB/s; benchmarks/results/
-kernels_coat-delayed-all_cudagraph_mb32_zero1_ab48ffb.json); the library's tile is now its own
-(megacoat.ops.cast_transpose.tiles()["transpose"]). `--sweep BM:BN:WARPS ...` times other tiles (the library's first); every
+The library's tile is its own (megacoat.ops.cast_transpose.tiles()["transpose"]), not the cast's: 1-byte elements
+want longer segments each way. `--sweep BM:BN:WARPS ...` times other tiles (the library's first); every
 tile must write q.t().contiguous()'s bytes, or the run fails. Each call is timed inside a CUDA graph, repeated and
 interleaved with a device-to-device copy of the same bytes, whose GB/s is the yardstick.
 

@@ -42,10 +42,9 @@ if "--count-launches" in sys.argv:  # before triton is imported: @triton.jit pic
 import torch
 import triton
 
-from megacoat.fp8.config import FP8Config
-from megacoat.fp8.convert import convert_to_fp8
-from megacoat.fp8.linear import refresh_fp8_weights
-from megacoat.fp8.saved_memory import saved_activation_bytes
+from benchmarks.common import fixed_recipe, saved_activation_bytes
+from megacoat.coat import convert_to_coat
+from megacoat.coat.linear import refresh_fp8_weights
 from megacoat.model.config import ModelConfig
 from megacoat.model.gpt import GPT, rope_tables
 
@@ -221,7 +220,7 @@ def bf16_gemms_ms(shapes) -> float:
 def count_launches() -> dict:
     """CPU: per mode, the aten ops that launch a CUDA kernel and the Triton launches of one small layer's
     forward and backward (steady state: weight caches built), the FP8 flow on its Triton kernels."""
-    from tests.fp8.flow_paths import LaunchCounter, triton_paths
+    from tests.coat.flow_paths import LaunchCounter, triton_paths
 
     cfg = ModelConfig(num_layers=1, vocab_size=128, hidden_size=128, ffn_hidden_size=256, num_attention_heads=2,
                       seq_length=32)
@@ -229,7 +228,7 @@ def count_launches() -> dict:
     cos, sin = base._rope(torch.device("cpu"))
     out = {}
     for mode in ("bf16", "fp8-linear", "coat"):
-        model = convert_to_fp8(copy.deepcopy(base), FP8Config(mode=mode, group_size=64))
+        model = convert_to_coat(copy.deepcopy(base), fixed_recipe(mode, group_size=64))
         layer = model.layers[0]
         x = torch.randn(1, cfg.seq_length, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
         with triton_paths():
@@ -290,7 +289,7 @@ def main() -> None:
     for mode in ("fp8-linear", "coat"):
         holder = torch.nn.Module()
         holder.layers = torch.nn.ModuleList([copy.deepcopy(layer)])
-        convert_to_fp8(holder, FP8Config(mode=mode))
+        convert_to_coat(holder, fixed_recipe(mode))
         modules[mode] = holder.layers[0]
     if args.compile_fp8:  # fullgraph: the FP8 flow is inside the graph; it reads the refreshed FP8 weight copies
         for mode in ("fp8-linear", "coat"):

@@ -4,7 +4,7 @@ final losses (mean of the last 10% of iterations, and the last validation loss) 
 
     python -m benchmarks.optimizer.quality [--train-iters 200] [--name default] [-- <extra pretrain_gpt.py flags>]
 
-Target (issue 5): CoatAdamW's final loss within 1% of AdamW's.
+Target: CoatAdamW's final loss within 1% of AdamW's.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ import sys
 import time
 
 import torch
-from megacoat.optim.coat_adamw import CoatAdamW  # noqa: E402
+from megacoat.coat import CoatAdamW  # noqa: E402
 
 
 def timed(fn, iters: int, warmup: int) -> list[float]:
@@ -183,7 +183,7 @@ def main(argv=None):
         return static_sass(args)
     args.out = args.out or "benchmarks/results/bench_optimizer.json"
     if not torch.cuda.is_available():
-        raise SystemExit("bench_optimizer.py needs a CUDA GPU")
+        raise SystemExit("error: benchmarks.optimizer.speed needs a CUDA GPU")
     n_params, G = int(args.params), args.group_size
     copy_gbps = copy_bandwidth(4 << 30, args.iters)
     hp = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

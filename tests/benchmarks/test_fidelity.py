@@ -108,9 +108,11 @@ def test_every_mode_is_a_valid_trainer_command():
     fidelity = importlib.import_module("benchmarks.fidelity.loss")
     for mode, flags in fidelity.MODES.items():
         fp8 = parse_config(list(flags)).fp8
-        # every coat name pins the head it was measured with: the FP8 one in coat-fp8-head-lx alone
-        assert "--fp8-output-layer" in flags or fp8.mode != "coat", mode
-        assert fp8.output_layer == (mode == "coat-fp8-head-lx"), mode
+        assert (fp8.mode == "bf16") == (mode in ("bf16", "fp8-optimizer")), mode
+        # the BF16 head wherever the name says so; everywhere else the recipe's own choice
+        if fp8.mode == "coat":
+            assert (fp8.output_layer is False) == (mode in ("coat-current", "coat-bf16-head")), mode
+    assert fidelity.MODES["coat"] == ["--coat-fp8"]  # the default recipe, nothing pinned
 
 
 def _runs_doc(path, runs, data_id="d1", device="cpu"):
