@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megacoat.ops.numerics import FP8_DTYPES
-
-_CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-_TABLES = {dtype: _CODES.view(dtype).float() for dtype in FP8_DTYPES}  # code -> value, NaN codes included
+from megacoat.ops.numerics import FP8_DTYPES, fp8_table
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -39,11 +36,11 @@ def gemm_op(device: torch.device | str) -> torch._ops.OpOverload:
 def decode(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x8 * scale in float32, x8's layout kept (row-major or its transpose). scale: one element, folded into the
     table (256 products instead of one per element), or a tensor broadcast against x8."""
-    if x8.dtype not in _TABLES:
+    if x8.dtype not in FP8_DTYPES:
         raise ValueError(f"scaled_mm: operands must be FP8 ({FP8_DTYPES}), got {x8.dtype}")
     if x8.dim() == 2 and not x8.is_contiguous() and x8.t().is_contiguous():
         return decode(x8.t(), scale.t() if scale.dim() == 2 else scale).t()
-    table = _TABLES[x8.dtype].to(x8.device)
+    table = fp8_table(x8.dtype, x8.device)
     tensorwise = scale.numel() == 1
     if tensorwise:
         table = table * scale.reshape(1).float()

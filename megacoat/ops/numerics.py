@@ -28,6 +28,7 @@ import threading
 import torch
 import torch.nn.functional as F
 from torch._library.infer_schema import infer_schema
+from torch._subclasses.fake_tensor import is_fake
 from torch.library import wrap_triton
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -55,6 +56,28 @@ def log2_dynamic_range(fp8_dtype: torch.dtype) -> float:
     """log2(F.max / F.min_subnormal), the range expansion maps a group onto: E4M3 ~17.81, E5M2 ~31.81."""
     fi = torch.finfo(fp8_dtype)
     return math.log2(fp8_max(fp8_dtype) / (fi.smallest_normal * fi.eps))
+
+
+_FP8_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def fp8_table(fp8_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """float32 [256]: the value of each FP8 code (NaN codes included), indexed by the code's byte."""
+    key = (fp8_dtype, torch.device(device))
+    if key not in _FP8_TABLES:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        _FP8_TABLES[key] = codes.view(fp8_dtype).float().to(device)
+    return _FP8_TABLES[key]
+
+
+def fp8_to_float32(q: torch.Tensor) -> torch.Tensor:
+    """q.float(), exact (every FP8 value is a float32). Off CUDA through fp8_table: torch's CPU conversion decodes
+    FP8 one element at a time, several times slower than the gather. Traced (fake) tensors take q.float(): the
+    table is a real tensor."""
+    if q.is_cuda or q.dtype not in FP8_DTYPES or is_fake(q):
+        return q.float()
+    codes = q.contiguous().view(torch.uint8).reshape(-1).int()
+    return fp8_table(q.dtype, q.device).index_select(0, codes).view(q.shape)
 
 
 def check_group_size(group_size: int) -> int:
@@ -160,7 +183,7 @@ def group_quantize(x: torch.Tensor, group_size: int, fp8_dtype: torch.dtype) -> 
     (q [M, D] in fp8_dtype, scales [M, ceil(D / G)] fp32), q = fp8(clamp(x / scale))."""
     m, d = x.shape
     ng = num_groups(d, group_size)
-    xp = F.pad(x.float(), (0, ng * group_size - d)).view(m, ng, group_size)
+    xp = _pad_to(x.float(), ng * group_size).view(m, ng, group_size)
     # amax / F.max by a Python float: on CUDA torch multiplies by the float32 reciprocal, as the kernels' `/`
     # (div.full, a scaled reciprocal) does for these group scales; per-tensor scales use scale_from_amax (IEEE)
     scale = xp.abs().amax(-1).clamp(min=AMAX_FLOOR) / fp8_max(fp8_dtype)
@@ -171,5 +194,10 @@ def group_quantize(x: torch.Tensor, group_size: int, fp8_dtype: torch.dtype) -> 
 def group_dequantize(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
     """Inverse of group_quantize, in fp32."""
     m, d = q.shape
-    xp = F.pad(q.float(), (0, scale.shape[1] * group_size - d)).view(m, -1, group_size)
+    xp = _pad_to(fp8_to_float32(q), scale.shape[1] * group_size).view(m, -1, group_size)
     return (xp * scale[..., None]).view(m, -1)[:, :d]
+
+
+def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [M, D] with zero columns up to `width` (x itself when D == width: no copy)."""
+    return x if x.shape[1] == width else F.pad(x, (0, width - x.shape[1]))
