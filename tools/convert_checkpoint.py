@@ -17,7 +17,6 @@ which load the layout-free form and save it at once; extra pretrain_gpt.py flags
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -28,6 +27,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megacoat.arguments import ArgumentParser  # noqa: E402
 from megacoat.checkpoint.layout_free import is_layout_free  # noqa: E402
 from megacoat.checkpoint.paths import META_FILE, resolve_tag_dir, write_latest, write_text_atomic  # noqa: E402
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])  # a bad flag: one error line, exit 1
     p.add_argument("--load", required=True, help="checkpoint directory (--save DIR) or one iter_* inside it")
     p.add_argument("--output", required=True, help="directory to write (a --save DIR: iter_N/ and latest)")
     p.add_argument("--weights-only", action="store_true", help="leave the optimizer state out (for --finetune)")
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                             "--data-parallel-size"), sizes):
         if value is not None and value < 1:
             print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
-            return 2
+            return 1
     try:
         if all(v is None for v in sizes + (args.zero_stage,)):
             out = to_layout_free(args.load, args.output, args.weights_only)

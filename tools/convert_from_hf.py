@@ -11,7 +11,6 @@ tokenizer is refused. The printed flags give the model's shape; --seq-length may
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
@@ -20,6 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megacoat.arguments import ArgumentParser  # noqa: E402
 from megacoat.checkpoint.hf_llama import from_hf_state_dict, model_config_from_hf  # noqa: E402
 from megacoat.checkpoint.layout_free import write_layout_free  # noqa: E402
 from megacoat.checkpoint.paths import write_latest  # noqa: E402
@@ -37,14 +37,26 @@ def read_hf(hf_dir: str) -> tuple[ModelConfig, dict]:
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"--hf-dir {hf_dir}: no config.json")
     with open(config_path) as f:
-        cfg = model_config_from_hf(json.load(f))
+        try:
+            c = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(c, dict):
+        raise ValueError(f"{config_path}: not a JSON object")
+    try:
+        cfg = model_config_from_hf(c)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{config_path}: {e}") from None
     files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"--hf-dir {hf_dir}: no *.safetensors weights (PyTorch .bin files: re-save them "
                                 "with save_pretrained(..., safe_serialization=True))")
     state = {}
     for path in files:
-        state.update(load_file(path))
+        try:
+            state.update(load_file(path))
+        except Exception as e:  # safetensors' own error type: a damaged or foreign file
+            raise ValueError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     return cfg, state
 
 
@@ -77,7 +89,7 @@ def convert(hf_dir: str, output: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])  # a bad flag: one error line, exit 1
     p.add_argument("--hf-dir", required=True, help="local directory with config.json and *.safetensors")
     p.add_argument("--output", required=True, help="checkpoint directory to write (for --load ... --finetune)")
     args = p.parse_args(argv)
@@ -85,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         out = convert(args.hf_dir, args.output)
         with open(os.path.join(out, "megacoat.json")) as f:
             cfg = ModelConfig(**json.load(f)["megacoat_config"]["model"])
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {out}; train from it with: pretrain_gpt.py --load {args.output} --finetune "

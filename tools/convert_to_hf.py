@@ -17,7 +17,6 @@ Two things differ between the formats besides names:
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
@@ -29,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megacoat.arguments import ArgumentParser  # noqa: E402
 from megacoat.checkpoint.hf_llama import hf_config, hf_tokenizer_config, to_hf_state_dict  # noqa: E402
 from megacoat.checkpoint.integrity import safe_torch_load  # noqa: E402
 from megacoat.checkpoint.layout_free import WEIGHTS_FILE, is_layout_free  # noqa: E402
@@ -133,7 +133,7 @@ def convert(load: str, output: str, dtype: torch.dtype = torch.bfloat16) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])  # a bad flag: one error line, exit 1
     p.add_argument("--load", required=True, help="checkpoint directory (--save DIR) or one iter_* inside it")
     p.add_argument("--output", required=True, help="directory for config.json + model.safetensors")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")

@@ -64,7 +64,7 @@ def test_bad_input_is_one_error_line(tmp_path):
                                                    "megacoat.json, no 'latest' naming one)"
     proc = subprocess.run([sys.executable, f"{TOOLS}/convert_checkpoint.py", "--load", str(tmp_path), "--output",
                            str(tmp_path / "o"), "--tensor-model-parallel-size", "0"], capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stderr.strip() == "error: --tensor-model-parallel-size must be >= 1, got 0"
+    assert proc.returncode == 1 and proc.stderr.strip() == "error: --tensor-model-parallel-size must be >= 1, got 0"
 
 
 @pytest.mark.slow

@@ -97,3 +97,18 @@ def test_convert_checkpoint_bad_input_is_one_error_line(tmp_path, damage):
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, (tool, proc.stderr[-2000:])
         lines = proc.stderr.strip().splitlines()
         assert lines[-1].startswith("error: ") and str(named) in lines[-1], (tool, lines)
+
+
+@pytest.mark.parametrize("damage", ["weights", "config-list", "config-json"])
+def test_convert_from_hf_bad_input_is_one_error_line(tmp_path, damage):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 96,
+              "num_attention_heads": 4, "max_position_embeddings": 16, "vocab_size": 128, "rms_norm_eps": 1e-5}
+    (hf / "config.json").write_text({"config-list": "[1]", "config-json": "{"}.get(damage, json.dumps(config)))
+    (hf / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
+    named = hf / ("model.safetensors" if damage == "weights" else "config.json")
+    proc = _tool(tmp_path, "convert_from_hf.py", "--hf-dir", hf, "--output", tmp_path / "o")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(named) in lines[0], lines
