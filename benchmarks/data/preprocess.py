@@ -28,6 +28,8 @@ import time
 import numpy as np  # noqa: E402
 import sentencepiece as spm  # noqa: E402
 
+from benchmarks.common import RESULTS  # noqa: E402
+
 from megacoat.data.default_corpus import prepare_default_corpus, stdlib_source_files  # noqa: E402
 from megacoat.data.gpt_dataset import GPTDataset  # noqa: E402
 from megacoat.data.indexed_dataset import IndexedDataset  # noqa: E402
@@ -81,7 +83,7 @@ def _read(path: str) -> str | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_preprocess.json"))
+    p.add_argument("--out", default=os.path.join(RESULTS, "data_preprocess.json"))
     args = p.parse_args()
 
     corpus = prepare_default_corpus(progress=False)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 import sys
 
 from torch import nn

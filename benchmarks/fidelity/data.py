@@ -43,8 +43,6 @@ import zlib
 
 import numpy as np
 
-from benchmarks.common import ROOT  # noqa: E402
-
 from megacoat.data.builders import split_ranges  # noqa: E402
 from megacoat.data.indexed_dataset import IndexedDataset  # noqa: E402
 from megacoat.data.preprocessing import preprocess  # noqa: E402

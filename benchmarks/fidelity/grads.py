@@ -12,9 +12,8 @@ from __future__ import annotations
 import glob
 import os
 import statistics
-import sys
 
-from benchmarks.common import ROOT, fixed_recipe, load_tool
+from benchmarks.common import fixed_recipe, load_tool
 from benchmarks.fidelity.stats import TARGET_GRAD_COSINE
 
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-from benchmarks.common import ROOT, fixed_recipe, load_tool  # noqa: E402
+from benchmarks.common import fixed_recipe, load_tool
 
 HEADS = {  # name: (activation mode, head in FP8)
     "bf16": ("bf16", False),

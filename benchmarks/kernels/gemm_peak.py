@@ -11,7 +11,6 @@ clock and the power draw while it runs (a clock below the card's maximum is the 
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import subprocess

@@ -20,6 +20,8 @@ import statistics
 import subprocess
 import sys
 
+from benchmarks.common import RESULTS
+
 # name -> environment of the child process (torch reads CUBLASLT_WORKSPACE_SIZE in KiB; CUBLAS_WORKSPACE_CONFIG
 # is ":KiB:count" for cuBLAS, whose workspace cuBLASLt shares when torch unifies them)
 SETTINGS = {
@@ -88,7 +90,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192, help="tokens per micro-batch (1.3 B model at micro-batch 4)")
     p.add_argument("--iters", type=int, default=50, help="graph replays per timed repeat (5 repeats)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+    p.add_argument("--out", default=os.path.join(RESULTS,
                                                   "bench_gemm_workspace.json"))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -98,10 +100,11 @@ def main() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        sys.exit("error: benchmarks.kernels.gemm_workspace needs a CUDA GPU (it times cuBLASLt's FP8 GEMMs in a CUDA graph)")
+        sys.exit("error: benchmarks.kernels.gemm_workspace needs a CUDA GPU (it times cuBLASLt's FP8 GEMMs in a "
+                 "CUDA graph)")
     results = {}
     for name, env in SETTINGS.items():
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--tokens", str(args.tokens),
+        cmd = [sys.executable, "-m", "benchmarks.kernels.gemm_workspace", "--child", "--tokens", str(args.tokens),
                "--iters", str(args.iters)]
         proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
         if proc.returncode:

@@ -2,7 +2,6 @@
 E5M2 rounding is E5M2 and unbiased."""
 import importlib
 import json
-import os
 
 import torch
 

@@ -1,13 +1,8 @@
 """benchmarks/trace/kernels.py: GPU time per step by kernel name and category from a Chrome trace."""
 import gzip
 import json
-import os
-import sys
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
-sys.path.insert(0, BENCH)
-
-from benchmarks.trace.kernels import kernel_table  # noqa: E402
+from benchmarks.trace.kernels import kernel_table
 
 
 def test_kernels_grouped_per_step_with_their_categories(tmp_path):
