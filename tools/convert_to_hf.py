@@ -11,6 +11,8 @@ Two things differ between the formats besides names:
 - Tensor/pipeline shards: weights are gathered from DeepSpeed's per-rank files (column-parallel weights
   and the vocabulary concatenated on dim 0, row-parallel ones on dim 1, norms replicated). A layout-free
   checkpoint (tools/convert_checkpoint.py) is read as it is.
+- Precision: --dtype bf16 writes the bf16 weights the run computed with; --dtype fp32 the optimizer's fp32
+  master where a --bf16 run kept one (megacoat.checkpoint.from_deepspeed), else the weights as saved.
 - Tokenizer: megacoat's sentencepiece model adds no dummy prefix, no BOS and no EOS when it encodes, and takes
   `<s>` in text as characters; tokenizer_config.json sets HF's Llama tokenizers to do the same, so they encode
   a text to exactly the ids the run's shards hold (HF's defaults prepend a space piece and a BOS).
@@ -29,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megacoat.arguments import ArgumentParser  # noqa: E402
+from megacoat.checkpoint.from_deepspeed import read_checkpoint, zero_file  # noqa: E402
 from megacoat.checkpoint.hf_llama import hf_config, hf_tokenizer_config, to_hf_state_dict  # noqa: E402
 from megacoat.checkpoint.integrity import safe_torch_load  # noqa: E402
 from megacoat.checkpoint.layout_free import WEIGHTS_FILE, is_layout_free  # noqa: E402
@@ -67,8 +70,9 @@ def read_shards(tag_dir: str, cfg: ModelConfig) -> list[dict[str, torch.Tensor]]
     return shards
 
 
-def load_megacoat_checkpoint(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
-    """(model config, full state dict with the plain GPT's names, megacoat.json) of a checkpoint."""
+def load_megacoat_checkpoint(path: str, master: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    """(model config, full state dict with the plain GPT's names, megacoat.json) of a checkpoint. `master`: the
+    optimizer's fp32 master weights where a --bf16 run kept them (ZeRO-1/2), else the weights the model ran with."""
     tag_dir = resolve_tag_dir(path)
     meta_path = os.path.join(tag_dir, META_FILE)
     with open(meta_path) as f:
@@ -81,6 +85,8 @@ def load_megacoat_checkpoint(path: str) -> tuple[ModelConfig, dict[str, torch.Te
         from safetensors.torch import load_file
 
         state = load_file(os.path.join(tag_dir, WEIGHTS_FILE))
+    elif master and zero_file(tag_dir, 0, 0) is not None:
+        state = read_checkpoint(tag_dir, with_state=False).weights
     else:
         state = merge_tensor_parallel(read_shards(tag_dir, cfg))
     if cfg.tie_embeddings:
@@ -118,7 +124,8 @@ def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
 def convert(load: str, output: str, dtype: torch.dtype = torch.bfloat16) -> str:
     from safetensors.torch import save_file
 
-    cfg, state, meta = load_megacoat_checkpoint(load)
+    # bf16: the weights the run computed with, exactly; fp32: the master they were rounded from
+    cfg, state, meta = load_megacoat_checkpoint(load, master=dtype == torch.float32)
     os.makedirs(output, exist_ok=True)
     save_file(to_hf_state_dict(cfg, state, dtype), os.path.join(output, "model.safetensors"),
               metadata={"format": "pt", "source": f"megacoat iteration {meta['iteration']}"})

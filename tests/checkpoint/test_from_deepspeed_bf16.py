@@ -74,6 +74,24 @@ def test_bf16_checkpoint_converts_with_the_master_as_its_weights(saved, tmp_path
     assert any(not torch.equal(w, module[n].float()) for n, w in weights.items())
 
 
+def test_hf_export_of_a_bf16_run(saved, tmp_path):
+    """--dtype fp32 exports the master, --dtype bf16 the bf16 weights the run computed with, both exactly."""
+    from megacoat.checkpoint.hf_llama import from_hf_state_dict
+    from megacoat.model.config import ModelConfig
+
+    _, tag_dir = saved
+    tool = load_tool("convert_to_hf")
+    cfg = ModelConfig(**json.loads((tag_dir / "megacoat.json").read_text())["megacoat_config"]["model"])
+    module = torch.load(tag_dir / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    want = master_of(tag_dir)
+    for dtype in ("fp32", "bf16"):
+        assert tool.main(["--load", str(tag_dir), "--output", str(tmp_path / dtype), "--dtype", dtype]) == 0
+        back = from_hf_state_dict(cfg, load_file(tmp_path / dtype / "model.safetensors"))
+        for name, w in back.items():
+            expect = want[name].view(w.shape) if dtype == "fp32" else module[name].float()
+            assert torch.equal(w, expect), (dtype, name)
+
+
 def test_unreadable_optimizer_file_is_an_error_naming_it(saved, tmp_path):
     import shutil
 
