@@ -1,14 +1,13 @@
-"""The FP8 cast of every linear's operands per call, at the shapes the e2e model and the 7B layer run: the cast
-launch alone, given the tensor's amax (as the trained step runs it: under torch.compile the amax is a reduction
-fused elsewhere or a pass of its own), writing the row-major copy and the transpose, or one of them.
+"""The FP8 casts of megacoat.ops.cast_transpose per call and per tile, against a device copy of the same bytes.
 
-`--sweep BM:BN:WARPS ...` times other tiles (the library's, megacoat.ops.cast_transpose.tiles()["cast"], is each
-shape's first row); on the GPU every tile must write the torch reference's bytes, or the run fails. Each call is
-timed inside a CUDA graph (triton.testing.do_bench_cudagraph), repeated and interleaved with a device-to-device copy
-of the same bytes read, whose GB/s is the yardstick.
+`--kernel cast` (default): every linear operand's cast given its amax (as the trained step runs it), writing the
+row-major copy and the transpose, or one of them, at the 1.3 B model's and a 7B layer's gradient shapes.
+`--kernel transpose`: the FP8 byte transpose of the [q|k|v] gradient (its wgrad layout under delayed scaling).
+`--sweep BM:BN:WARPS ...` times other tiles after the library's (megacoat.ops.cast_transpose.tiles()); every tile
+must write the reference's bytes, or the run fails. Each call is timed inside a CUDA graph, repeated and
+interleaved with the copy, whose GB/s is the yardstick.
 
-    python -m benchmarks.kernels.cast_transpose [--repeats 3] [--sweep 128:64:4 128:128:8 64:128:4]
-        [--out benchmarks/results/bench_cast_transpose.json]
+    python -m benchmarks.kernels.cast_transpose [--kernel cast|transpose] [--repeats 3] [--sweep 128:64:4 ...]
     python -m benchmarks.kernels.cast_transpose --cpu-smoke   # no GPU: tiny shapes under TRITON_INTERPRET=1
 """
 from __future__ import annotations
@@ -29,6 +28,8 @@ E5M2 = torch.float8_e5m2
 # of one 7B layer (seq 4096)
 SHAPES = [("1.3B mb4", 4 * 2048, 2048), ("1.3B mb8", 8 * 2048, 2048), ("1.3B mb12", 12 * 2048, 2048),
           ("7B mb1", 4096, 4096)]
+# the [q|k|v] gradient [tokens, 3 x hidden] of the 1.3 B model at micro-batch 12 and 32, and of one 7B layer
+TRANSPOSE_SHAPES = [("1.3B mb12", 12 * 2048, 3 * 2048), ("1.3B mb32", 32 * 2048, 3 * 2048), ("7B mb1", 4096, 3 * 4096)]
 SMOKE = [("smoke", 96, 160)]
 LAYOUTS = {"both": (True, True), "rowwise": (True, False), "transpose": (False, True)}
 
@@ -64,6 +65,23 @@ def measure(name: str, m: int, n: int, layout: str, repeats: int, device: str, r
             "copy_gb_per_s": copy_gbps, "fraction_of_copy": gbps / copy_gbps}
 
 
+def measure_transpose(name: str, m: int, n: int, repeats: int, device: str) -> dict:
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randint(0, 256, (m, n), dtype=torch.uint8, device=device, generator=g).view(torch.float8_e5m2)
+    same = same_bytes(q.t().contiguous(), ct.transpose_fp8_triton(q))
+    src, dst = q.view(torch.uint8), torch.empty((m, n), dtype=torch.uint8, device=device)
+    times = {"transpose": [], "copy": []}
+    for _ in range(repeats):  # interleaved, so drift touches both alike
+        times["transpose"].append(time_call_ms(lambda: ct.transpose_fp8_triton(q), device))
+        times["copy"].append(time_call_ms(lambda: dst.copy_(src), device))
+    ms = {k: statistics.median(v) for k, v in times.items()}
+    moved = 2 * m * n  # one byte read and one written per element
+    gbps, copy_gbps = (moved / (ms[k] * 1e-3) / 1e9 for k in ("transpose", "copy"))
+    return {"shape": name, "rows": m, "cols": n, "layout": "transpose-bytes", "same_bytes": same,
+            "ms": ms["transpose"], "ms_repeats": times["transpose"], "copy_ms": ms["copy"], "bytes": moved,
+            "gb_per_s": gbps, "copy_gb_per_s": copy_gbps, "fraction_of_copy": gbps / copy_gbps}
+
+
 def best_tiles(rows: list[dict]) -> list[str]:
     """Per shape and layout, the fastest tile that wrote the right bytes, against the library's."""
     lines = []
@@ -77,32 +95,37 @@ def best_tiles(rows: list[dict]) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernel", choices=("cast", "transpose"), default="cast")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sweep", nargs="*", default=[], metavar="BM:BN:WARPS")
-    p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
-    p.add_argument("--out", default="benchmarks/results/bench_cast_transpose.json")
+    p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS), help="--kernel cast only")
+    p.add_argument("--out", default="benchmarks/results/kernels_cast_transpose.json")
     p.add_argument("--cpu-smoke", action="store_true")
     args = p.parse_args()
-    started = start(args.cpu_smoke, lambda: [ct.tiles()["cast"]] + [
+    started = start(args.cpu_smoke, lambda: [ct.tiles()[args.kernel]] + [
         parse_tile(t, "--sweep", ("BM", "BN", "WARPS"), 16) for t in args.sweep])
     if started is None:
         return 2
     device, tiles = started
-    shapes, repeats = (SMOKE, 1) if args.cpu_smoke else (SHAPES, args.repeats)
+    shapes = SMOKE if args.cpu_smoke else SHAPES if args.kernel == "cast" else TRANSPOSE_SHAPES
+    repeats = 1 if args.cpu_smoke else args.repeats
     library = tiles[0]
-    log = SweepLog(args.out, device, "the FP8 cast launch of quantize_transpose given the amax, per tile and layout")
+    what = {"cast": "the FP8 cast launch of quantize_transpose given the amax, per tile and layout",
+            "transpose": "the FP8 byte transpose (transpose_fp8_triton) per tile"}[args.kernel]
+    log = SweepLog(args.out, device, what)
     for name, m, n in shapes:
         reference_bytes = {}  # this shape's reference outputs (the previous shape's freed)
         for tile in tiles:
-            ct.set_tile("cast", tile)
-            for layout in args.layouts:
-                r = measure(name, m, n, layout, repeats, device, reference_bytes)
+            ct.set_tile(args.kernel, tile)
+            for layout in args.layouts if args.kernel == "cast" else ["transpose-bytes"]:
+                r = (measure(name, m, n, layout, repeats, device, reference_bytes) if args.kernel == "cast"
+                     else measure_transpose(name, m, n, repeats, device))
                 r["tile"] = {"BM": tile[0], "BN": tile[1], "warps": tile[2], "library": tile == library}
                 log.add(r)
-                print(f"{name:9s} {layout:9s} BM {tile[0]:3d} BN {tile[1]:3d} warps {tile[2]:2d}  "
+                print(f"{name:9s} {layout:15s} BM {tile[0]:3d} BN {tile[1]:3d} warps {tile[2]:2d}  "
                       f"{r['ms'] * 1e3:7.1f} us  {r['gb_per_s']:6.0f} GB/s ({r['fraction_of_copy']:.2f} of a copy)  "
                       f"same bytes: {r['same_bytes']}", flush=True)
-        ct.set_tile("cast", library)
+        ct.set_tile(args.kernel, library)
     return log.finish(best_tiles(log.rows))
 
 

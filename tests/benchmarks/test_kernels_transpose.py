@@ -1,4 +1,4 @@
-"""benchmarks/kernels/transpose_fp8.py runs end to end (tiny shapes, the kernel under the interpreter): each tile writes
+"""benchmarks/kernels/cast_transpose.py --kernel transpose runs end to end (tiny shapes, the kernel under the interpreter): each tile writes
 the reference transpose's bytes, the library tile first; a bad tile is one line and exit 2."""
 import json
 
@@ -10,7 +10,7 @@ from tests.benchmarks.conftest import run_module
 
 def test_cpu_smoke_writes_its_json(tmp_path):
     out = tmp_path / "bench.json"
-    proc = run_module("benchmarks.kernels.transpose_fp8", "--cpu-smoke", "--sweep", "128:32:4", "--out", str(out))
+    proc = run_module("benchmarks.kernels.cast_transpose", "--kernel", "transpose", "--cpu-smoke", "--sweep", "128:32:4", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert result["complete"] is True and not (tmp_path / "bench.json.tmp").exists()
@@ -23,7 +23,7 @@ def test_cpu_smoke_writes_its_json(tmp_path):
 
 @pytest.mark.parametrize("tile", ["64:64", "100:64:4", "64:64:3"])
 def test_bad_tile_is_one_line_and_exit_2(tmp_path, tile):
-    proc = run_module("benchmarks.kernels.transpose_fp8", "--cpu-smoke", "--sweep", tile,
+    proc = run_module("benchmarks.kernels.cast_transpose", "--kernel", "transpose", "--cpu-smoke", "--sweep", tile,
                       "--out", str(tmp_path / "bench.json"))
     assert proc.returncode == 2 and "--sweep" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -31,6 +31,6 @@ def test_bad_tile_is_one_line_and_exit_2(tmp_path, tile):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script runs the real benchmark")
 def test_without_a_gpu_or_cpu_smoke_is_one_line_and_exit_2(tmp_path):
-    proc = run_module("benchmarks.kernels.transpose_fp8", "--out", str(tmp_path / "bench.json"))
+    proc = run_module("benchmarks.kernels.cast_transpose", "--kernel", "transpose", "--out", str(tmp_path / "bench.json"))
     assert proc.returncode == 2 and proc.stderr.strip() == "error: needs a CUDA GPU (or --cpu-smoke)"
     assert not (tmp_path / "bench.json").exists()
