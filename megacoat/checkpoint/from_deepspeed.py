@@ -65,8 +65,8 @@ def _model_files(tag_dir: str, mp_size: int) -> list[str]:
 
 def _model_states(path: str) -> dict:
     sd = safe_torch_load(path)
-    if not isinstance(sd, dict) or not isinstance(sd.get("module"), dict):
-        raise ValueError(f"{path}: not a DeepSpeed model-state file (no 'module' state dict)")
+    if not isinstance(sd, dict):
+        raise ValueError(f"{path}: not a DeepSpeed model-state file (a {type(sd).__name__}, not a dict)")
     return sd
 
 
@@ -162,7 +162,9 @@ def _zero0_names(model_sd: dict) -> list[str]:
 
 
 def _read_zero0(path: str, model_sd: dict, tp: int, num_layers: int, col: _Collector, with_state: bool) -> None:
-    module = model_sd["module"]
+    module = model_sd.get("module")
+    if not isinstance(module, dict):
+        raise ValueError(f"{path}: not a DeepSpeed model-state file (no 'module' state dict)")
     names = _zero0_names(model_sd)
     for name in names:
         plain = plain_name(name, num_layers)
