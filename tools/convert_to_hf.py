@@ -5,7 +5,7 @@ tokenizer), which `transformers.LlamaForCausalLM.from_pretrained(OUT)` and `Auto
     python tools/convert_to_hf.py --load checkpoints/run1 --output hf/run1              # the `latest` one
     python tools/convert_to_hf.py --load checkpoints/run1/iter_0001000 --output hf/run1 --dtype fp32
 
-Two things differ between the formats besides names:
+What differs between the formats besides names:
 - Rotary convention: rows of wq/wk are permuted per head from megacoat's interleaved pairs to HF's halves
   (megacoat.checkpoint.hf_llama, shared with tools/convert_from_hf.py).
 - Tensor/pipeline shards: weights are gathered from DeepSpeed's per-rank files (column-parallel weights
