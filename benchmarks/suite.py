@@ -55,7 +55,8 @@ PARALLEL = "benchmarks.parallel.speed"
 # e2e method: warm-up, >= 30 timed iterations, 2 repeats interleaved across modes
 E2E_METHOD = ["--warmup", "5", "--iters", "30", "--log-interval", "5", "--repeats", "2"]
 # parallel method: >= 20 timed iterations after warm-up, 2 repeats, a global batch of 32 sequences
-PARALLEL_METHOD = ["--warmup", "4", "--iters", "20", "--log-interval", "4", "--repeats", "2", "--global-batch-size", "32"]
+PARALLEL_METHOD = ["--warmup", "4", "--iters", "20", "--log-interval", "4", "--repeats", "2", "--global-batch-size", "32",
+                   "--profile"]
 
 SUITE: list[Run] = [
     Run("gpu-tests", "the GPU test suite", "pytest", ["-q", "-m", "gpu", "-rfE", "-p", "no:cacheprovider", "tests"],

@@ -14,7 +14,7 @@ Sequence parallelism whenever TP > 1; ZeRO-2 when DP > 1 without a pipeline (Dee
 ZeRO-1 otherwise. Recipes come from benchmarks/suite.py; under PP > 1, where the trainer refuses CUDA graphs, a
 recipe runs without --enable-cuda-graph (the row says so). Each (layout, mode) runs --repeats times, interleaved
 with the other modes; a run trains --warmup iterations, then --iters timed ones, and a row reports the median of
-the timed log intervals of its repeats. Memory is the largest rank's torch.cuda.max_memory_allocated. Ratios are
+the timed log intervals of its repeats. With --profile, each rank's GPU-busy fraction and communication time. Memory is the largest rank's torch.cuda.max_memory_allocated. Ratios are
 against bf16 of the same layout in the same invocation. The JSON is rewritten after every run (and copied into
 $OUT when set and the file lies elsewhere).
 """
@@ -37,6 +37,7 @@ from benchmarks.e2e.speed import failure, timed_window
 from benchmarks.suite import GRAPH_FLAG, MODELS, RECIPES, TRAINER
 
 MODES = [name for name, (script, _) in RECIPES.items() if script == TRAINER]
+PROFILED_STEPS = 3
 _LAYOUT = re.compile(r"(?:(tp|pp|dp)(\d*))")
 
 
@@ -102,10 +103,14 @@ def worker(argv: list[str], result_path: str) -> None:
                        "grad_accum": trainer.grad_accum}, f)
 
 
-def run(gpus: int, argv: list[str], timeout: int, port: int) -> dict:
-    """One training run under DeepSpeed's launcher: its log records and every rank's peak memory."""
+def run(gpus: int, argv: list[str], timeout: int, port: int, profile: tuple[int, int] | None = None) -> dict:
+    """One training run under DeepSpeed's launcher: its log records and every rank's peak memory; with profile
+    (start, end), each rank's profile of iterations (start, end]."""
     with tempfile.TemporaryDirectory() as tmp:
         log, result = os.path.join(tmp, "log.jsonl"), os.path.join(tmp, "result.json")
+        if profile:
+            argv = argv + ["--profile-dir", os.path.join(tmp, "profile"), "--profile-step-start", str(profile[0]),
+                           "--profile-step-end", str(profile[1])]
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(gpus), "--master_port", str(port),
                "--module", "benchmarks.parallel.speed", *argv, "--log-json", log]
         print("$", " ".join(argv), flush=True)
@@ -120,10 +125,31 @@ def run(gpus: int, argv: list[str], timeout: int, port: int) -> dict:
             return failure(proc.stdout[-6000:] + proc.stderr[-6000:], argv, keep=2500)
         train = [r for r in map(json.loads, open(log)) if "loss" in r]
         extra = json.load(open(result))
+        ranks = rank_profiles(os.path.join(tmp, "profile"), gpus) if profile else None
     peaks = extra["max_memory_bytes_per_rank"]
-    return {"ok": True, "argv": argv, "wall_s": wall, "records": train,
+    return {"ok": True, "argv": argv, "wall_s": wall, "records": train, "profile_per_rank": ranks,
             **{k: extra[k] for k in ("tp", "pp", "dp", "grad_accum")},
             "max_memory_gib_per_gpu": [b / 2**30 for b in peaks], "max_memory_gib": max(peaks) / 2**30}
+
+
+def rank_profiles(folder: str, ranks: int) -> list[dict | None]:
+    """Per rank, from its profiled window: the GPU-busy fraction, and the time per step in communication kernels
+    (NCCL's) and in the rest, by the kernels' self time."""
+    out = []
+    for rank in range(ranks):
+        path = os.path.join(folder, f"top_ops_rank{rank}.json")
+        if not os.path.exists(path):
+            out.append(None)
+            continue
+        with open(path) as f:
+            prof = json.load(f)
+        steps = prof["steps"][1] - prof["steps"][0] + 1
+        comm = sum(r["self_us"] for r in prof["top"] if "nccl" in r["name"].lower()) / 1e3 / steps
+        device = prof.get("device") or {}
+        out.append({"gpu_busy_fraction": device.get("gpu_busy_fraction"), "comm_ms_per_step": comm,
+                    "compute_ms_per_step": prof["total_self_us"] / 1e3 / steps - comm,
+                    "wall_ms_per_step": device.get("wall_us", 0) / 1e3 / steps, "time": prof.get("time")})
+    return out
 
 
 def row(layout: str, mode: str, runs: list[dict], gpus: int, args, env: dict, graphs: bool) -> dict:
@@ -147,6 +173,7 @@ def row(layout: str, mode: str, runs: list[dict], gpus: int, args, env: dict, gr
             "max_memory_gib": max(r["max_memory_gib"] for r, _ in windows),
             "max_memory_gib_per_gpu": windows[0][0]["max_memory_gib_per_gpu"],
             "tokens_per_s_per_gpu_repeats": [w["tokens_per_s"] / gpus for _, w in windows],
+            "profile_per_rank": next((r["profile_per_rank"] for r, _ in windows if r.get("profile_per_rank")), None),
             "losses": [(r["iteration"], r["loss"]) for r in windows[0][0]["records"]]}
 
 
@@ -187,6 +214,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-interval", type=int, default=4, help="must divide --warmup and --iters")
     p.add_argument("--repeats", type=int, default=2, help="runs per (layout, mode), interleaved across modes")
     p.add_argument("--timeout", type=int, default=300, help="seconds per run")
+    p.add_argument("--profile", action="store_true",
+                   help=f"the first repeat runs {PROFILED_STEPS} more iterations under torch.profiler (not timed): "
+                        "each rank's GPU-busy fraction and communication time")
     p.add_argument("--real-text", action="store_true",
                    help="train on the embedded default corpus (its tokenizer and vocabulary) instead of mock tokens")
     p.add_argument("--plot", action="store_true", help="also write a PNG of every run's training loss")
@@ -216,7 +246,7 @@ def main() -> None:
         model = model[:vocab] + model[vocab + 2:] + ["--vocab-size", "4096"]
         data = ["--data-path", corpus.data_prefix, "--tokenizer-model", corpus.tokenizer_model, "--split", "99,1,0"]
     common = model + ["--fp32" if args.model == "tiny" else "--bf16", *data, "--eval-iters", "0",
-                      "--train-iters", str(args.warmup + args.iters), "--log-interval", str(args.log_interval),
+                      "--log-interval", str(args.log_interval),
                       "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size",
                       str(args.global_batch_size)]
     path = os.path.abspath(args.out or os.path.join(RESULTS, f"parallel_{args.model}_{args.gpus}gpu.json"))
@@ -231,11 +261,15 @@ def main() -> None:
     for layout in args.layouts:
         sizes = layout_sizes(layout, args.gpus)
         runs = {mode: [] for mode in args.modes}
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
             for mode in args.modes:
                 port += 1
                 flags, graphs = mode_flags(mode, sizes, on_cpu=args.model == "tiny")
-                res = run(args.gpus, common + layout_flags(layout, args.gpus) + flags, args.timeout, port)
+                end = args.warmup + args.iters
+                profile = (end, end + PROFILED_STEPS) if args.profile and repeat == 0 else None
+                iters = ["--train-iters", str(end + (PROFILED_STEPS if profile else 0))]
+                res = run(args.gpus, common + iters + layout_flags(layout, args.gpus) + flags, args.timeout, port,
+                          profile)
                 runs[mode].append(res)
                 out["rows"][f"{layout}/{mode}"] = r = row(layout, mode, runs[mode], args.gpus, args, env, graphs)
                 add_ratios(out["rows"])

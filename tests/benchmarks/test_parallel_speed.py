@@ -44,12 +44,24 @@ def test_save_inside_out_does_not_copy_onto_itself(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "q.json").read_text()) == {"rows": {}}
 
 
+def test_rank_profiles_split_communication_from_compute(tmp_path):
+    top = {"steps": [5, 7], "time": "device", "total_self_us": 30000.0,
+           "device": {"gpu_busy_fraction": 0.9, "wall_us": 33000.0},
+           "top": [{"name": "ncclDevKernel_ReduceScatter_Sum_bf16", "self_us": 6000.0},
+                   {"name": "nvjet_gemm", "self_us": 24000.0}]}
+    (tmp_path / "top_ops_rank0.json").write_text(json.dumps(top))
+    ranks = speed.rank_profiles(str(tmp_path), 2)
+    assert ranks[1] is None  # a rank that wrote nothing
+    assert ranks[0]["comm_ms_per_step"] == pytest.approx(2.0) and ranks[0]["compute_ms_per_step"] == pytest.approx(8.0)
+    assert ranks[0]["gpu_busy_fraction"] == 0.9 and ranks[0]["wall_ms_per_step"] == pytest.approx(11.0)
+
+
 @pytest.mark.slow
 def test_cpu_run_writes_every_field(tmp_path):
     out = tmp_path / "p.json"
     proc = run_module("benchmarks.parallel.speed", "--gpus", "2", "--model", "tiny", "--layouts", "dp", "--warmup", "2",
                       "--iters", "2", "--log-interval", "2", "--repeats", "1", "--global-batch-size", "4",
-                      "--micro-batch-size", "1", "--out", str(out), timeout=900)
+                      "--micro-batch-size", "1", "--profile", "--out", str(out), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     for mode in ("bf16", "coat"):
@@ -57,3 +69,4 @@ def test_cpu_run_writes_every_field(tmp_path):
         assert row["ok"] and all(row.get(k) is not None for k in ROW_FIELDS), row
         assert (row["tp"], row["pp"], row["dp"], row["zero_stage"]) == (1, 1, 2, 2)
     assert rows["dp/bf16"]["speedup_vs_bf16"] == 1 and rows["dp/coat"]["memory_reduction_vs_bf16"] > 0
+    assert all(rank and rank["compute_ms_per_step"] > 0 for rank in rows["dp/coat"]["profile_per_rank"])
