@@ -13,7 +13,7 @@ from megacoat.coat.recipe import (ACTIVATION_MODES, ACTIVATION_SCALINGS, AUTO, D
                                   GRAD_SCALINGS, OUTPUT_LAYER_CHOICES, RECIPES, WEIGHT_CACHES, CoatRecipe)
 from megacoat.model.config import ModelConfig
 from megacoat.optim.config import DECAY_STYLES, MAIN_GRADS_DTYPES, MAIN_PARAMS_DTYPES, OptimizerConfig
-from megacoat.parallel.config import ParallelConfig
+from megacoat.parallel.config import SEQUENCE_PARALLEL_GATHERS, ParallelConfig
 
 # A negative number, scientific notation included (-1e-3, -.5, -2E+4): a value, never a flag. argparse's own
 # pattern (`^-\d+$|^-\d*\.\d+$`) misses exponents and takes `--lr -1e-3` for a missing argument.
@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=int, default=pc.tensor_model_parallel_size)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=pc.pipeline_model_parallel_size)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--sequence-parallel-gather", default=pc.sequence_parallel_gather, choices=SEQUENCE_PARALLEL_GATHERS,
+                   help="what a COAT block's sequence-parallel all-gather carries: its input's 1xG E4M3 groups, or bf16")
     g.add_argument("--zero-stage", type=int, default=pc.zero_stage, choices=(0, 1, 2))
 
     dc = DataConfig()
@@ -252,7 +254,8 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
     pp = args.pipeline_model_parallel_size
     parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                               pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                              sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage)
+                              sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage,
+                              sequence_parallel_gather=args.sequence_parallel_gather)
     precision = "bf16" if args.bf16 else "fp32" if args.fp32 else "auto"
     training = TrainingConfig(
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,

@@ -7,7 +7,9 @@ COAT fuses each norm into the GEMM after it, so a COAT block enters its region *
 normalises the whole (replicated or, under sequence parallelism, all-gathered) input, and the norm weight's
 gradient, computed from this rank's share of the GEMM's gradient only, is a partial sum that
 `region.replicated` all-reduces in backward. wo (a row-parallel linear) leaves the region itself; w2 is inside
-the fused MLP, so its partial output leaves the region after it.
+the fused MLP, so its partial output leaves the region after it. Under sequence parallelism the fused norm's first
+step, rounding its input to 1xG E4M3 groups, is what the region's all-gather carries (`region.carrying_fp8`):
+the rows arrive as those groups' values, and the norm's own rounding of them gives back the same codes.
 """
 from __future__ import annotations
 
@@ -47,5 +49,5 @@ class RegionBlock(nn.Module):
             out_features, in_features = self.get_submodule(path).weight.shape
             check_gemm_dims(**{f"{prefix}{path} shard's in_features": in_features,
                                f"{prefix}{path} shard's out_features": out_features})
-        self.region = region
+        self.region = region.carrying_fp8(self.group_size)
         return self.attention_norm.weight, self.ffn_norm.weight

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# what a COAT block's sequence-parallel all-gather carries: the 1xG E4M3 groups its fused norm rounds its input to
+# (codes and scales, megacoat.parallel.mappings.gather_fp8_from_sp), or the input in the run's dtype
+SEQUENCE_PARALLEL_GATHERS = ("fp8", "bf16")
+
 
 @dataclass
 class ParallelConfig:
@@ -10,6 +14,7 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
     zero_stage: int = 1
+    sequence_parallel_gather: str = "fp8"  # SEQUENCE_PARALLEL_GATHERS
 
     def __post_init__(self):
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
@@ -18,3 +23,6 @@ class ParallelConfig:
             raise ValueError(f"--zero-stage must be 0, 1 or 2, got {self.zero_stage}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if self.sequence_parallel_gather not in SEQUENCE_PARALLEL_GATHERS:
+            raise ValueError(f"--sequence-parallel-gather must be one of {SEQUENCE_PARALLEL_GATHERS}, "
+                             f"got {self.sequence_parallel_gather!r}")

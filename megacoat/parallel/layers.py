@@ -8,7 +8,8 @@
                            the projections that read it (wq|wk|wv share one all-reduce / all-gather)
 
 `TPRegion` says how a region is entered and left: with a replicated input (copy / all-reduce) or, under
---sequence-parallel, with sequence shards (all-gather / reduce-scatter). Sharded parameters carry
+--sequence-parallel, with sequence shards (all-gather / reduce-scatter); a COAT block's region gathers its
+input as E4M3 codes with 1xG group scales (`carrying_fp8`, --sequence-parallel-gather fp8). Sharded parameters carry
 `tensor_model_parallel = True`, which DeepSpeed's grad-norm and clipping read to count them on every TP rank
 (replicated ones, the norms, only on TP rank 0).
 
@@ -20,14 +21,15 @@ the GEMM, so its own scales are exact for it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megacoat.coat.linear import Fp8Linear, Fp8WeightCache, check_gemm_dims, fp8_linear
-from megacoat.parallel.mappings import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
+from megacoat.parallel.mappings import (copy_to_tp, gather_fp8_from_sp, gather_from_sp, reduce_from_tp,
+                                        reduce_scatter_to_sp)
 
 
 @dataclass
@@ -36,9 +38,20 @@ class TPRegion:
     size: int
     rank: int
     sequence_parallel: bool = False
+    fp8_gather: bool = False  # whether a block that rounds its input to 1xG E4M3 groups may gather it so
+    fp8_group_size: int | None = None  # set by carrying_fp8: this region's all-gather carries E4M3 groups
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        if not self.sequence_parallel:
+            return copy_to_tp(x, self.group)
+        if self.fp8_group_size is not None:
+            return gather_fp8_from_sp(x, self.group, self.fp8_group_size)
+        return gather_from_sp(x, self.group)
+
+    def carrying_fp8(self, group_size: int) -> TPRegion:
+        """This region for a block whose first op rounds its input to 1 x group_size E4M3 groups (COAT's fused
+        norms): under sequence parallelism with fp8_gather, its all-gather carries those codes and scales."""
+        return replace(self, fp8_group_size=group_size) if self.sequence_parallel and self.fp8_gather else self
 
     def exit(self, x: torch.Tensor) -> torch.Tensor:
         return reduce_scatter_to_sp(x, self.group) if self.sequence_parallel else reduce_from_tp(x, self.group)

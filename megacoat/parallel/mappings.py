@@ -4,6 +4,8 @@ mappings.py). Each names what it does forward; backward is its adjoint:
     copy_to_tp            identity     | all-reduce     (enter a TP region with a replicated input)
     reduce_from_tp        all-reduce   | identity       (leave it: sum the partial outputs)
     gather_from_sp        all-gather   | reduce-scatter (enter with a sequence-sharded input, --sequence-parallel)
+    gather_fp8_from_sp    all-gather of E4M3 codes and 1xG scales | reduce-scatter (as gather_from_sp, 1 + 4/G
+                          bytes an element on the wire instead of 2; the rows come back dequantized)
     reduce_scatter_to_sp  reduce-scatter | all-gather   (leave it back onto sequence shards)
     gather_logits         all-gather of the vocab dim | keep my shard (full logits for inference)
 
@@ -15,7 +17,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megacoat.ops.numerics import fp8_to_float32, group_dequantize, group_quantize
+
 SEQ_DIM = 1
+E4M3 = torch.float8_e4m3fn
 
 
 def _size(group) -> int:
@@ -34,6 +39,23 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     out = x.new_empty((n * x.shape[0],) + x.shape[1:])
     dist.all_gather_into_tensor(out, x, group=group)
     return out.movedim(0, dim).contiguous()  # a no-op at micro-batch 1; pipeline sends need it
+
+
+def _all_gather_fp8(x: torch.Tensor, dim: int, group, group_size: int) -> torch.Tensor:
+    """_all_gather of x quantized in 1xG E4M3 groups along its last dim: each rank's codes and float32 group
+    scales travel packed as one uint8 row (one collective; gloo has no float8 type), and every group keeps its
+    own scale, so no scale has to agree across ranks. Returns the gathered values dequantized in x's dtype."""
+    hidden = x.shape[-1]
+    codes, scales = group_quantize(x.reshape(-1, hidden), group_size, E4M3)
+    packed = torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)], dim=1)
+    gathered = _all_gather(packed.view(*x.shape[:-1], packed.shape[-1]), dim, group)
+    rows = gathered.view(-1, gathered.shape[-1])
+    codes, scales = rows[:, :hidden].view(E4M3), rows[:, hidden:].contiguous().view(torch.float32)
+    if hidden % group_size:
+        values = group_dequantize(codes.contiguous(), scales, group_size)
+    else:  # whole groups: a view per group, no pad (group_dequantize's layout without its copies)
+        values = (fp8_to_float32(codes).reshape(rows.shape[0], -1, group_size) * scales[..., None])
+    return values.reshape(*gathered.shape[:-1], hidden).to(x.dtype)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -85,6 +107,19 @@ class _GatherFromSP(torch.autograd.Function):
         return _reduce_scatter(g, SEQ_DIM, ctx.group), None
 
 
+class _GatherFp8FromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, group_size):
+        ctx.group = group
+        return _all_gather_fp8(x, SEQ_DIM, group, group_size)
+
+    @staticmethod
+    def backward(ctx, g):
+        # the partial gradients are summed across ranks: NCCL and gloo have no FP8 sum, and each rank's E5M2
+        # rounding before the sum would add its error once per rank, so they travel in g's dtype as before
+        return _reduce_scatter(g, SEQ_DIM, ctx.group), None, None
+
+
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -121,6 +156,12 @@ def reduce_from_tp(x, group):
 
 def gather_from_sp(x, group):
     return _apply(_GatherFromSP, x, group)
+
+
+def gather_fp8_from_sp(x, group, group_size: int):
+    """gather_from_sp carrying x as E4M3 codes with one float32 scale per 1 x group_size group (COAT's group
+    scaling, megacoat.ops.numerics.group_quantize): its output is x's values rounded to those groups."""
+    return x if _size(group) == 1 else _GatherFp8FromSP.apply(x, group, group_size)
 
 
 def reduce_scatter_to_sp(x, group):

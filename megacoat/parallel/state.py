@@ -49,6 +49,7 @@ class ParallelState:
     pp_size: int = 1
     dp_size: int = 1
     sequence_parallel: bool = False
+    sequence_parallel_gather: str = "fp8"  # ParallelConfig's
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
@@ -74,7 +75,8 @@ def initialize_parallel_state(parallel: ParallelConfig, model: ModelConfig) -> P
     world = dist.get_world_size() if dist.is_initialized() else 1
     dp = check_parallel_sizes(world, parallel, model)
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    state = ParallelState(tp_size=tp, pp_size=pp, dp_size=dp, sequence_parallel=parallel.sequence_parallel)
+    state = ParallelState(tp_size=tp, pp_size=pp, dp_size=dp, sequence_parallel=parallel.sequence_parallel,
+                          sequence_parallel_gather=parallel.sequence_parallel_gather)
     if tp * pp == 1:  # plain data parallelism: every rank is its own model replica
         state.dp_rank = dist.get_rank() if dist.is_initialized() else 0
         return state

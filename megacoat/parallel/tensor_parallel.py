@@ -30,7 +30,8 @@ ROW = ("attention.wo", "feed_forward.w2")
 
 
 def region_of(state: ParallelState) -> TPRegion:
-    return TPRegion(state.tp_group, state.tp_size, state.tp_rank, state.sequence_parallel)
+    return TPRegion(state.tp_group, state.tp_size, state.tp_rank, state.sequence_parallel,
+                    fp8_gather=state.sequence_parallel_gather == "fp8")
 
 
 def _set(root: nn.Module, dotted: str, module: nn.Module) -> None:

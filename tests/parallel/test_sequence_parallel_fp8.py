@@ -1,0 +1,110 @@
+"""The sequence-parallel all-gather of a COAT block carrying E4M3 groups (--sequence-parallel-gather fp8) against
+the same TP=2 + SP run gathering the block's input in the model's dtype, on 2 CPU ranks (gloo).
+
+Numerics: the FP8 gather sends the 1xG E4M3 codes and float32 scales that the block's fused norm rounds its input
+to anyway, and delivers their values. The norm rounds those values again: each group's largest value comes back
+as itself (in bf16 exactly: the float32 error of code x scale is far below half a bf16 step), hence the same
+scale, and every other value lands within 2^-9 of its code, far inside half an E4M3 step (2^-5 relative), hence
+the same code. So the norm sees the very codes and scales it made from the bf16 input: the runs are bit for bit
+equal (losses and gradients), which is what the test requires. (In fp32 the largest value could come back one
+float32 step off, which a test of bf16, the dtype runs train in, does not meet.)
+
+Wire: each gathered element costs 1 byte plus 4 / G bytes of its group's scale, against 2 in bf16.
+"""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megacoat.coat.convert import convert_to_coat
+from megacoat.coat.recipe import RECIPES
+from megacoat.model import GPT
+from megacoat.model.config import ModelConfig
+from megacoat.parallel import mappings
+from megacoat.parallel.config import ParallelConfig
+from megacoat.parallel.state import initialize_parallel_state
+from megacoat.parallel.tensor_parallel import apply_tp
+from tests.parallel.dist_helpers import run_ranks
+
+TINY = dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, seq_length=32,
+            vocab_size=256)
+GROUP = 64
+STEPS = 2
+BATCH = 2
+
+
+def _batch(cfg: ModelConfig, step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_length), generator=g)
+    return tokens, torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_length), generator=g)
+
+
+def _train(gather: str, dtype: torch.dtype):
+    """STEPS SGD steps of the coat default (delayed scaling) under TP=2 + SP → (losses, gradients of the first
+    step, [(dtype, bytes)] of each all-gather in the first forward)."""
+    import torch.distributed as dist
+
+    cfg = ModelConfig(**TINY)
+    recipe = replace(RECIPES["coat"], group_size=GROUP).for_layout(tensor_model_parallel_size=2)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(dtype)  # before the conversion: its amax histories stay float32
+    convert_to_coat(model, recipe)
+    state = initialize_parallel_state(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True,
+                                                     sequence_parallel_gather=gather), cfg)
+    apply_tp(model, state)
+    sent, gather_into = [], dist.all_gather_into_tensor
+
+    def counted(out, x, group=None, **kw):
+        sent.append((x.dtype, x.numel() * x.element_size()))
+        return gather_into(out, x, group=group, **kw)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], None
+    for step in range(STEPS):
+        mappings.dist.all_gather_into_tensor = counted if step == 0 else gather_into
+        try:
+            loss = model(*_batch(cfg, step))
+        finally:
+            mappings.dist.all_gather_into_tensor = gather_into
+        loss.backward()
+        if grads is None:
+            grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, grads, sent
+
+
+def _runs_on_rank():
+    return {gather: _train(gather, torch.bfloat16) for gather in ("fp8", "bf16")}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks(2, _runs_on_rank)
+
+
+@pytest.mark.slow
+def test_fp8_gather_is_bitwise_the_bf16_gather(runs):
+    for rank in runs:
+        (fp8_losses, fp8_grads, _), (losses, grads, _) = rank["fp8"], rank["bf16"]
+        assert fp8_losses == losses
+        assert fp8_grads.keys() == grads.keys()
+        for name in grads:
+            assert torch.equal(fp8_grads[name], grads[name]), name
+
+
+@pytest.mark.slow
+def test_fp8_gather_sends_one_byte_an_element_plus_group_scales(runs):
+    """Per rank and forward: each COAT block gathers twice (attention and MLP inputs), its shard of
+    [batch, seq / 2, hidden]; the final norm (a plain ParallelRMSNorm) still gathers in the model's dtype."""
+    shard = BATCH * TINY["seq_length"] // 2 * TINY["hidden_size"]
+    blocks = 2 * TINY["num_layers"]
+    for rank in runs:
+        assert rank["bf16"][2] == [(torch.bfloat16, shard * 2)] * (blocks + 1)
+        assert rank["fp8"][2] == [(torch.uint8, shard + shard // GROUP * 4)] * blocks + [(torch.bfloat16, shard * 2)]
+
+
+def test_the_flag_is_checked():
+    with pytest.raises(ValueError, match="--sequence-parallel-gather must be one of"):
+        ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True, sequence_parallel_gather="fp16")
