@@ -50,7 +50,7 @@ def safe_torch_load(path: str, map_location="cpu"):
         with torch.serialization.safe_globals(_allowed_globals()):
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        found = re.search(r"Unsupported (global|operand)[^.\n]*", str(e))
+        found = re.search(r"unsupported (global|operand)\W+(GLOBAL )?[\w.]+", str(e), re.IGNORECASE)  # torch words it two ways
         if found:
             raise CheckpointFileError(f"{path}: refused: it holds Python code or objects, not only data "
                                       f"({found.group(0).strip()}); it may have been tampered with, and nothing in "
