@@ -101,8 +101,7 @@ def pick(x: torch.Tensor, kernel, reference):
 # traces a block with no graph break. The operator is opaque to Inductor: at run time it launches the Triton kernels
 # itself (CUDA) or runs the torch reference (CPU), the choice `pick` makes; its fake (shapes and dtypes under
 # tracing) is the same body with the launches made graph nodes (wrap_triton), which do nothing on fake tensors.
-# (Letting Inductor re-compile the kernels from their wrap_triton nodes, torch.library.triton_op, failed on the
-# H100 with Triton 3.6: Python floats typed fp64, constants specialised to ints, unrealized as_strided views.)
+# (Why not torch.library.triton_op, which lets Inductor re-compile the kernels: docs/design.md, alternatives tried.)
 # Eager calls skip the operator (its Python dispatch costs more than a small kernel): `dispatch` below.
 _traced = threading.local()
 

@@ -13,6 +13,7 @@ from megacoat.model import GPT, cross_entropy_loss
 from megacoat.model.gpt import Head, RMSNorm
 from megacoat.optim import WarmupDecayLR, build_optimizer, param_groups
 from megacoat.parallel import ParallelState, apply_tp
+from megacoat.training.zero3 import register_read_weights
 
 ModelConverter = Callable[[nn.Module], nn.Module]
 
@@ -25,7 +26,7 @@ def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState 
 
     model_converter: a function applied after megacoat's own converters and before compilation, which swaps
     modules from outside as they do; how a benchmark trains another library's conversion through this same
-    trainer (`benchmarks/torchao_pretrain.py`: torchao's float8 linears) without the library knowing it."""
+    trainer (`benchmarks/e2e/torchao_pretrain.py`: torchao's float8 linears) without the library knowing it."""
     # Same seed on every rank: data-parallel replicas start identical (DeepSpeed also broadcasts rank 0's) and
     # every TP rank holds the same full weights before slicing its shard, so TP=N starts as TP=1 does.
     torch.manual_seed(cfg.training.seed)
@@ -39,6 +40,8 @@ def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState 
         model = apply_tp(model, state)
     if model_converter is not None:
         model = model_converter(model)
+    if cfg.parallel.zero_stage == 3:
+        register_read_weights(model)  # gathered by the modules that read them (training/zero3.py)
     if cfg.training.compile:
         apply_compile(model, cuda_graph=cfg.training.enable_cuda_graph)
     if pipelined:
