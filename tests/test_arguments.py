@@ -35,14 +35,10 @@ def test_defaults_build_a_config():
     (["--coat-fp8", "--fp8-output-layer", "on", "--hidden-size", "200", "--num-attention-heads", "4"],
      "--fp8-output-layer"),
     (["--coat-fp8", "--fp8-output-layer", "--tensor-model-parallel-size", "2"], "--fp8-output-layer"),
-    (["--coat-fp8", "--fp8-output-layer", "on", "--pipeline-model-parallel-size", "2"], "--fp8-output-layer"),
     (["--coat-fp8", "--fp8-output-layer", "yes"], "--fp8-output-layer"),
     (["--fp8-activations", "fp8-linear", "--fp8-grad-scaling", "delayed"], "--fp8-grad-scaling"),  # no SwiGLU kernel
     (["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-amax-history-len", "0"], "--fp8-amax-history-len"),
-    (["--coat-fp8", "--fp8-grad-scaling", "delayed", "--pipeline-model-parallel-size", "2"], "--fp8-grad-scaling"),
     (["--fp8-activations", "fp8-linear", "--fp8-activation-scaling", "delayed"], "--fp8-activation-scaling"),
-    (["--coat-fp8", "--fp8-activation-scaling", "delayed", "--pipeline-model-parallel-size", "2"],
-     "--fp8-activation-scaling"),
 ])
 def test_bad_flags_name_the_flag(capsys, argv, flag):
     assert flag in _error(capsys, argv)
@@ -68,8 +64,8 @@ def test_output_layer_on_and_off_reach_the_fp8_config():
     (["--fp8-activations", "coat"], True),
     (["--coat-fp8", "--fp8-output-layer", "auto", "--vocab-size", "32000", "--hidden-size", "2048",
       "--num-attention-heads", "16"], True),
-    (["--coat-fp8", "--tensor-model-parallel-size", "2"], False),  # the FP8 head runs on one unsplit stage only
-    (["--coat-fp8", "--pipeline-model-parallel-size", "2"], False),
+    (["--coat-fp8", "--tensor-model-parallel-size", "2"], False),  # the vocabulary-parallel loss is BF16
+    (["--coat-fp8", "--pipeline-model-parallel-size", "2"], True),  # on the last stage
     (["--coat-fp8", "--vocab-size", "1000"], False),  # off the FP8 GEMM alignment
     (["--coat-fp8", "--hidden-size", "200", "--num-attention-heads", "4"], False),
     (["--fp8-activations", "fp8-linear"], False),  # auto is coat mode's alone
@@ -100,7 +96,7 @@ def test_grad_scaling_reaches_the_fp8_config():
     (["--coat-fp8"], "delayed"),
     (["--fp8-activations", "coat"], "delayed"),
     (["--coat-fp8", "--tensor-model-parallel-size", "2"], "delayed"),
-    (["--coat-fp8", "--pipeline-model-parallel-size", "2"], "current"),  # the 1F1B schedule: no delayed scaling
+    (["--coat-fp8", "--pipeline-model-parallel-size", "2"], "delayed"),  # a stage's histories: the one-stage run's
     (["--fp8-activations", "fp8-linear"], "current"),  # no megacoat kernel makes its FP8 tensors
     ([], "current"),
 ])

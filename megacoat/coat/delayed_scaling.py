@@ -3,8 +3,11 @@
 `DelayedScale` holds one cast site's amax history [L] (float32, most recent first; the scale is its maximum,
 TransformerEngine's "max" rule), a buffer saved in checkpoints. The first call with gradients has nothing recorded
 and scales by its own amax; a forward without gradients (evaluation) scales just in time and leaves the history
-alone. A value beyond the recorded amaxes saturates at the format's largest value. The gradient sites need each
-forward's backward before the next forward with gradients (no pipeline schedule: CoatRecipe.for_layout refuses it).
+alone. A value beyond the recorded amaxes saturates at the format's largest value.
+One entry is one micro-batch's call: its forward at an activation site, its backward at a gradient site, each scaled
+from the entries of the calls before it. Which call bootstraps is fixed in its forward (for a gradient site, on its
+autograd context), so several forwards may run before the first backward, as a pipeline stage's 1F1B warm-up does:
+a stage runs its forwards in micro-batch order and its backwards too, so its histories are the one-stage run's.
 Sites per coat block: SwiGLU's and the [q|k|v] output's gradients (grad_scaling), the two norms' and SwiGLU's FP8
 outputs and wo's input (activation_scaling). `AmaxHistorySync` keeps the data-parallel replicas' histories equal.
 """

@@ -1,8 +1,8 @@
 """CoatRecipe: every FP8 choice of a run (activations, scaling, head, weight copies, optimizer), frozen.
 
 Its defaults are the trainer's: `auto` fields are resolved once, at start-up, by `for_layout` (delayed scaling in
-coat mode without pipeline parallelism, the FP8 head wherever it runs); `convert_to_coat` takes resolved recipes
-only. RECIPES names the recipes the CLI (`--fp8-recipe`), the benchmarks and the tests start from.
+coat mode, the FP8 head wherever it runs); `convert_to_coat` takes resolved recipes only. RECIPES names the
+recipes the CLI (`--fp8-recipe`), the benchmarks and the tests start from.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ DEFAULT_OUTPUT_LAYER = AUTO
 def fp8_head_obstacle(tensor_model_parallel_size: int, pipeline_model_parallel_size: int, vocab_size: int,
                       hidden_size: int) -> str | None:
     """Why the FP8 head cannot run in this layout, in words for the banner, or None where it can."""
-    if tensor_model_parallel_size > 1 or pipeline_model_parallel_size > 1:
-        return "the FP8 head runs without tensor and pipeline parallelism only"
+    if tensor_model_parallel_size > 1:
+        return "the FP8 head runs without tensor parallelism only (the vocabulary-parallel loss is BF16)"
     if vocab_size % FP8_GEMM_MULTIPLE or hidden_size % FP8_GEMM_MULTIPLE:
         return f"the FP8 head needs vocabulary and hidden sizes that are multiples of {FP8_GEMM_MULTIPLE}"
     return None
@@ -91,21 +91,15 @@ class CoatRecipe:
     def for_layout(self, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                    vocab_size: int | None = None, hidden_size: int | None = None) -> CoatRecipe:
         """This recipe with every auto resolved for a layout, and the explicit choices it cannot run refused (one
-        ValueError naming the flag). Delayed scaling needs each forward's backward before the next forward, which
-        a pipeline schedule does not give; the FP8 head runs on one unsplit stage, at GEMM-aligned sizes."""
+        ValueError naming the flag). Delayed scaling runs in every layout (a pipeline stage's histories are the
+        one-stage run's: megacoat.coat.delayed_scaling); the FP8 head where fp8_head_obstacle finds none."""
         tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
         obstacle = fp8_head_obstacle(tp, pp, FP8_GEMM_MULTIPLE if vocab_size is None else vocab_size,
                                      FP8_GEMM_MULTIPLE if hidden_size is None else hidden_size)
         if self.output_layer is True and obstacle:
             raise ValueError(f"--fp8-output-layer on: {obstacle} (got --vocab-size {vocab_size}, --hidden-size "
                              f"{hidden_size}, --tensor-model-parallel-size {tp}, --pipeline-model-parallel-size {pp})")
-        if self.grad_scaling == "delayed" and pp > 1:
-            raise ValueError("--fp8-grad-scaling delayed is not supported with --pipeline-model-parallel-size > 1 (the "
-                             "pipeline schedule runs several forwards before the first backward records an amax)")
-        if self.activation_scaling == "delayed" and pp > 1:
-            raise ValueError("--fp8-activation-scaling delayed is not supported with --pipeline-model-parallel-size "
-                             "> 1 (untested with DeepSpeed's pipeline engine)")
-        auto_scaling = "delayed" if self.mode == "coat" and pp == 1 else "current"
+        auto_scaling = "delayed" if self.mode == "coat" else "current"
         return replace(self,
                        grad_scaling=auto_scaling if self.grad_scaling == AUTO else self.grad_scaling,
                        activation_scaling=auto_scaling if self.activation_scaling == AUTO else self.activation_scaling,

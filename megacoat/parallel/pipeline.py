@@ -2,35 +2,46 @@
 modules (already FP8-converted and/or tensor-parallel): no second model.
 
 Layer list (partitioned over stages by parameter count):
-    [embedding] [block 0] ... [block L-1] [final norm] [head]
+    [embedding] [block 0] ... [block L-1] [final norm] [head's weight]
 The embedding and the head are one TiedLayerSpec when the model ties them: the first and last stage each hold
 the table, DeepSpeed broadcasts it at start and all-reduces its gradient between the two stages every step.
-Stages pass a single activation tensor [batch, seq (or this rank's sequence shard), hidden]; the model's own
-loss (`model.head.loss`: vocab-parallel under TP) is the PipelineModule's loss_fn.
+Stages pass a single activation tensor [batch, seq (or this rank's sequence shard), hidden]. The last layer only
+holds the head's weight and passes the final norm's output on: the PipelineModule's loss_fn is the model's own
+head, `model.head(model.output, h, labels)` (vocab-parallel under TP, the FP8 head's fused loss where it runs), so
+the last stage computes exactly what the one-stage model's forward does after its final norm.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megacoat.parallel.state import ParallelState
 
 
 class EmbeddingPipe(nn.Module):
-    """The token table; first stage: lookup, last stage (tied): the head's projection."""
+    """The token table; first stage: lookup, last stage (tied): the head's weight (pass_through)."""
 
     def __init__(self, embedding: nn.Module):
         super().__init__()
         self.tok_embeddings = embedding
+        self._head: tuple[nn.Module, ...] = ()  # the output layer it serves on the last stage, not a submodule
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(tokens)
 
+    def serve_head(self, output: nn.Module) -> None:
+        """On the last stage: `output` (the head, which reads this table's weight) runs in the loss; its FP8
+        weight copies are this layer's to refresh (megacoat.coat.linear.refresh_fp8_weights)."""
+        self._head = (output,)
 
-def project_to_vocab(embedding_pipe: EmbeddingPipe, h: torch.Tensor) -> torch.Tensor:
-    """The tied head: logits (this TP rank's vocabulary slice) from the embedding's rows."""
-    return F.linear(h, embedding_pipe.tok_embeddings.weight)
+    def fp8_weight_caches(self):
+        return tuple(pair for output in self._head if hasattr(output, "fp8_weight_caches")
+                     for pair in output.fp8_weight_caches())
+
+
+def pass_through(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The tied last layer's forward: h on to the loss, which runs the head (see the module's docstring)."""
+    return h
 
 
 class BlockPipe(nn.Module):
@@ -50,14 +61,15 @@ class BlockPipe(nn.Module):
 
 
 class HeadPipe(nn.Module):
-    """Untied head: the GPT's `output` module (a ColumnParallelLinear over the vocabulary under TP)."""
+    """Untied: holds the GPT's `output` module (a ColumnParallelLinear over the vocabulary under TP, an Fp8Linear
+    for the FP8 head) on the last stage and passes h on to the loss, which runs it."""
 
     def __init__(self, output: nn.Module):
         super().__init__()
         self.output = output
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.output(h)
+        return h
 
 
 def build_pipeline(model: nn.Module, state: ParallelState):
@@ -69,18 +81,27 @@ def build_pipeline(model: nn.Module, state: ParallelState):
         raise ValueError(f"--num-layers ({model.cfg.num_layers}) must be divisible by "
                          f"--pipeline-model-parallel-size ({state.pp_size})")
     rope = model._rope_cpu
+    tied = model.cfg.tie_embeddings
     layers: list = []
-    if model.cfg.tie_embeddings:
+    if tied:
         layers.append(TiedLayerSpec("embed", EmbeddingPipe, model.tok_embeddings,
                                     tied_weight_attr=["tok_embeddings.weight"]))
     else:
         layers.append(LayerSpec(EmbeddingPipe, model.tok_embeddings))
     layers += [LayerSpec(BlockPipe, block, rope) for block in model.layers]
     layers.append(model.norm)  # a module: a stage holds it as is (ParallelRMSNorm enters the TP region)
-    if model.cfg.tie_embeddings:
-        layers.append(TiedLayerSpec("embed", EmbeddingPipe, model.tok_embeddings, forward_fn=project_to_vocab,
+    if tied:
+        layers.append(TiedLayerSpec("embed", EmbeddingPipe, model.tok_embeddings, forward_fn=pass_through,
                                     tied_weight_attr=["tok_embeddings.weight"]))
     else:
         layers.append(LayerSpec(HeadPipe, model.output))
-    return PipelineModule(layers=layers, topology=state.grid.topology(),
-                          loss_fn=model.head.loss, partition_method="parameters")
+    head, output = model.head, model.output
+
+    def head_loss(h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return head(output, h, labels)
+
+    pipe = PipelineModule(layers=layers, topology=state.grid.topology(), loss_fn=head_loss,
+                          partition_method="parameters")
+    if tied and pipe.stage_id == pipe.num_stages - 1:
+        pipe.tied_modules["embed"].serve_head(output)
+    return pipe
