@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from tests.ops.fp8_compare import DEV, rel_err  # noqa: I001
 from megacoat.ops.formats import E4M3, E5M2
 from megacoat.coat.linear import Fp8WeightCache, fp8_linear
-from megacoat.coat.flow import coat_mlp, coat_norm_qkv
+from megacoat.coat.flow import FlowSettings, coat_mlp, coat_norm_qkv
 from tests.coat.saved_memory import saved_activation_bytes
 from megacoat.model.gpt import apply_rope, rope_tables
 
@@ -22,6 +22,10 @@ def _params(h, f, dtype):
     return torch.nn.Parameter((1 + 0.1 * torch.randn(h, device=DEV)).to(dtype)), mk(f, h), mk(f, h), mk(h, f)
 
 
+def _caches():
+    return Fp8WeightCache(), Fp8WeightCache()
+
+
 def _fp32_copies(ps):
     return [p.detach().float().requires_grad_() for p in ps]
 
@@ -31,7 +35,7 @@ def test_mlp_against_fp32(h, f, g):
     dtype = torch.bfloat16
     nw, w1, w3, w2 = _params(h, f, dtype)
     x = torch.randn(64, h, device=DEV, dtype=dtype, requires_grad=True)
-    out = coat_mlp(x, nw, w1, w3, w2, Fp8WeightCache(), Fp8WeightCache(), 1e-5, g, torch.float8_e5m2)
+    out = coat_mlp(x, nw, (w1, w3, w2), _caches(), FlowSettings(1e-5, g))
     dy = torch.randn_like(out)
     out.backward(dy)
     xf, nwf, w1f, w3f, w2f = _fp32_copies([x, nw, w1, w3, w2])
@@ -54,7 +58,7 @@ def test_norm_qkv_against_fp32():
     _, wk, wv, _ = _params(h, 2 * d, torch.bfloat16)
     cos, sin = (t.to(DEV) for t in rope_tables(d, s, 10000.0))
     x = torch.randn(b, s, h, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    q, k, v = coat_norm_qkv(x, nw, (wq, wk, wv), Fp8WeightCache(), 1e-5, 64, torch.float8_e5m2, cos, sin, d)
+    q, k, v = coat_norm_qkv(x, nw, (wq, wk, wv), Fp8WeightCache(), FlowSettings(1e-5, 64), cos, sin)
     assert (q.shape, k.shape, v.shape) == ((b, s, 4, d), (b, s, 2, d), (b, s, 2, d))
     dys = [torch.randn_like(t) for t in (q, k, v)]
     torch.autograd.backward((q, k, v), dys)
@@ -85,7 +89,7 @@ def test_norm_qkv_residual_branch_gradient_joins_in_the_norm_kernel():
 
     def run(residual, branch_grad):
         x, ws = x0.clone().requires_grad_(), [w.clone().requires_grad_() for w in (nw, wq, wk, wv)]
-        out = coat_norm_qkv(x, ws[0], tuple(ws[1:]), Fp8WeightCache(), 1e-5, 64, torch.float8_e5m2, cos, sin, d,
+        out = coat_norm_qkv(x, ws[0], tuple(ws[1:]), Fp8WeightCache(), FlowSettings(1e-5, 64), cos, sin,
                             residual=residual)
         branch = out[3] if residual else x
         assert branch.shape == x.shape and torch.equal(branch, x)
@@ -113,7 +117,7 @@ def test_mlp_residual_branch_gradient_joins_in_the_norm_kernel():
 
     def run(residual, branch_grad):
         x, ws = x0.clone().requires_grad_(), [p.clone().requires_grad_() for p in ps]
-        out = coat_mlp(x, *ws, Fp8WeightCache(), Fp8WeightCache(), 1e-5, g, torch.float8_e5m2, residual=residual)
+        out = coat_mlp(x, ws[0], ws[1:], _caches(), FlowSettings(1e-5, g), residual=residual)
         out, branch = out if residual else (out, x)
         assert torch.equal(branch, x)
         torch.autograd.backward((out, branch), (dy, branch_grad))
@@ -137,9 +141,9 @@ def test_mlp_add_is_the_mlp_of_the_sum():
 
     def run(fused):
         x, a, ws = x0.clone().requires_grad_(), a0.clone().requires_grad_(), [p.clone().requires_grad_() for p in ps]
-        args = (Fp8WeightCache(), Fp8WeightCache(), 1e-5, g, torch.float8_e5m2)
-        out, hh = (coat_mlp(x, *ws, *args, residual=True, add=a) if fused
-                   else coat_mlp(x + a, *ws, *args, residual=True))
+        args = (_caches(), FlowSettings(1e-5, g))
+        out, hh = (coat_mlp(x, ws[0], ws[1:], *args, residual=True, add=a) if fused
+                   else coat_mlp(x + a, ws[0], ws[1:], *args, residual=True))
         torch.autograd.backward((out, hh), (dy, dh))
         return out, hh, x.grad, a.grad, [w.grad for w in ws]
 
@@ -149,7 +153,7 @@ def test_mlp_add_is_the_mlp_of_the_sum():
     assert torch.equal(fused[2], fused[3])  # one gradient for both addends
     assert all(torch.equal(p, q) for p, q in zip(plain[4], fused[4]))
     with pytest.raises(ValueError, match="add needs residual=True"):
-        coat_mlp(x0, *ps, Fp8WeightCache(), Fp8WeightCache(), 1e-5, g, torch.float8_e5m2, add=a0)
+        coat_mlp(x0, ps[0], ps[1:], _caches(), FlowSettings(1e-5, g), add=a0)
 
 
 def test_mlp_add_carrier_hands_the_amax_to_the_linear_that_made_add():
@@ -165,12 +169,12 @@ def test_mlp_add_carrier_hands_the_amax_to_the_linear_that_made_add():
     def run(carry):
         x, c, wo = x0.clone().requires_grad_(), c0.clone().requires_grad_(), wo0.clone().requires_grad_()
         ws = [p.clone().requires_grad_() for p in ps]
-        args = (Fp8WeightCache(), Fp8WeightCache(), 1e-5, g, torch.float8_e5m2)
+        args = (_caches(), FlowSettings(1e-5, g))
         if carry:
             a, carrier = fp8_linear(c, wo, carry_amax=True)
-            out, hh = coat_mlp(x, *ws, *args, residual=True, add=a, add_carrier=carrier)
+            out, hh = coat_mlp(x, ws[0], ws[1:], *args, residual=True, add=a, add_carrier=carrier)
         else:
-            out, hh = coat_mlp(x, *ws, *args, residual=True, add=fp8_linear(c, wo))
+            out, hh = coat_mlp(x, ws[0], ws[1:], *args, residual=True, add=fp8_linear(c, wo))
         torch.autograd.backward((out, hh), (dy, dh))
         return [out, hh, x.grad, c.grad, wo.grad] + [w.grad for w in ws]
 
@@ -183,8 +187,7 @@ def test_mlp_add_carrier_hands_the_amax_to_the_linear_that_made_add():
     fp8_linear(c_ref, wo0).backward(dh)
     assert torch.equal(c.grad, c_ref.grad)
     with pytest.raises(ValueError, match="add_carrier needs add"):
-        coat_mlp(x0, *ps, Fp8WeightCache(), Fp8WeightCache(), 1e-5, g, torch.float8_e5m2, residual=True,
-                 add_carrier=carrier)
+        coat_mlp(x0, ps[0], ps[1:], _caches(), FlowSettings(1e-5, g), residual=True, add_carrier=carrier)
 
 
 def test_mlp_saves_only_fp8_and_small_scales():
@@ -192,7 +195,7 @@ def test_mlp_saves_only_fp8_and_small_scales():
     nw, w1, w3, w2 = _params(h, f, torch.bfloat16)
     x = torch.randn(m, h, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     total, by_dtype = saved_activation_bytes(
-        lambda: coat_mlp(x, nw, w1, w3, w2, Fp8WeightCache(), Fp8WeightCache(), 1e-5, 64, torch.float8_e5m2),
+        lambda: coat_mlp(x, nw, (w1, w3, w2), _caches(), FlowSettings(1e-5, 64)),
         [nw, w1, w3, w2])
     assert "bfloat16" not in by_dtype
     assert by_dtype["float8_e4m3fn"] == m * h + 2 * m * f  # norm input + SwiGLU's pair, one byte each
@@ -203,7 +206,7 @@ def test_mlp_saves_only_fp8_and_small_scales():
 def test_gpu_mlp_llama_shape():
     nw, w1, w3, w2 = _params(4096, 11008, torch.bfloat16)
     x = torch.randn(2048, 4096, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    out = coat_mlp(x, nw, w1, w3, w2, Fp8WeightCache(), Fp8WeightCache(), 1e-5, 128, torch.float8_e5m2)
+    out = coat_mlp(x, nw, (w1, w3, w2), _caches(), FlowSettings(1e-5, 128))
     out.backward(torch.randn_like(out))
     with torch.no_grad():
         xf = x.float()
