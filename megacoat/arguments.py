@@ -288,6 +288,7 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         raise ValueError("--mock-data and --data-path are exclusive")
     if training.enable_cuda_graph:
         check_cuda_graph(parallel)
+    fp8.check_micro_batch(training.micro_batch_size, model.seq_length)
     return MegacoatConfig(model=model, optim=optim, data=data, fp8=fp8, parallel=parallel, training=training)
 
 

@@ -36,6 +36,8 @@ def test_defaults_build_a_config():
      "--fp8-output-layer"),
     (["--coat-fp8", "--fp8-output-layer", "--tensor-model-parallel-size", "2"], "--fp8-output-layer"),
     (["--coat-fp8", "--fp8-output-layer", "yes"], "--fp8-output-layer"),
+    (["--coat-fp8", "--seq-length", "30", "--micro-batch-size", "1"], "--micro-batch-size 1 x --seq-length 30"),
+    (["--fp8-activations", "fp8-linear", "--seq-length", "30", "--micro-batch-size", "1"], "--micro-batch-size"),
     (["--fp8-activations", "fp8-linear", "--fp8-grad-scaling", "delayed"], "--fp8-grad-scaling"),  # no SwiGLU kernel
     (["--coat-fp8", "--fp8-grad-scaling", "delayed", "--fp8-amax-history-len", "0"], "--fp8-amax-history-len"),
     (["--fp8-activations", "fp8-linear", "--fp8-activation-scaling", "delayed"], "--fp8-activation-scaling"),

@@ -88,6 +88,15 @@ class CoatRecipe:
     def resolved(self) -> bool:
         return AUTO not in (self.grad_scaling, self.activation_scaling, self.output_layer)
 
+    def check_micro_batch(self, micro_batch_size: int, seq_length: int) -> None:
+        """Refuse, at start-up, a micro-batch whose tokens the FP8 GEMMs cannot take (their weight gradients sum over
+        the tokens, in multiples of FP8_GEMM_MULTIPLE): one ValueError naming the flags, where the first forward
+        would raise on some ranks only (under a pipeline schedule, on one stage, mid-step)."""
+        tokens = micro_batch_size * seq_length
+        if self.enabled and tokens % FP8_GEMM_MULTIPLE:
+            raise ValueError(f"--micro-batch-size {micro_batch_size} x --seq-length {seq_length} = {tokens} tokens a "
+                             f"micro-batch: FP8 GEMMs ({self.mode}) need a multiple of {FP8_GEMM_MULTIPLE}")
+
     def for_layout(self, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                    vocab_size: int | None = None, hidden_size: int | None = None) -> CoatRecipe:
         """This recipe with every auto resolved for a layout, and the explicit choices it cannot run refused (one

@@ -34,6 +34,13 @@ def test_for_layout_refuses_explicit_choices_the_layout_cannot_run():
         CoatRecipe(mode="fp8-linear", activation_scaling="delayed")
 
 
+def test_micro_batches_the_fp8_gemms_cannot_take_are_refused_by_both_flags():
+    with pytest.raises(ValueError, match=r"--micro-batch-size 1 x --seq-length 30 = 30 tokens .* multiple of 16"):
+        RECIPES["coat"].check_micro_batch(1, 30)
+    RECIPES["coat"].check_micro_batch(2, 8)  # 16 tokens
+    RECIPES["bf16"].check_micro_batch(1, 30)  # no FP8 GEMM
+
+
 def test_convert_takes_resolved_recipes_only():
     with pytest.raises(ValueError, match="for_layout"):
         convert_to_coat(GPT(ModelConfig(**CFG)), RECIPES["coat"])

@@ -76,6 +76,18 @@ def test_pipeline_keeps_delayed_scaling_and_the_fp8_head_of_one_stage(tmp_path, 
     compare_with_one_rank(tmp_path, argv)
 
 
+@pytest.mark.slow
+def test_a_micro_batch_the_fp8_gemms_cannot_take_is_one_error_line_on_every_stage(tmp_path):
+    """Refused at start-up on every rank, instead of by the first forward on one stage in the middle of a step."""
+    argv = ["--coat-fp8", "--fp32", "--seq-length", "30", "--micro-batch-size", "1", "--global-batch-size", "4",
+            "--pipeline-model-parallel-size", "2"]
+    proc = run(tmp_path, argv, tmp_path / "bad.json", ranks=2, port=free_port(), check=False)
+    assert proc.returncode != 0
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line]
+    assert lines and all("--micro-batch-size 1 x --seq-length 30 = 30 tokens" in line for line in lines), lines
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
 @pytest.mark.multigpu
 def test_gpu_pipeline_histories_equal_one_stage_in_bf16(tmp_path):
     """Two GPUs, bf16, NCCL: PP=2 against one GPU. The first step's entries differ only by the order of GPU sums
