@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TRAINER = "pretrain_gpt.py"
+PEER = "benchmarks.parallel.torchtitan_peer"
 # recipe -> (script: a path under the repository root or a module run with -m, its flags)
 RECIPES: dict[str, tuple[str, list[str]]] = {
     "bf16": (TRAINER, ["--compile"]),
@@ -23,6 +24,11 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     # peers: torchao's float8 linears (tensorwise) in the same trainer; a plain loop without DeepSpeed or the trainer
     "torchao-float8": ("benchmarks.e2e.torchao_pretrain", ["--compile"]),
     "plain-llama": ("benchmarks.e2e.plain_llama", ["--compile"]),
+    # multi-GPU peers (benchmarks/parallel/speed.py, data-parallel layouts): torchtitan's float8 recipes as torchao
+    # applies them, under FSDP2 and torch.compile; the FP8 all-gather of weights with tensorwise scales
+    "torchtitan-float8-tensorwise": (PEER, ["--float8", "tensorwise", "--compile"]),
+    "torchtitan-float8-rowwise": (PEER, ["--float8", "rowwise", "--compile"]),
+    "torchtitan-bf16": (PEER, ["--float8", "none", "--compile"]),
 }
 GRAPH_FLAG = "--enable-cuda-graph"
 
@@ -34,6 +40,10 @@ MODELS: dict[str, list[str]] = {
     # Llama-2-7B, as in COAT's paper
     "7b": ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "11008", "--num-attention-heads", "32",
            "--seq-length", "2048", "--vocab-size", "32000"],
+    # Llama 3 8B: grouped-query attention with 8 KV heads, its own vocabulary, RoPE base and untied head
+    "llama3-8b": ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
+                  "--num-attention-heads", "32", "--num-query-groups", "8", "--seq-length", "8192",
+                  "--vocab-size", "128256", "--rotary-base", "500000", "--untie-embeddings-and-output-weights"],
 }
 
 
@@ -57,6 +67,9 @@ E2E_METHOD = ["--warmup", "5", "--iters", "30", "--log-interval", "5", "--repeat
 # parallel method: >= 20 timed iterations after warm-up, 2 repeats, a global batch of 32 sequences
 PARALLEL_METHOD = ["--warmup", "4", "--iters", "20", "--log-interval", "4", "--repeats", "2", "--global-batch-size", "32",
                    "--profile"]
+# Llama3-8B at sequence 8192: 8 sequences a step, the tokens of the 7 B runs' 32 sequences of 2048
+LLAMA3_METHOD = [*PARALLEL_METHOD[:PARALLEL_METHOD.index("--global-batch-size")], "--global-batch-size", "8",
+                 *PARALLEL_METHOD[PARALLEL_METHOD.index("--global-batch-size") + 2:]]
 
 SUITE: list[Run] = [
     Run("gpu-tests", "the GPU test suite", "pytest", ["-q", "-m", "gpu", "-rfE", "-p", "no:cacheprovider", "tests"],
@@ -88,6 +101,21 @@ SUITE: list[Run] = [
     Run("parallel-7b-4gpu", "7 B model on 4 GPUs, micro-batch 1: DP=4 (ZeRO-2) and TP=2 x DP=2", PARALLEL,
         ["--gpus", "4", "--model", "7b", "--layouts", "dp", "tp2dp2", "--micro-batch-size", "1", *PARALLEL_METHOD],
         out="parallel_7b_4gpu_mb1.json", gpus=4),
+*[Run(f"parallel-7b-{layout}-mb{mb}", f"7 B model on 4 GPUs, micro-batch {mb}: {about}", PARALLEL,
+         ["--gpus", "4", "--model", "7b", "--layouts", layout, "--micro-batch-size", str(mb), *PARALLEL_METHOD],
+         out=f"parallel_7b_{layout}_mb{mb}.json", gpus=4)
+     for layout, about in (("dp-z1", "DP=4, ZeRO-1"), ("dp-z2", "DP=4, ZeRO-2"), ("tp2dp2", "TP=2 x DP=2 with SP"),
+                           ("tp4", "TP=4 with SP"))
+     for mb in (1, 2)],
+    Run("parallel-llama3-8b-mb1", "Llama3-8B on 4 GPUs, micro-batch 1: DP=4 (ZeRO-2), compiled bf16 against the "
+        "default", PARALLEL, ["--gpus", "4", "--model", "llama3-8b", "--layouts", "dp", "--micro-batch-size", "1",
+                              *LLAMA3_METHOD], out="parallel_llama3_8b_mb1.json", gpus=4),
+    # one peer recipe a run (two would not fit one device call), each against the default in the same run
+    *[Run(f"parallel-llama3-8b-{peer}-mb1", f"Llama3-8B on 4 GPUs, micro-batch 1: the default (DP=4, ZeRO-2) "
+          f"against torchtitan's float8 {peer} (FSDP2, compiled)", PARALLEL,
+          ["--gpus", "4", "--model", "llama3-8b", "--layouts", "dp", "--micro-batch-size", "1", "--modes", "coat",
+           f"torchtitan-float8-{peer}", *LLAMA3_METHOD], out=f"parallel_llama3_8b_{peer}_mb1.json", gpus=4)
+      for peer in ("tensorwise", "rowwise")],
     Run("parallel-7b-4gpu-pp", "7 B model on 4 GPUs, micro-batch 1: TP=2 x PP=2 (no CUDA graphs under PP)",
         PARALLEL, ["--gpus", "4", "--model", "7b", "--layouts", "tp2pp2", "--micro-batch-size", "1",
                    *PARALLEL_METHOD], out="parallel_7b_4gpu_pp_mb1.json", gpus=4),

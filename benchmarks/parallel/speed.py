@@ -11,7 +11,11 @@ trainer, under DeepSpeed's launcher (one process per GPU).
 
 A layout names the parallel sizes, e.g. `tp2pp2` or `tp2dp2`; a bare `tp`, `pp` or `dp` puts all GPUs on that axis.
 Sequence parallelism whenever TP > 1; ZeRO-2 when DP > 1 without a pipeline (DeepSpeed refuses ZeRO-2 there),
-ZeRO-1 otherwise. Recipes come from benchmarks/suite.py; under PP > 1, where the trainer refuses CUDA graphs, a
+ZeRO-1 otherwise, or the stage a `-z1` / `-z2` suffix names (`dp-z1`).
+Peers (benchmarks/parallel/torchtitan_peer.py: torchtitan's float8 recipes under FSDP2) run in data-parallel
+layouts only, started by the same launcher; their rows say `zero_stage` 3 (FSDP shards weights too), and each
+megacoat row of the layout gains `speedup_vs_<peer>` and `memory_reduction_vs_<peer>`.
+Recipes come from benchmarks/suite.py; under PP > 1, where the trainer refuses CUDA graphs, a
 recipe runs without --enable-cuda-graph (the row says so). Each (layout, mode) runs --repeats times, interleaved
 with the other modes; a run trains --warmup iterations, then --iters timed ones, and a row reports the median of
 the timed log intervals of its repeats. With --profile, each rank's GPU-busy fraction and communication time. Memory is the largest rank's torch.cuda.max_memory_allocated. Ratios are
@@ -21,6 +25,7 @@ $OUT when set and the file lies elsewhere).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -34,23 +39,30 @@ import time
 
 from benchmarks.common import RESULTS, ROOT, environment, write_json
 from benchmarks.e2e.speed import failure, timed_window
-from benchmarks.suite import GRAPH_FLAG, MODELS, RECIPES, TRAINER
+from benchmarks.suite import GRAPH_FLAG, MODELS, PEER, RECIPES, TRAINER
 
 MODES = [name for name, (script, _) in RECIPES.items() if script == TRAINER]
+PEERS = [name for name, (script, _) in RECIPES.items() if script == PEER]
+PEER_ZERO_STAGE = 3  # FSDP2's full sharding: weights, gradients and optimizer state
 PROFILED_STEPS = 3
 _LAYOUT = re.compile(r"(?:(tp|pp|dp)(\d*))")
+_ZERO = re.compile(r"-z(\d)$")
 
 
 def layout_sizes(name: str, gpus: int) -> dict[str, int]:
-    """{'tp': .., 'pp': .., 'dp': ..} for a layout name such as 'tp2pp2' or 'dp' (all GPUs on that axis)."""
-    parts = _LAYOUT.findall(name)
-    if not parts or "".join(a + n for a, n in parts) != name or len({a for a, _ in parts}) != len(parts):
-        raise SystemExit(f"error: --layouts {name!r}: expected e.g. tp, pp, dp, tp2pp2, tp2dp2")
+    """{'tp': .., 'pp': .., 'dp': ..} for a layout name such as 'tp2pp2' or 'dp' (all GPUs on that axis), with an
+    optional ZeRO stage suffix ('dp-z1', see zero_stage)."""
+    axes = _ZERO.sub("", name)
+    parts = _LAYOUT.findall(axes)
+    if not parts or "".join(a + n for a, n in parts) != axes or len({a for a, _ in parts}) != len(parts):
+        raise SystemExit(f"error: --layouts {name!r}: expected e.g. tp, pp, dp, tp2pp2, tp2dp2, dp-z1")
     sizes = {"tp": 1, "pp": 1, "dp": 1}
     sizes.update({axis: int(n) if n else gpus for axis, n in parts})
     if math.prod(sizes.values()) != gpus:
         raise SystemExit(f"error: --layouts {name!r} is TP={sizes['tp']} x PP={sizes['pp']} x DP={sizes['dp']} = "
                          f"{math.prod(sizes.values())} GPUs, but --gpus is {gpus}")
+    if _ZERO.search(name):
+        zero_stage(sizes, name)  # a stage the layout cannot run stops here
     return sizes
 
 
@@ -59,7 +71,7 @@ def layout_flags(name: str, gpus: int) -> list[str]:
     flags = ["--tensor-model-parallel-size", str(sizes["tp"]), "--pipeline-model-parallel-size", str(sizes["pp"])]
     if sizes["tp"] > 1:
         flags.append("--sequence-parallel")
-    return flags + ["--zero-stage", str(zero_stage(sizes))]
+    return flags + ["--zero-stage", str(zero_stage(sizes, name))]
 
 
 def plot_losses(out: dict, path: str) -> None:
@@ -103,16 +115,18 @@ def worker(argv: list[str], result_path: str) -> None:
                        "grad_accum": trainer.grad_accum}, f)
 
 
-def run(gpus: int, argv: list[str], timeout: int, port: int, profile: tuple[int, int] | None = None) -> dict:
+def run(gpus: int, argv: list[str], timeout: int, port: int, profile: tuple[int, int] | None = None,
+        module: str = "benchmarks.parallel.speed") -> dict:
     """One training run under DeepSpeed's launcher: its log records and every rank's peak memory; with profile
-    (start, end), each rank's profile of iterations (start, end]."""
+    (start, end), each rank's profile of iterations (start, end]. module: what each rank runs (this file's worker,
+    or a peer that writes the same log and result files)."""
     with tempfile.TemporaryDirectory() as tmp:
         log, result = os.path.join(tmp, "log.jsonl"), os.path.join(tmp, "result.json")
         if profile:
             argv = argv + ["--profile-dir", os.path.join(tmp, "profile"), "--profile-step-start", str(profile[0]),
                            "--profile-step-end", str(profile[1])]
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(gpus), "--master_port", str(port),
-               "--module", "benchmarks.parallel.speed", *argv, "--log-json", log]
+               "--module", module, *argv, "--log-json", log]
         print("$", " ".join(argv), flush=True)
         t0 = time.perf_counter()
         try:
@@ -158,7 +172,8 @@ def row(layout: str, mode: str, runs: list[dict], gpus: int, args, env: dict, gr
     windows = [(r, w) for r, w in windows if w]
     sizes = layout_sizes(layout, gpus)
     out = {"layout": layout, "model": args.model, "mode": mode, "tp": sizes["tp"], "pp": sizes["pp"],
-           "dp": sizes["dp"], "zero_stage": zero_stage(sizes), "micro_batch_size": args.micro_batch_size,
+           "dp": sizes["dp"], "zero_stage": PEER_ZERO_STAGE if mode in PEERS else zero_stage(sizes, layout),
+           "micro_batch_size": args.micro_batch_size,
            "global_batch_size": args.global_batch_size, "cuda_graphs": graphs, "repeats": len(windows),
            "device": env.get("device", "cpu"), "versions": {k: env.get(k) for k in ("torch", "triton", "deepspeed")},
            "command": env["command"]}
@@ -178,26 +193,51 @@ def row(layout: str, mode: str, runs: list[dict], gpus: int, args, env: dict, gr
 
 
 def add_ratios(rows: dict) -> None:
-    """speedup_vs_bf16 and memory_reduction_vs_bf16 (bf16's peak over this mode's), within each layout."""
+    """speedup_vs_bf16 and memory_reduction_vs_bf16 (bf16's peak over this mode's), within each layout; and on
+    megacoat's rows, speedup_vs_<peer> and memory_reduction_vs_<peer> for each peer that ran in the layout."""
     for key, res in rows.items():
-        base = rows.get(f"{key.split('/')[0]}/bf16", {})
-        if res.get("ok") and base.get("ok"):
-            res["speedup_vs_bf16"] = res["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
-            res["memory_reduction_vs_bf16"] = base["max_memory_gib"] / res["max_memory_gib"]
+        layout, mode = key.split("/")
+        bases = [("bf16", rows.get(f"{layout}/bf16", {}))]
+        if mode not in PEERS:
+            bases += [(peer, rows.get(f"{layout}/{peer}", {})) for peer in PEERS]
+        for name, base in bases:
+            if res.get("ok") and base.get("ok"):
+                res[f"speedup_vs_{name}"] = res["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+                res[f"memory_reduction_vs_{name}"] = base["max_memory_gib"] / res["max_memory_gib"]
 
 
-def zero_stage(sizes: dict[str, int]) -> int:
-    return 2 if sizes["dp"] > 1 and sizes["pp"] == 1 else 1
+def zero_stage(sizes: dict[str, int], layout: str = "") -> int:
+    """The layout's suffix (`-z1`, `-z2`), else ZeRO-2 when DP > 1 without a pipeline, else ZeRO-1."""
+    named = _ZERO.search(layout)
+    if not named:
+        return 2 if sizes["dp"] > 1 and sizes["pp"] == 1 else 1
+    stage = int(named.group(1))
+    if stage not in (1, 2) or (stage == 2 and sizes["pp"] > 1):
+        raise SystemExit(f"error: --layouts {layout!r}: ZeRO-{stage} is not a stage this benchmark runs "
+                         "(1, or 2 without a pipeline)")
+    return stage
 
 
 def mode_flags(mode: str, sizes: dict[str, int], on_cpu: bool = False) -> tuple[list[str], bool]:
     """A recipe's flags in a layout, and whether it keeps its CUDA graphs (not under a pipeline); on_cpu (the tiny
     check) runs eager, without the GPU-only flags."""
     flags = RECIPES[mode][1]
+    if mode in PEERS:  # the peer's own flags: no CUDA graphs, compile unless on CPU
+        return [f for f in flags if not (on_cpu and f == "--compile")], False
     if on_cpu:
         return [f for f in flags if f not in (GRAPH_FLAG, "--compile")], False
     graphs = GRAPH_FLAG in flags and sizes["pp"] == 1
     return [f for f in flags if f != GRAPH_FLAG or graphs], graphs
+
+
+def peer_missing(mode: str) -> str | None:
+    """Why a peer cannot run here (its float8 needs torchao, a benchmark-only dependency), or None."""
+    flags = RECIPES[mode][1]
+    if flags[flags.index("--float8") + 1] != "none" and importlib.util.find_spec("torchao") is None:
+        from benchmarks.e2e.torchao_pretrain import MISSING
+
+        return MISSING
+    return None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -206,7 +246,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=list(MODELS), default="1.3b", help="tiny: fp32 CPU ranks, a check of this script")
     p.add_argument("--layouts", nargs="+", default=["dp", "tp", "pp"],
                    help="tp, pp, dp (all GPUs on one axis) or sizes such as tp2pp2, tp2dp2")
-    p.add_argument("--modes", nargs="+", default=["bf16", "coat"], choices=MODES)
+    p.add_argument("--modes", nargs="+", default=["bf16", "coat"], choices=MODES + PEERS)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=32, help="sequences per step over all DP ranks")
     p.add_argument("--warmup", type=int, default=4, help="iterations before the timed window")
@@ -223,7 +263,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/parallel_<model>_<N>gpu.json)")
     args = p.parse_args(argv)
     for name in args.layouts:
-        layout_sizes(name, args.gpus)  # a bad layout stops here, before any run
+        sizes = layout_sizes(name, args.gpus)  # a bad layout stops here, before any run
+        if sizes["dp"] != args.gpus and set(args.modes) & set(PEERS):
+            raise SystemExit(f"error: --modes {' '.join(sorted(set(args.modes) & set(PEERS)))}: the peers run "
+                             f"data parallel (FSDP2) only, and --layouts {name} is not")
     if args.global_batch_size % args.micro_batch_size:
         raise SystemExit("error: --global-batch-size must be a multiple of --micro-batch-size")
     for name in ("warmup", "iters"):
@@ -264,12 +307,18 @@ def main() -> None:
         for repeat in range(args.repeats):
             for mode in args.modes:
                 port += 1
+                if mode in PEERS and peer_missing(mode):
+                    out["rows"][f"{layout}/{mode}"] = {"layout": layout, "mode": mode, "ok": False,
+                                                       "skipped": peer_missing(mode)}
+                    if repeat == 0:
+                        print(layout, mode, "skipped:", peer_missing(mode), flush=True)
+                    continue
                 flags, graphs = mode_flags(mode, sizes, on_cpu=args.model == "tiny")
                 end = args.warmup + args.iters
                 profile = (end, end + PROFILED_STEPS) if args.profile and repeat == 0 else None
                 iters = ["--train-iters", str(end + (PROFILED_STEPS if profile else 0))]
                 res = run(args.gpus, common + iters + layout_flags(layout, args.gpus) + flags, args.timeout, port,
-                          profile)
+                          profile, module=RECIPES[mode][0] if mode in PEERS else "benchmarks.parallel.speed")
                 runs[mode].append(res)
                 out["rows"][f"{layout}/{mode}"] = r = row(layout, mode, runs[mode], args.gpus, args, env, graphs)
                 add_ratios(out["rows"])

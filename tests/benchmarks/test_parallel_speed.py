@@ -70,3 +70,59 @@ def test_cpu_run_writes_every_field(tmp_path):
         assert (row["tp"], row["pp"], row["dp"], row["zero_stage"]) == (1, 1, 2, 2)
     assert rows["dp/bf16"]["speedup_vs_bf16"] == 1 and rows["dp/coat"]["memory_reduction_vs_bf16"] > 0
     assert all(rank and rank["compute_ms_per_step"] > 0 for rank in rows["dp/coat"]["profile_per_rank"])
+
+
+def test_a_layout_may_name_its_zero_stage():
+    assert speed.layout_flags("dp-z1", 4)[-2:] == ["--zero-stage", "1"]
+    assert speed.layout_flags("tp2dp2-z1", 4)[:2] == ["--tensor-model-parallel-size", "2"]
+    assert speed.layout_sizes("dp-z2", 4) == {"tp": 1, "pp": 1, "dp": 4}
+    with pytest.raises(SystemExit, match="error: --layouts 'tp2pp2-z2': ZeRO-2"):
+        speed.layout_sizes("tp2pp2-z2", 4)
+    with pytest.raises(SystemExit, match="error: --layouts 'dp-z3'"):
+        speed.layout_sizes("dp-z3", 4)
+
+
+def test_peers_run_data_parallel_only_with_their_own_flags():
+    assert speed.mode_flags("torchtitan-float8-tensorwise", {"tp": 1, "pp": 1, "dp": 4}) == (
+        ["--float8", "tensorwise", "--compile"], False)
+    assert speed.mode_flags("torchtitan-float8-rowwise", {"tp": 1, "pp": 1, "dp": 2}, on_cpu=True) == (
+        ["--float8", "rowwise"], False)
+    with pytest.raises(SystemExit, match="error: --modes torchtitan-float8-rowwise: the peers run data parallel"):
+        speed.parse_args(["--gpus", "4", "--layouts", "dp", "tp2dp2", "--modes", "coat", "torchtitan-float8-rowwise"])
+
+
+def test_megacoat_rows_gain_ratios_against_each_peer_of_their_layout():
+    rows = {"dp/coat": {"ok": True, "tokens_per_s_per_gpu": 150.0, "max_memory_gib": 20.0},
+            "dp/torchtitan-float8-tensorwise": {"ok": True, "tokens_per_s_per_gpu": 100.0, "max_memory_gib": 30.0},
+            "dp/torchtitan-float8-rowwise": {"ok": False, "skipped": "torchao is not installed"}}
+    speed.add_ratios(rows)
+    assert rows["dp/coat"]["speedup_vs_torchtitan-float8-tensorwise"] == 1.5
+    assert rows["dp/coat"]["memory_reduction_vs_torchtitan-float8-tensorwise"] == 1.5
+    assert "speedup_vs_torchtitan-float8-rowwise" not in rows["dp/coat"]  # that peer did not run
+    assert not any(k.startswith("speedup_vs_torchtitan") for k in rows["dp/torchtitan-float8-tensorwise"])
+
+
+def test_a_peer_without_torchao_is_skipped_with_its_reason(monkeypatch):
+    real = speed.importlib.util.find_spec
+    monkeypatch.setattr(speed.importlib.util, "find_spec", lambda name: None if name == "torchao" else real(name))
+    assert "torchao is not installed" in speed.peer_missing("torchtitan-float8-tensorwise")
+    assert speed.peer_missing("torchtitan-bf16") is None  # FSDP2 and torch.compile only
+
+
+@pytest.mark.slow
+def test_cpu_run_with_the_fsdp2_peer(tmp_path):
+    """2 gloo ranks: megacoat's bf16 (fp32 on CPU) against the peer's FSDP2 loop, and torchao's tensorwise float8
+    with FP8 weight all-gathers where torchao is installed: rows with every field, ratios against the peers."""
+    peers = ["torchtitan-bf16"] + (["torchtitan-float8-tensorwise"] if speed.peer_missing(
+        "torchtitan-float8-tensorwise") is None else [])
+    out = tmp_path / "p.json"
+    proc = run_module("benchmarks.parallel.speed", "--gpus", "2", "--model", "tiny", "--layouts", "dp", "--modes", "bf16",
+                      *peers, "--warmup", "2", "--iters", "2", "--log-interval", "2", "--repeats", "1",
+                      "--global-batch-size", "4", "--micro-batch-size", "1", "--out", str(out), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    for peer in peers:
+        row = rows[f"dp/{peer}"]
+        assert row["ok"] and all(row.get(k) is not None for k in ROW_FIELDS), row
+        assert (row["tp"], row["pp"], row["dp"], row["zero_stage"]) == (1, 1, 2, 3)
+        assert rows["dp/bf16"][f"speedup_vs_{peer}"] > 0 and rows["dp/bf16"][f"memory_reduction_vs_{peer}"] > 0
