@@ -7,7 +7,8 @@ import re
 import sys
 from dataclasses import replace
 
-from megacoat.config import CUBLAS_WORKSPACES, MegacoatConfig, TrainingConfig, check_cuda_graph
+from megacoat.config import (CUBLAS_WORKSPACES, MegacoatConfig, TrainingConfig, check_cuda_graph, check_zero3,
+                             zero3_weight_cache)
 from megacoat.data.config import DataConfig
 from megacoat.coat.recipe import (ACTIVATION_MODES, ACTIVATION_SCALINGS, AUTO, DEFAULT_WEIGHT_CACHE, FP8_DTYPES,
                                   GRAD_SCALINGS, OUTPUT_LAYER_CHOICES, RECIPES, WEIGHT_CACHES, CoatRecipe)
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FP8 format of the gradients fed to backward GEMMs (default: e5m2)")
     g.add_argument("--fp8-weight-cache", choices=WEIGHT_CACHES, default=None,
                    help="FP8 weight copies kept between optimizer steps: W8 (rowwise), W8 and W8^T (step), or none "
-                        f"(default: {DEFAULT_WEIGHT_CACHE})")
+                        f"(default: {DEFAULT_WEIGHT_CACHE}; none under --zero-stage 3)")
     g.add_argument("--fp8-fast-accum", action="store_true",
                    help="forward FP8 GEMMs accumulate without periodic fp32 promotion (backward always promotes)")
     g.add_argument("--fp8-output-layer", nargs="?", const="on", default=None, choices=OUTPUT_LAYER_CHOICES,
@@ -195,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--sequence-parallel-gather", default=pc.sequence_parallel_gather, choices=SEQUENCE_PARALLEL_GATHERS,
                    help="what a COAT block's sequence-parallel all-gather carries: its input's 1xG E4M3 groups, or bf16")
-    g.add_argument("--zero-stage", type=int, default=pc.zero_stage, choices=(0, 1, 2))
+    g.add_argument("--zero-stage", type=int, default=pc.zero_stage, choices=(0, 1, 2, 3),
+                   help="DeepSpeed ZeRO: 1 partitions optimizer states, 2 also gradients, 3 also weights")
 
     dc = DataConfig()
     g = p.add_argument_group("data")
@@ -223,7 +225,8 @@ def recipe_from_args(args: argparse.Namespace) -> CoatRecipe:
     base = RECIPES[args.fp8_recipe or ("coat" if args.coat_fp8 else "bf16")]
     given = {"mode": args.fp8_activations, "m_dtype": args.fp8_m_dtype, "v_dtype": args.fp8_v_dtype,
              "group_size": args.fp8_group_size, "grad_dtype": args.fp8_grad_dtype,
-             "weight_cache": args.fp8_weight_cache, "grad_scaling": args.fp8_grad_scaling,
+             "weight_cache": args.fp8_weight_cache or zero3_weight_cache(args.zero_stage),
+             "grad_scaling": args.fp8_grad_scaling,
              "activation_scaling": args.fp8_activation_scaling, "amax_history_len": args.fp8_amax_history_len,
              "output_layer": {"on": True, "off": False}.get(args.fp8_output_layer, args.fp8_output_layer),
              "optimizer": args.fp8_optimizer or args.coat_fp8 or None, "fast_accum": args.fp8_fast_accum or None,
@@ -288,6 +291,7 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
         raise ValueError("--mock-data and --data-path are exclusive")
     if training.enable_cuda_graph:
         check_cuda_graph(parallel)
+    check_zero3(parallel, fp8)
     fp8.check_micro_batch(training.micro_batch_size, model.seq_length)
     return MegacoatConfig(model=model, optim=optim, data=data, fp8=fp8, parallel=parallel, training=training)
 

@@ -128,3 +128,28 @@ def check_cuda_graph(parallel: ParallelConfig, cuda_available: bool | None = Non
     if parallel.pipeline_model_parallel_size > 1:
         raise ValueError("--enable-cuda-graph does not support --pipeline-model-parallel-size > 1 (DeepSpeed's "
                          f"pipeline schedule is not captured), got {parallel.pipeline_model_parallel_size}")
+    if parallel.zero_stage == 3:
+        raise ValueError("--enable-cuda-graph does not support --zero-stage 3 (each block all-gathers its weights "
+                         "into new memory on every call; a CUDA graph replays fixed addresses)")
+
+
+def zero3_weight_cache(zero_stage: int) -> str | None:
+    """The --fp8-weight-cache a ZeRO-3 run takes when the flag is not given (None: the recipe's own)."""
+    return "none" if zero_stage == 3 else None
+
+
+def check_zero3(parallel: ParallelConfig, fp8: CoatRecipe) -> None:
+    """Raise ValueError naming the flag for a setting --zero-stage 3 cannot run with: DeepSpeed's pipeline engine
+    (ZeRO-0/1 only), tensor parallelism (untested with ZeRO-3's gathers), and FP8 weight copies kept between steps
+    (a full copy of each weight on every rank, made after the step from weights ZeRO-3 holds partitioned)."""
+    if parallel.zero_stage != 3:
+        return
+    if parallel.pipeline_model_parallel_size > 1:
+        raise ValueError("--zero-stage 3 does not support --pipeline-model-parallel-size > 1 (DeepSpeed's pipeline "
+                         f"engine runs ZeRO-0/1 only), got {parallel.pipeline_model_parallel_size}")
+    if parallel.tensor_model_parallel_size > 1:
+        raise ValueError("--zero-stage 3 does not support --tensor-model-parallel-size > 1 (untested), got "
+                         f"{parallel.tensor_model_parallel_size}")
+    if fp8.enabled and fp8.weight_cache != "none":
+        raise ValueError(f"--fp8-weight-cache {fp8.weight_cache} keeps a full FP8 copy of every weight, which "
+                         "--zero-stage 3 partitions: use --fp8-weight-cache none (the ZeRO-3 default)")

@@ -8,6 +8,11 @@ DeepSpeed's files (per model-parallel rank mp = pipeline stage x TP size + TP ra
   in the partition). A parameter's fragments, in data-parallel rank order, concatenate to the whole (TP-local)
   parameter. The weights are the master: the fp32 partition, or under --main-params-dtype bf16-remainder the bf16
   partition joined with CoatAdamW's `remainder` state (megacoat.ops.param_remainder), exact fp32 either way.
+- ZeRO-3: `zero_pp_rank_{dp}_mp_rank_{mp}_model_states.pt` per rank (no weights in its module: they are
+  partitioned) and the optimizer file of ZeRO-1/2's name, whose `fp32_flat_groups[i]` concatenates this rank's
+  partition of each parameter of sub-group i in `param_shapes` order. Each parameter is partitioned on its own:
+  rank dp holds elements [dp * ceil(n / D), (dp + 1) * ceil(n / D)) of its flattened n elements, zero-padded at
+  the end (DeepSpeed's zero_to_fp32.py reads them the same way); the client optimizer's state is per sub-group.
 - ZeRO-0: `mp_rank_{mp}_model_states.pt` holds the module's weights and the optimizer's state dict, whose
   parameters are numbered in megacoat's group order (matrices, then vectors; megacoat.optim.param_groups).
 - Pipeline: weights in `layer_{ii}-model_{tp}-model_states.pt` (read by tools/convert_to_hf.py); ZeRO-1 names the
@@ -55,8 +60,9 @@ def zero_file(tag_dir: str, dp: int, mp: int) -> str | None:
     return None
 
 
-def _model_files(tag_dir: str, mp_size: int) -> list[str]:
-    files = [os.path.join(tag_dir, f"mp_rank_{mp:02d}_model_states.pt") for mp in range(mp_size)]
+def _model_files(tag_dir: str, mp_size: int, zero3: bool = False) -> list[str]:
+    name = "zero_pp_rank_0_mp_rank_{mp:02d}_model_states.pt" if zero3 else "mp_rank_{mp:02d}_model_states.pt"
+    files = [os.path.join(tag_dir, name.format(mp=mp)) for mp in range(mp_size)]
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
         raise FileNotFoundError(f"{tag_dir}: missing DeepSpeed model-state files {[os.path.basename(m) for m in missing]}")
@@ -148,6 +154,45 @@ def _read_zero(tag_dir: str, mp: int, tp: int, dp_size: int, param_shapes: list,
         raise ValueError(f"{tag_dir}: ZeRO partitions of mp rank {mp} lack parameters {unmapped[:4]}")
 
 
+def _read_zero3(tag_dir: str, mp: int, tp: int, dp_size: int, param_shapes: list, num_layers: int,
+                col: _Collector) -> None:
+    """ZeRO-3: each parameter's D partitions (module docstring) from the fp32 flat groups and their state."""
+    ranks = []
+    for dp in range(dp_size):
+        path = zero_file(tag_dir, dp, mp)
+        if path is None:
+            raise FileNotFoundError(f"{tag_dir}: missing {ZERO_FILE_PATTERNS[0].format(dp=dp, mp=mp)} (saved with "
+                                    f"data-parallel size {dp_size})")
+        sd = safe_torch_load(path)["optimizer_state_dict"]
+        base, flats = sd.get("optimizer_state_dict"), sd.get("fp32_flat_groups")
+        if not isinstance(base, dict) or "state" not in base or not isinstance(flats, list):
+            raise ValueError(f"{path}: not a ZeRO-3 optimizer file (no optimizer_state_dict / fp32_flat_groups)")
+        if len(flats) != len(param_shapes):
+            raise ValueError(f"{path}: {len(flats)} flat groups for {len(param_shapes)} groups of param_shapes")
+        groups = {pid: g for g in base["param_groups"] for pid in g["params"]}  # sub-group -> its param group
+        parts = []
+        for i, flat in enumerate(flats):
+            group, state = groups[i], base["state"].get(i, {})
+            col.settings = col.settings or optimizer_settings(group)
+            if state:
+                col.steps.add(state_step(state))
+            if flat.dtype != torch.float32:
+                raise ValueError(f"{path}: a {flat.dtype} fp32 flat group {i}")
+            parts.append({"param": flat, **state_to_fp32(state, group)})
+        ranks.append(parts)
+    for i, shapes in enumerate(param_shapes):
+        offset = 0
+        for name, shape in shapes.items():
+            numel = int(torch.Size(shape).numel())
+            per_rank = -(-numel // dp_size)
+            plain = plain_name(name, num_layers)
+            col.shapes[tp][plain] = tuple(shape)
+            for kind in ranks[0][i]:
+                whole = torch.cat([parts[i][kind].narrow(0, offset, per_rank) for parts in ranks])
+                col.add(tp, kind, plain, whole[:numel], mp)
+            offset += per_rank
+
+
 def _zero0_names(model_sd: dict) -> list[str]:
     """Parameter names in optimizer order (megacoat.optim.param_groups: matrices, then vectors), from the saved
     module (a tied weight appears once, under its first name)."""
@@ -216,7 +261,8 @@ def read_checkpoint(tag_dir: str, with_state: bool = True) -> FullCheckpoint:
             raise ValueError(f"{meta_path}: not the record of a DeepSpeed-layout megacoat checkpoint "
                              f"({type(e).__name__}: {e})") from None
     col = _Collector(tp_size)
-    files = _model_files(tag_dir, tp_size * pp_size)
+    zero3 = layout.get("zero_stage") == 3
+    files = _model_files(tag_dir, tp_size * pp_size, zero3)
     # Flat master partitions exist under ZeRO-1/2 and under DeepSpeed's BF16_Optimizer (bf16 pipelines at ZeRO-0).
     partitioned = zero_file(tag_dir, 0, 0) is not None
     if not partitioned and pp_size > 1:
@@ -230,7 +276,8 @@ def read_checkpoint(tag_dir: str, with_state: bool = True) -> FullCheckpoint:
         if partitioned:
             if not model_sd.get("param_shapes"):
                 raise ValueError(f"{path}: no param_shapes beside the ZeRO partitions; cannot place them")
-            _read_zero(tag_dir, mp, tp, dp_size, model_sd["param_shapes"], num_layers, col)
+            read = _read_zero3 if zero3 else _read_zero
+            read(tag_dir, mp, tp, dp_size, model_sd["param_shapes"], num_layers, col)
         else:
             _read_zero0(path, model_sd, tp, num_layers, col, with_state)
     first = _model_states(files[0])

@@ -10,6 +10,10 @@ Where the state lives, per kind of DeepSpeed optimizer:
   the model parameter and to the fragment; the moments are assembled into a flat fp32 partition (zero in the
   alignment padding) and converted once per partition, so CoatAdamW's groups run along the partition as they do
   in training.
+- DeepSpeed's ZeRO-3 optimizer: each parameter is partitioned on its own (this rank holds ceil(n / D) elements
+  of its flattened n from rank x ceil(n / D), `param.ds_tensor`), and the client optimizer updates one flat fp32
+  partition per sub-group, which concatenates those pieces (`grad_position`: sub-group, offset, length). The
+  weights go to both; the moments are assembled per sub-group and converted once, as for ZeRO-1/2.
 """
 from __future__ import annotations
 
@@ -47,9 +51,12 @@ def load_into_engine(engine, ckpt: LayoutFreeCheckpoint, tp_rank: int, tp_size: 
     """Weights (and, with `load_optimizer`, Adam's state, converted to this run's optimizer) of `ckpt` into
     `engine`. No collectives: every rank reads its own slices, one parameter at a time."""
     names = {id(p): plain_name(n, num_layers) for n, p in engine.module.named_parameters()}
-    flat = _flat_groups(engine.optimizer)
     if load_optimizer and ckpt.optimizer is None:
         raise ValueError(f"{ckpt.path} holds weights only (no optimizer state): load it with --finetune")
+    if _is_zero3(engine.optimizer):
+        _load_zero3(engine, ckpt, names, tp_rank, tp_size, load_optimizer)
+        return
+    flat = _flat_groups(engine.optimizer)
     # CoatAdamW's remainders (--main-params-dtype bf16-remainder): the fp32 weights are split into the bf16 the
     # run keeps and the remainder, so that the pair is the saved master exactly.
     remainders = flat is not None and any(g.get("param_remainders") for g in flat[2].param_groups)
@@ -100,3 +107,40 @@ def load_into_engine(engine, ckpt: LayoutFreeCheckpoint, tp_rank: int, tp_size: 
             client.state[p]["remainder"] = split[i]
     if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
         engine.optimizer._hp_optimizer_states_linked = False  # DeepSpeed's fragment views of the state: relink
+
+
+def _is_zero3(optimizer) -> bool:
+    return all(hasattr(optimizer, a) for a in ("fp32_partitioned_groups_flat", "grad_position", "sub_group_to_group_id"))
+
+
+def _load_zero3(engine, ckpt: LayoutFreeCheckpoint, names: dict, tp_rank: int, tp_size: int,
+                load_optimizer: bool) -> None:
+    """ZeRO-3 (module docstring): this rank's piece of every parameter into its partition and the fp32 master,
+    and with `load_optimizer` the moments per sub-group."""
+    zero = engine.optimizer
+    client, masters = zero.optimizer, zero.fp32_partitioned_groups_flat
+    keys = ckpt.state_keys if load_optimizer else ()
+    moments = [{k: torch.zeros(hp.numel(), dtype=torch.float32, device=hp.device) for k in keys} for hp in masters]
+    for p in (p for _, p in engine.module.named_parameters()):
+        name = names[id(p)]
+        value = ckpt.tensor(name, None, tp_rank, tp_size)
+        if value.shape != p.ds_shape:
+            raise ValueError(f"{ckpt.path}: {name} has shape {tuple(value.shape)} on this rank, the model "
+                             f"{tuple(p.ds_shape)}")
+        i, offset, count = zero.grad_position[zero.get_param_id(p)]
+        start = zero._get_param_partition_rank(p) * count
+        length = max(0, min(count, value.numel() - start))  # the last rank's piece ends in padding
+
+        def piece(full: torch.Tensor) -> torch.Tensor:
+            return full.reshape(-1).narrow(0, start, length)
+
+        p.ds_tensor.narrow(0, 0, length).copy_(piece(value))
+        masters[i].narrow(0, offset, length).copy_(piece(value))
+        for k in keys:
+            moments[i][k].narrow(0, offset, length).copy_(piece(ckpt.tensor(name, k, tp_rank, tp_size)))
+    if not load_optimizer:
+        return
+    step, kind = ckpt.optimizer["step"], ckpt.optimizer["kind"]
+    for i, (hp, fp32) in enumerate(zip(masters, moments)):
+        group = client.param_groups[zero.sub_group_to_group_id[i]]
+        client.state[hp] = state_from_fp32(fp32, step, group, hp, client.state.get(hp), source_kind=kind)

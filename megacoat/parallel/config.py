@@ -19,8 +19,8 @@ class ParallelConfig:
     def __post_init__(self):
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
             raise ValueError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
-        if self.zero_stage not in (0, 1, 2):
-            raise ValueError(f"--zero-stage must be 0, 1 or 2, got {self.zero_stage}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         if self.sequence_parallel_gather not in SEQUENCE_PARALLEL_GATHERS:

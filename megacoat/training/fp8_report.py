@@ -12,6 +12,7 @@ import torch
 
 from megacoat.coat.adamw import STATE_KEYS, CoatAdamW
 from megacoat.model.gpt import TransformerBlock
+from megacoat.training.zero3 import gathered
 
 MIB = 1 << 20
 
@@ -31,7 +32,8 @@ def fp8_row(trainer, final_loss: float | None) -> str | None:
     if cfg.fp8.enabled:
         if trainer.parallel.tp_size == 1 and trainer.parallel.pp_size == 1:
             m, t = cfg.model, cfg.training
-            fp8, plain, dtype = layer_saved_bytes(trainer.engine.module, t.micro_batch_size)
+            with gathered(trainer.engine.module.layers[0], cfg.parallel.zero_stage):
+                fp8, plain, dtype = layer_saved_bytes(trainer.engine.module, t.micro_batch_size)
             parts.append(f"activations saved for backward {fp8 * m.num_layers / MIB:.2f} MiB against "
                          f"{plain * m.num_layers / MIB:.2f} MiB in {str(dtype).removeprefix('torch.')} "
                          f"({fp8 / plain:.2f}x; one micro-batch through layer 1, times {m.num_layers} layers)")
@@ -52,7 +54,8 @@ def _coat_adamw(optimizer) -> CoatAdamW | None:
 def optimizer_state_bytes(opt: CoatAdamW) -> tuple[int, int]:
     """(bytes of CoatAdamW's moments, bytes of AdamW's float32 moments) for the parameters `opt` steps."""
     coat = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k in STATE_KEYS)
-    numel = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    # counted from the state: ZeRO-3 hands CoatAdamW its partitions only during the step
+    numel = sum(s["exp_avg"].numel() for s in opt.state.values() if "exp_avg" in s)
     return coat, 8 * numel
 
 

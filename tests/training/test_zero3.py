@@ -1,0 +1,137 @@
+"""--zero-stage 3 (DeepSpeed's stage 3) with CoatAdamW and the COAT flow: the flags and their errors, the weights
+the fused functions read outside their modules, and on 2 CPU gloo ranks (fp32) training against ZeRO-1, exact
+resume, and resuming ZeRO-3 checkpoints on ZeRO-1 and back through the layout-free form.
+
+Tolerance against ZeRO-1. Both runs start from the same weights and read the same batches; the forward and
+backward see whole weights either way (ZeRO-3 gathers them), so the first loss agrees to fp32 rounding. The
+gradients are reduced in another order (reduce-scatter per parameter against ZeRO-1's bucketed all-reduce),
+1e-5 relative at most. CoatAdamW's FP8 groups of 128 run along each rank's partition: ZeRO-1 partitions each
+group's flat buffer in two, ZeRO-3 each parameter, so the moments are grouped differently and each step's update
+differs by up to ~1.5 u relative (E4M3, u = 2^-4), which moves the loss by at most that fraction of how much it
+has moved so far: tests.training.test_checkpoint_reshard.within_fp8_moment_error, the same bound as a resume on
+another layout, which regroups the moments once as well.
+
+Every parameter is partitioned: the DeepSpeed config sets stage3_param_persistence_threshold 0 (its default keeps
+parameters under 100k elements whole on every rank, which would be all of the tiny model's).
+"""
+import json
+
+import pytest
+import torch
+
+from megacoat.arguments import parse_config
+from megacoat.config import check_cuda_graph
+from megacoat.model import GPT
+from megacoat.model.config import ModelConfig
+from megacoat.coat import RECIPES, convert_to_coat
+from megacoat.training.deepspeed_config import build_deepspeed_config
+from megacoat.training.zero3 import weights_read_outside_their_module
+from tests.parallel.test_pretrain_parallel import free_port
+from tests.training.checkpoint_runs import losses, run, same_sequence
+from tests.training.test_checkpoint_reshard import report, within_fp8_moment_error
+
+ITERS, SAVE_AT = 20, 10
+BASE = ["--train-iters", str(ITERS), "--fp32", "--coat-fp8"]
+
+
+def _zero3(tmp):
+    path = tmp / "zero3.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    return ["--zero-stage", "3", "--deepspeed_config", str(path)]
+
+
+# --- flags -----------------------------------------------------------------------------------------------------
+def test_zero3_takes_no_fp8_weight_copies_and_writes_stage_3():
+    cfg = parse_config(["--coat-fp8", "--zero-stage", "3"])
+    assert cfg.fp8.weight_cache == "none"
+    assert build_deepspeed_config(cfg, 2, on_cuda=False)["zero_optimization"]["stage"] == 3
+    assert cfg.optim.main_params_dtype is None or cfg.optim.main_params_dtype == "fp32"
+    assert parse_config(["--coat-fp8", "--zero-stage", "1"]).fp8.weight_cache == "rowwise"
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--pipeline-model-parallel-size", "2"], "error: --zero-stage 3 does not support --pipeline-model-parallel-size"),
+    (["--tensor-model-parallel-size", "2"], "error: --zero-stage 3 does not support --tensor-model-parallel-size"),
+    (["--coat-fp8", "--fp8-weight-cache", "rowwise"], "error: --fp8-weight-cache rowwise keeps a full FP8 copy"),
+    (["--fp8-optimizer", "--bf16", "--main-params-dtype", "bf16-remainder"],
+     "error: --main-params-dtype bf16-remainder needs --zero-stage 1 or 2"),
+])
+def test_unsupported_combinations_are_one_error_line(capsys, argv, line):
+    with pytest.raises(SystemExit) as e:
+        parse_config(["--zero-stage", "3", "--num-layers", "2", *argv])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(line), err
+
+
+def test_cuda_graphs_refuse_zero3():
+    cfg = parse_config(["--zero-stage", "3"])
+    with pytest.raises(ValueError, match="--enable-cuda-graph does not support --zero-stage 3"):
+        check_cuda_graph(cfg.parallel, cuda_available=True)
+
+
+# --- the weights read outside their modules ---------------------------------------------------------------------
+def test_weights_read_outside_their_module_are_those_of_modules_that_never_run():
+    cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=32,
+                      vocab_size=256)
+    model = convert_to_coat(GPT(cfg), RECIPES["coat"].for_layout(vocab_size=256, hidden_size=64))
+    pairs = weights_read_outside_their_module(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    got = sorted(names[id(p)] for _, p in pairs)
+    per_block = ["attention.wk.weight", "attention.wq.weight", "attention.wv.weight", "attention_norm.weight",
+                 "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight", "ffn_norm.weight"]
+    # the FP8 head reads the tied output weight, which the embedding owns
+    assert got == sorted([f"layers.{i}.{n}" for i in range(2) for n in per_block] + ["tok_embeddings.weight"])
+    readers = {type(r).__name__ for r, _ in pairs}
+    assert readers == {"CoatTransformerBlock", "Fp8Head"}
+
+
+# --- 2 gloo ranks ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """ZeRO-1 and ZeRO-3 over 2 ranks, ITERS steps, a checkpoint at SAVE_AT: (checkpoint dir, losses) per stage."""
+    out = {}
+    for stage in ("zero1", "zero3"):
+        tmp = tmp_path_factory.mktemp(stage)
+        flags = _zero3(tmp) if stage == "zero3" else ["--zero-stage", "1"]
+        run(tmp, BASE + flags + ["--save", str(tmp / "ckpt"), "--save-interval", str(SAVE_AT)], tmp / "log.json",
+            ranks=2, port=free_port())
+        out[stage] = (tmp / "ckpt", losses(tmp / "log.json"), flags)
+    return out
+
+
+@pytest.mark.slow
+def test_zero3_fp8_follows_zero1_fp8(runs):
+    ckpt, zero3, _ = runs["zero3"]
+    _, zero1, _ = runs["zero1"]
+    assert [i for i, _ in zero3] == list(range(1, ITERS + 1))
+    assert zero3[0][1] == pytest.approx(zero1[0][1], rel=1e-6)
+    assert within_fp8_moment_error(zero3, zero1), report(zero3, zero1)
+    # the weights were partitioned: the model-state files hold none of them
+    module = torch.load(ckpt / f"iter_{ITERS:07d}" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                        weights_only=False)["module"]
+    assert all(t.numel() == 0 for n, t in module.items() if n.endswith("weight")), {n: t.shape for n, t in module.items()}
+
+
+@pytest.mark.slow
+def test_zero3_resumes_exactly(runs, tmp_path):
+    ckpt, full, flags = runs["zero3"]
+    proc = run(tmp_path, BASE + _zero3(tmp_path) + ["--load", str(ckpt / f"iter_{SAVE_AT:07d}")],
+               tmp_path / "log.json", ranks=2, port=free_port())
+    assert f"at iteration {SAVE_AT}" in proc.stdout and "layout changed" not in proc.stdout
+    assert same_sequence(losses(tmp_path / "log.json"), full[SAVE_AT:]), (losses(tmp_path / "log.json"), full)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source, target", [("zero3", "zero1"), ("zero1", "zero3")])
+def test_zero3_checkpoints_resume_on_zero1_and_back(runs, tmp_path, source, target):
+    ckpt, ref, _ = runs[source]
+    flags = _zero3(tmp_path) if target == "zero3" else ["--zero-stage", "1"]
+    proc = run(tmp_path, BASE + flags + ["--load", str(ckpt / f"iter_{SAVE_AT:07d}")], tmp_path / "log.json",
+               ranks=2, port=free_port())
+    stages = {"zero1": 1, "zero3": 3}
+    assert f"zero_stage {stages[source]} -> {stages[target]}" in proc.stdout, proc.stdout[-2000:]
+    assert f"resumed from {ckpt / f'iter_{SAVE_AT:07d}' / 'layout_free'} at iteration {SAVE_AT}" in proc.stdout
+    got = losses(tmp_path / "log.json")
+    assert [i for i, _ in got] == list(range(SAVE_AT + 1, ITERS + 1))
+    assert within_fp8_moment_error(got, ref), report(got, ref)
