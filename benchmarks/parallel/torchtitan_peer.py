@@ -93,7 +93,8 @@ def build(cfg: MegacoatConfig, recipe: str, device: torch.device, world: int):
     if cfg.training.compile:
         apply_compile(model)
     bf16 = use_bf16(cfg, on_cuda=device.type == "cuda")
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+        MixedPrecisionPolicy()
     mesh = init_device_mesh(device.type, (world,))
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)

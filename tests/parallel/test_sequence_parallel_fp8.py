@@ -75,8 +75,26 @@ def _train(gather: str, dtype: torch.dtype):
     return losses, grads, sent
 
 
+def _compiled_gather():
+    """gather_fp8_from_sp traced whole (fullgraph) against eager: (same output, same input gradient)."""
+    x = torch.randn(BATCH, 16, 128, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    grads = []
+    for fn in (_gather_twice, torch.compile(_gather_twice, fullgraph=True)):
+        xi = x.clone().requires_grad_()
+        out = fn(xi)
+        out.float().square().sum().backward()
+        grads.append((out.detach(), xi.grad))
+    (eager, eager_grad), (compiled, compiled_grad) = grads
+    return torch.equal(eager, compiled), torch.equal(eager_grad, compiled_grad)
+
+
+def _gather_twice(x):
+    return mappings.gather_fp8_from_sp(x, None, GROUP) * 2
+
+
 def _runs_on_rank():
-    return {gather: _train(gather, torch.bfloat16) for gather in ("fp8", "bf16")}
+    runs = {gather: _train(gather, torch.bfloat16) for gather in ("fp8", "bf16")}
+    return {**runs, "compiled": _compiled_gather()}
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +121,12 @@ def test_fp8_gather_sends_one_byte_an_element_plus_group_scales(runs):
     for rank in runs:
         assert rank["bf16"][2] == [(torch.bfloat16, shard * 2)] * (blocks + 1)
         assert rank["fp8"][2] == [(torch.uint8, shard + shard // GROUP * 4)] * blocks + [(torch.bfloat16, shard * 2)]
+
+
+@pytest.mark.slow
+def test_fp8_gather_compiles_whole_to_the_eager_result(runs):
+    """torch.compile(fullgraph=True) traces the autograd function, the uint8 packing and the collectives."""
+    assert all(rank["compiled"] == (True, True) for rank in runs)
 
 
 def test_the_flag_is_checked():
