@@ -41,9 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size", type=int, default=1)
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2))
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
     p.add_argument("--fp8-group-size", type=int, default=128)
-    p.add_argument("--fp8-weight-cache", choices=WEIGHT_CACHES, default=DEFAULT_WEIGHT_CACHE)
+    p.add_argument("--fp8-weight-cache", choices=WEIGHT_CACHES, default=None,
+                   help=f"as training: default {DEFAULT_WEIGHT_CACHE}, none under --zero-stage 3")
     p.add_argument("--mode", choices=MODES, default=None, help="one activation mode (default: all three)")
     p.add_argument("--fp8-optimizer", action="store_true", help="CoatAdamW only (default: AdamW and CoatAdamW)")
     p.add_argument("--main-grads-dtype", choices=MAIN_GRADS_DTYPES, default="bf16")
@@ -89,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                                       tensor_parallel_size=args.tensor_model_parallel_size,
                                       pipeline_parallel_size=args.pipeline_model_parallel_size,
                                       fp8_optimizer=fp8_opt, fp8_group_size=args.fp8_group_size,
-                                      fp8_weight_cache=args.fp8_weight_cache, main_grads_dtype=args.main_grads_dtype,
+                                      fp8_weight_cache=args.fp8_weight_cache or (
+                                          "none" if args.zero_stage == 3 else DEFAULT_WEIGHT_CACHE),
+                                      main_grads_dtype=args.main_grads_dtype,
                                       main_params_dtype=master, compiled=args.compile,
                                       graphed_accumulation=args.graphed_accumulation,
                                       fp8_output_layer=fp8_head)

@@ -1,8 +1,11 @@
 """Per-GPU memory estimate of a megacoat run (weights, gradients, optimizer states, activations) for the modes
-bf16 / fp8-linear / coat, AdamW or CoatAdamW, ZeRO-0/1/2 and TP/PP sizes; tools/memory_estimator.py is its CLI.
+bf16 / fp8-linear / coat, AdamW or CoatAdamW, ZeRO-0/1/2/3 and TP/PP sizes; tools/memory_estimator.py is its CLI.
 
 Model state is counted in bytes per parameter of this rank, as DeepSpeed holds it in a bf16 run: ZeRO-1 divides
-the master weights, moments and the step's gradient copy by the data-parallel size D, ZeRO-2 the gradients too.
+the master weights, moments and the step's gradient copy by the data-parallel size D, ZeRO-2 the gradients too,
+ZeRO-3 the weights too, plus what it gathers: the whole weights of two blocks (the running one and the one
+prefetched), their FP8 copies in an FP8 mode (made per use: ZeRO-3 keeps no weight cache), and one block's whole
+gradients before their reduce-scatter.
 The step's gradient copy depends on what the ZeRO patches read in place (training/deepspeed_patches.py).
 Activations are bytes saved for backward per token per layer (ACTIVATION_BYTES, COMPILED_ACTIVATION_BYTES: per
 h hidden, f FFN hidden, a heads), measured from autograd's saved tensors and re-measured by
@@ -26,6 +29,8 @@ MAIN_GRADS_DTYPES = ("fp32", "bf16")
 MAIN_PARAMS_DTYPES = ("fp32", "bf16-remainder")
 # DeepSpeed's reduce_bucket_size, which megacoat's generated config leaves at its default (elements)
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
+# DeepSpeed's ZeRO-3 sub_group_size (elements): its step converts one sub-group's gradients at a time
+DEEPSPEED_SUB_GROUP = 1_000_000_000
 ACTIVATION_BYTES = {  # per token per layer: (per h, per f, per head)
     "bf16": (24, 8, 0),
     "fp8-linear": (23, 7, 0),
@@ -86,8 +91,10 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
     remainders = main_params_dtype == "bf16-remainder"
     if remainders and not (bf16 and fp8_optimizer and zero_stage in (1, 2) and main_grads_dtype == "bf16"):
         raise ValueError("main_params_dtype bf16-remainder needs bf16, CoatAdamW, ZeRO-1/2 and bf16 main gradients")
-    if zero_stage not in (0, 1, 2):
-        raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    if zero_stage == 3 and mode != "bf16" and fp8_weight_cache != "none":
+        raise ValueError("zero_stage 3 keeps no FP8 weight copies: fp8_weight_cache must be none")
     if fp8_weight_cache not in WEIGHT_CACHES:
         raise ValueError(f"fp8_weight_cache must be one of {WEIGHT_CACHES}, got {fp8_weight_cache!r}")
     if fp8_output_layer and mode == "bf16":
@@ -105,7 +112,13 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
 
     zero_div_master = dp if zero_stage >= 1 else 1
     zero_div_grad = dp if zero_stage >= 2 else 1
-    moments = 2 * (1 + 6 / fp8_group_size) if fp8_optimizer else 8
+    if zero_stage == 3:
+        if tp > 1 or pp > 1:
+            raise ValueError("zero_stage 3 runs without tensor and pipeline parallelism")
+        activations = estimate_activations(cfg, mode, micro_batch_size, seq, tp, pp, compiled, fp8_output_layer)
+        return _zero3_estimate(cfg, mode, params, dp, moments_bytes(fp8_optimizer, fp8_group_size), bf16,
+                               main_grads_dtype, activations)
+    moments = moments_bytes(fp8_optimizer, fp8_group_size)
     if bf16:
         weights = 2 * params
         step_gradients = 0.0
@@ -130,6 +143,35 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
             cached += cfg.vocab_size * cfg.hidden_size / tp
         weights += (2 if fp8_weight_cache == "step" else 1) * cached
 
+    activations = estimate_activations(cfg, mode, micro_batch_size, seq, tp, pp, compiled, fp8_output_layer)
+    return MemoryEstimate(int(weights), int(gradients), int(optimizer), int(activations), int(step_gradients))
+
+
+def moments_bytes(fp8_optimizer: bool, fp8_group_size: int) -> float:
+    """Adam's two moments, bytes a parameter: CoatAdamW's FP8 codes with their group scales, or AdamW's fp32."""
+    return 2 * (1 + 6 / fp8_group_size) if fp8_optimizer else 8
+
+
+def _zero3_estimate(cfg: ModelConfig, mode: str, params: float, dp: int, moments: float, bf16: bool,
+                    main_grads_dtype: str, activations: float) -> MemoryEstimate:
+    """ZeRO-3 (module docstring): every part of the model state over D, plus the gathered blocks. DeepSpeed keeps
+    an fp32 master partition even in fp32 runs (a clone), and its step turns each sub-group's gradient partition
+    into one flat fp32 copy (a flatten, then a cast where the gradients are bf16)."""
+    shard = params / dp
+    width = 2 if bf16 else 4
+    embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
+    block = (cfg.num_parameters() - embed) / cfg.num_layers
+    fp8_copies = block_linear_parameters(cfg) / cfg.num_layers if mode != "bf16" else 0  # E4M3, made per use
+    weights = width * shard + 2 * width * block + fp8_copies
+    grad_width = 4 if (not bf16 or main_grads_dtype == "fp32") else 2
+    gradients = grad_width * shard + width * block
+    step = min(shard, DEEPSPEED_SUB_GROUP) * (grad_width + (4 if grad_width == 2 else 0))
+    return MemoryEstimate(int(weights), int(gradients), int((4 + moments) * shard), int(activations), int(step))
+
+
+def estimate_activations(cfg: ModelConfig, mode: str, micro_batch_size: int, seq: int, tp: int, pp: int,
+                         compiled: bool, fp8_output_layer: bool) -> float:
+    """Activations saved for backward on the busiest stage, plus the head's (module docstring)."""
     tokens = micro_batch_size * seq
     layers_per_stage = cfg.num_layers / pp
     in_flight = pp  # 1F1B: the first stage keeps pp micro-batches' activations
@@ -148,4 +190,4 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
     activations = per_layer * tokens * layers_per_stage * in_flight + (head if pp == 1 else 0)
     if pp > 1:  # the last stage: one micro-batch of its layers plus the head, if that is the larger
         activations = max(activations, per_layer * tokens * layers_per_stage + head)
-    return MemoryEstimate(int(weights), int(gradients), int(optimizer), int(activations), int(step_gradients))
+    return activations

@@ -309,3 +309,35 @@ def test_estimate_within_15_percent_of_measured_peak_on_gpu(tmp_path):
                        "micro_batch_size": 4, "results": results}, f, indent=1)
     for mode, r in results.items():
         assert abs(r["ratio"] - 1) <= 0.15, (mode, r)
+
+
+def test_zero3_divides_the_weights_too_and_adds_the_gathered_blocks():
+    """ZeRO-3 (megacoat.training.memory): weights, gradients and optimizer state over D; the whole weights of two
+    blocks (running and prefetched) and one block's whole gradients gathered; in an FP8 mode the running block's
+    E4M3 weights made per use (no cache); the step's flat fp32 gradient copy of the partition (a flatten and a
+    cast of bf16 gradients: 6 bytes)."""
+    cfg = ModelConfig(num_layers=4, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, vocab_size=1000)
+    p, d = cfg.num_parameters(), 4
+    block = (p - 1000 * 128) / 4
+    linears = (4 * 128 * 128 + 3 * 128 * 256)
+    bf16 = estimate_memory(cfg, "bf16", data_parallel_size=d, zero_stage=3)
+    assert bf16.weights == int(2 * p / d + 4 * block) and bf16.gradients == int(2 * p / d + 2 * block)
+    assert bf16.optimizer == int(12 * p / d) and bf16.step_gradients == int(6 * p / d)
+    coat = estimate_memory(cfg, "coat", data_parallel_size=d, zero_stage=3, fp8_optimizer=True,
+                           fp8_weight_cache="none")
+    assert coat.weights == int(2 * p / d + 4 * block + linears)
+    assert coat.optimizer == int((4 + 2 * (1 + 6 / 128)) * p / d)
+    z2 = estimate_memory(cfg, "bf16", data_parallel_size=d, zero_stage=2)
+    assert bf16.weights < z2.weights and bf16.activations == z2.activations
+    with pytest.raises(ValueError, match="fp8_weight_cache must be none"):
+        estimate_memory(cfg, "coat", data_parallel_size=d, zero_stage=3)  # rowwise, the ZeRO-1/2 default
+    with pytest.raises(ValueError, match="without tensor and pipeline"):
+        estimate_memory(cfg, "bf16", zero_stage=3, pipeline_parallel_size=2)
+
+
+def test_cli_takes_zero3_with_its_weight_cache(capsys):
+    tool = load_tool("memory_estimator")
+    assert tool.main(["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256", "--num-attention-heads", "4",
+                 "--vocab-size", "1000", "--data-parallel-size", "4", "--zero-stage", "3", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["estimates"]
+    assert {r["mode"] for r in rows} == {"bf16", "fp8-linear", "coat"}
