@@ -16,7 +16,9 @@ enable_fsdp_float8_all_gather, each step's weight scales computed at once after 
 precompute_float8_dynamic_scale_for_fsdp); rowwise: per-row scales, weights gathered in bf16; none: compiled bf16.
 As torchtitan does, the output head stays in bf16. torchtitan itself is not needed: what it applies is torchao's
 converter and torch's FSDP2, applied here in its order. Gradients are reduced every micro-batch (torchtitan's
-default). Under speed.py (BENCH_PARALLEL_RESULT set) rank 0 also writes every rank's peak memory.
+default). Under speed.py (BENCH_PARALLEL_RESULT set) rank 0 also writes every rank's peak memory, counted from
+the first step: the whole fp32 model each rank builds before sharding it is not (torchtitan builds on the meta
+device and never holds it).
 
 torchao is a benchmark-only dependency (`pip install -e ".[bench]"`); without it this stops with one error line.
 """
@@ -126,6 +128,8 @@ def train(cfg: MegacoatConfig, recipe: str) -> None:
         raise SystemExit(f"error: --global-batch-size {t.global_batch_size} is not a multiple of --micro-batch-size "
                          f"{t.micro_batch_size} x {world} ranks")
     model, config = build(cfg, recipe, device, world)
+    if on_cuda:  # each rank built the whole fp32 model before sharding it (torchtitan builds on the meta device)
+        torch.cuda.reset_peak_memory_stats(device)
     precompute = config is not None and config.enable_fsdp_float8_all_gather
     optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                   eps=o.adam_eps, weight_decay=o.weight_decay, fused=on_cuda)
