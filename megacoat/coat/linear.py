@@ -237,10 +237,10 @@ def quantize_grad(g: torch.Tensor, grad_dtype: torch.dtype, rowwise: bool = True
 
 
 class Fp8LinearFunction(torch.autograd.Function):
-    """y = x @ W^T in FP8. x [M, K] in the activation dtype; x8, x8t, x_scale its FP8 copies and w8, w8t,
-    w_scale the weight's, made by the caller (x's possibly shared with sibling linears, W's cached; w8t None: made
-    again from `weight` in backward); returns [M, N] in x's dtype. Only tensors and constants cross apply(), so
-    torch.compile traces forward and backward into its graphs.
+    """y = x @ W^T in FP8. x [M, K] in the activation dtype; x8s = (x8, x8t, x_scale) its FP8 copies and
+    w8s = (w8, w8t, w_scale) the weight's, made by the caller (x's possibly shared with sibling linears, W's cached;
+    w8t None: made again from `weight` in backward); returns [M, N] in x's dtype. Only tensors, tuples of them and
+    constants cross apply(), so torch.compile traces forward and backward into its graphs.
 
     carry_amax: also return a carrier, a float32 [1] tensor whose gradient is y's gradient's amax. The one consumer
     of y that writes y's gradient in a kernel of its own (the COAT block's MLP norm, whose backward kernel makes
@@ -252,8 +252,8 @@ class Fp8LinearFunction(torch.autograd.Function):
     codes, as one cast of the same values with the same scale gives (fp8_linear's save_input)."""
 
     @staticmethod
-    def forward(ctx, x, weight, w8, w8t, w_scale, x8, x8t, x_scale, grad_dtype, fast_accum, carry_amax=False,
-                save_input=False):
+    def forward(ctx, x, weight, w8s, x8s, grad_dtype, fast_accum, carry_amax=False, save_input=False):
+        (w8, w8t, w_scale), (x8, x8t, x_scale) = w8s, x8s
         out = scaled_mm(x8, w8.t(), x_scale, w_scale, x.dtype, fast_accum)
         # the FP8 input transposed for wgrad (the only activation saved), or x, which its producer keeps anyway
         ctx.save_for_backward(x if save_input else x8t, x_scale)
@@ -266,12 +266,12 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_amax=None):
         if grad_out is None:  # (with a carrier) y unused
-            return (None,) * 12
+            return (None,) * 8
         x8t, x_scale = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[:2]
         g8, g8t, g_scale = quantize_grad(grad_out, ctx.grad_dtype, rowwise=need_dx, transpose=need_dw,
                                          amax=grad_amax)
-        return (*fp8_linear_grads(ctx, g8, g8t, g_scale, x8t, x_scale, grad_out.dtype), *(None,) * 10)
+        return (*fp8_linear_grads(ctx, g8, g8t, g_scale, x8t, x_scale, grad_out.dtype), *(None,) * 6)
 
     @staticmethod
     def save_weight(ctx, weight, w8t, w_scale, grad_dtype, save_input=False) -> None:
@@ -321,16 +321,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache | No
     save_input = save_input and grad and weight.requires_grad
     transpose = grad and weight.requires_grad and not save_input  # x^T only feeds wgrad (save_input: made there)
     if input_cache is not None:
-        x8, x8t, x_scale = input_cache.get(x, transpose)
+        x8s = input_cache.get(x, transpose)
     else:
-        x8, x8t, x_scale = quantize_x(x, transpose, *history_for_call(input_scale, grad))
+        x8s = quantize_x(x, transpose, *history_for_call(input_scale, grad))
     if cache is None:  # no cache: both layouts made here, for this call only
         with torch.no_grad():
-            w8, w8t, w_scale = quantize_transpose(weight.detach(), E4M3.dtype)
+            w8s = quantize_transpose(weight.detach(), E4M3.dtype)
     else:
-        w8, w8t, w_scale = cache.get((weight,))
-    out = Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, w8, w8t, w_scale, x8, x8t, x_scale,
-                                  get_format(grad_dtype).dtype, fast_accum, carry_amax, save_input)
+        w8s = cache.get((weight,))
+    out = Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, w8s, x8s, get_format(grad_dtype).dtype,
+                                  fast_accum, carry_amax, save_input)
     if carry_amax:
         return out[0].view(*lead, weight.shape[0]), out[1]
     return out.view(*lead, weight.shape[0])
