@@ -42,20 +42,30 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _all_gather_fp8(x: torch.Tensor, dim: int, group, group_size: int) -> torch.Tensor:
-    """_all_gather of x quantized in 1xG E4M3 groups along its last dim: each rank's codes and float32 group
-    scales travel packed as one uint8 row (one collective; gloo has no float8 type), and every group keeps its
-    own scale, so no scale has to agree across ranks. Returns the gathered values dequantized in x's dtype."""
-    hidden = x.shape[-1]
-    codes, scales = group_quantize(x.reshape(-1, hidden), group_size, E4M3)
+    """_all_gather of x quantized in 1xG E4M3 groups along its last dim (pack_fp8_groups), one collective;
+    every group keeps its own scale, so no scale has to agree across ranks. Returns the gathered values in x's
+    dtype (unpack_fp8_groups)."""
+    gathered = _all_gather(pack_fp8_groups(x, group_size), dim, group)
+    return unpack_fp8_groups(gathered, x.shape[-1], group_size, x.dtype)
+
+
+def pack_fp8_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [..., H] → uint8 [..., H + 4 * ceil(H / G)]: each row's E4M3 codes, then its float32 group scales'
+    bytes (megacoat.ops.numerics.group_quantize; bytes, since gloo has no float8 type)."""
+    codes, scales = group_quantize(x.reshape(-1, x.shape[-1]), group_size, E4M3)
     packed = torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)], dim=1)
-    gathered = _all_gather(packed.view(*x.shape[:-1], packed.shape[-1]), dim, group)
-    rows = gathered.view(-1, gathered.shape[-1])
+    return packed.view(*x.shape[:-1], packed.shape[-1])
+
+
+def unpack_fp8_groups(packed: torch.Tensor, hidden: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """pack_fp8_groups' rows → their values [..., hidden] in dtype."""
+    rows = packed.view(-1, packed.shape[-1])
     codes, scales = rows[:, :hidden].view(E4M3), rows[:, hidden:].contiguous().view(torch.float32)
     if hidden % group_size:
         values = group_dequantize(codes.contiguous(), scales, group_size)
     else:  # whole groups: a view per group, no pad (group_dequantize's layout without its copies)
-        values = (fp8_to_float32(codes).reshape(rows.shape[0], -1, group_size) * scales[..., None])
-    return values.reshape(*gathered.shape[:-1], hidden).to(x.dtype)
+        values = fp8_to_float32(codes).reshape(rows.shape[0], -1, group_size) * scales[..., None]
+    return values.reshape(*packed.shape[:-1], hidden).to(dtype)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
