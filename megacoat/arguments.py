@@ -123,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-fast-accum", action="store_true",
                    help="forward FP8 GEMMs accumulate without periodic fp32 promotion (backward always promotes)")
     g.add_argument("--fp8-output-layer", nargs="?", const="on", default=None, choices=OUTPUT_LAYER_CHOICES,
-                   help="the vocabulary head in FP8; auto: on in coat mode where it runs (no tensor parallelism, "
-                        "sizes multiples of 16) (default: auto)")
+                   help="the vocabulary head in FP8; auto: on in coat mode where it runs (sizes, and "
+                        "vocabulary slices under TP, multiples of 16) (default: auto)")
     g.add_argument("--fp8-grad-scaling", choices=(AUTO, *GRAD_SCALINGS), default=None,
                    help="FP8 gradients scaled by their own amax (current) or an amax history (delayed, coat mode); "
                         "auto: delayed in coat mode (default: auto)")

@@ -34,7 +34,8 @@ def test_defaults_build_a_config():
     (["--coat-fp8", "--fp8-output-layer", "--vocab-size", "1000"], "--fp8-output-layer"),  # off the GEMM alignment
     (["--coat-fp8", "--fp8-output-layer", "on", "--hidden-size", "200", "--num-attention-heads", "4"],
      "--fp8-output-layer"),
-    (["--coat-fp8", "--fp8-output-layer", "--tensor-model-parallel-size", "2"], "--fp8-output-layer"),
+    (["--coat-fp8", "--fp8-output-layer", "--tensor-model-parallel-size", "2", "--vocab-size", "4112"],
+     "--fp8-output-layer"),  # 2056 rows a rank: off the GEMM alignment
     (["--coat-fp8", "--fp8-output-layer", "yes"], "--fp8-output-layer"),
     (["--coat-fp8", "--seq-length", "30", "--micro-batch-size", "1"], "--micro-batch-size 1 x --seq-length 30"),
     (["--fp8-activations", "fp8-linear", "--seq-length", "30", "--micro-batch-size", "1"], "--micro-batch-size"),
@@ -66,7 +67,8 @@ def test_output_layer_on_and_off_reach_the_fp8_config():
     (["--fp8-activations", "coat"], True),
     (["--coat-fp8", "--fp8-output-layer", "auto", "--vocab-size", "32000", "--hidden-size", "2048",
       "--num-attention-heads", "16"], True),
-    (["--coat-fp8", "--tensor-model-parallel-size", "2"], False),  # the vocabulary-parallel loss is BF16
+    (["--coat-fp8", "--tensor-model-parallel-size", "2"], True),  # vocabulary-parallel
+    (["--coat-fp8", "--tensor-model-parallel-size", "2", "--vocab-size", "4112"], False),  # 2056 rows a rank
     (["--coat-fp8", "--pipeline-model-parallel-size", "2"], True),  # on the last stage
     (["--coat-fp8", "--vocab-size", "1000"], False),  # off the FP8 GEMM alignment
     (["--coat-fp8", "--hidden-size", "200", "--num-attention-heads", "4"], False),

@@ -28,11 +28,12 @@ DEFAULT_OUTPUT_LAYER = AUTO
 
 def fp8_head_obstacle(tensor_model_parallel_size: int, pipeline_model_parallel_size: int, vocab_size: int,
                       hidden_size: int) -> str | None:
-    """Why the FP8 head cannot run in this layout, in words for the banner, or None where it can."""
-    if tensor_model_parallel_size > 1:
-        return "the FP8 head runs without tensor parallelism only (the vocabulary-parallel loss is BF16)"
+    """Why the FP8 head cannot run in this layout, in words for the banner, or None where it can (under pipeline
+    parallelism it runs on the last stage, under tensor parallelism over vocabulary slices: megacoat.coat.head)."""
     if vocab_size % FP8_GEMM_MULTIPLE or hidden_size % FP8_GEMM_MULTIPLE:
         return f"the FP8 head needs vocabulary and hidden sizes that are multiples of {FP8_GEMM_MULTIPLE}"
+    if vocab_size % (FP8_GEMM_MULTIPLE * tensor_model_parallel_size):
+        return f"the FP8 head needs each tensor-parallel rank's vocabulary slice to be a multiple of {FP8_GEMM_MULTIPLE}"
     return None
 
 

@@ -20,7 +20,9 @@ The codes are current scaling's of the float32 gradient (one rounding, where a b
 The amax is exact up to exp's rounding in the two kernels, which compute p alike; a value an ulp above it would
 saturate at F.max (the cast clamps). Tokens labelled `ignore_index` count nowhere: no loss, a zero gradient, no
 amax. A label outside [0, V) gives a NaN loss and a NaN scale (visible, not a wrong gradient); the reference
-raises. NaN or Inf logits give a NaN loss and scale, as current scaling would.
+raises. The gradient alone takes such a label as another rank's vocabulary slice (a vocabulary-parallel head passes
+its own stats): the token counts, with no label entry in these logits and a zero residual. NaN or Inf logits give
+a NaN loss and scale, as current scaling would.
 """
 from __future__ import annotations
 
@@ -131,8 +133,9 @@ def cross_entropy_grad_fp8_ref(logits, labels, lse, amax, coef, grad_dtype: torc
     codes' label_residual. coef: float32 [1] or []."""
     _check(logits, labels)
     counted = labels != ignore_index
+    here = _label_here(labels, logits.shape[1], ignore_index)
     p = torch.exp(logits.float() - lse[:, None])
-    onehot = torch.zeros_like(p).scatter_(1, torch.where(counted, labels, 0)[:, None], 1.0)
+    onehot = torch.zeros_like(p).scatter_(1, torch.where(here, labels, 0)[:, None], here[:, None].to(p.dtype))
     g = torch.where(counted[:, None], (p - onehot) * coef.float().reshape(1, 1), 0.0)
     scale = scale_from_amax(grad_amax(amax, coef), grad_dtype).reshape(1)
     q, qt = cast_transpose_ref(g, scale, grad_dtype, rowwise, transpose)
@@ -205,15 +208,20 @@ def label_residual(logits, labels, lse, coef, g8, g8t, scale, ignore_index: int)
     """r [T] float32 = g_y - code_y * scale from the codes a kernel wrote (g8 [T, V], else g8^T [V, T]): one
     gather of T logits and T codes, from the stored codes themselves. Outside the tile kernel because a masked sum
     over a tile's columns at the label miscomputes on sm_90 under Triton 3.6 (the GPU tests catch it)."""
-    counted = labels != ignore_index
-    label = torch.where(counted, labels, 0)
+    here = _label_here(labels, logits.shape[1], ignore_index)
+    label = torch.where(here, labels, 0)
     z_y = logits.gather(1, label[:, None])[:, 0].float()
     g_y = (torch.exp(z_y - lse) - 1.0) * coef.float().reshape(1)
     if g8 is not None:  # gathered as bytes: torch gathers no FP8 dtype on CUDA
         code = g8.view(torch.uint8).gather(1, label[:, None])[:, 0].view(g8.dtype)
     else:
         code = g8t.view(torch.uint8).gather(0, label[None, :])[0].view(g8t.dtype)
-    return torch.where(counted, g_y - code.float() * scale, 0.0)
+    return torch.where(here, g_y - code.float() * scale, 0.0)
+
+
+def _label_here(labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    """Which tokens count and have their label among these logits' `vocab` columns."""
+    return (labels != ignore_index) & (labels >= 0) & (labels < vocab)
 
 
 def cross_entropy_grad_fp8(logits, labels, lse, amax, coef, grad_dtype: torch.dtype, ignore_index: int,

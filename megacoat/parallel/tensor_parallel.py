@@ -10,14 +10,15 @@ torchtitan's parallelize.apply_tp). A plan per block:
 FP8 is applied first (megacoat.coat.convert_to_coat, as torchtitan converts to float8 before apply_tp), and
 apply_tp shards whatever blocks it finds: the linears of an `fp8-linear` block are Fp8Linears and their shards keep
 running FP8 GEMMs; a COAT block (megacoat.coat.tensor_parallel.RegionBlock) keeps its norms, fused into its GEMMs,
-and enters the TP region it runs in. The GPT's `head` becomes a VocabParallelHead: the vocab-parallel loss, and
-logits gathered over the vocabulary when no labels are given. Parameter names are unchanged, so checkpoints and
+and enters the TP region it runs in. The GPT's `head` becomes a VocabParallelHead: the vocab-parallel loss (the FP8
+head's own where convert_to_coat made one), and logits gathered over the vocabulary when no labels are given. Parameter names are unchanged, so checkpoints and
 optimizer groups read the same.
 """
 from __future__ import annotations
 
 from torch import nn
 
+from megacoat.coat.head import Fp8Head, fp8_head_loss
 from megacoat.coat.tensor_parallel import RegionBlock
 from megacoat.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megacoat.parallel.layers import (ColumnParallelLinear, ParallelRMSNorm, RowParallelLinear, TPRegion,
@@ -65,23 +66,24 @@ def apply_tp(model: nn.Module, state: ParallelState) -> nn.Module:
     for i, block in enumerate(model.layers):
         _parallelize_block(block, region, f"layers.{i}.")
     model.norm = ParallelRMSNorm(model.norm, region)
-    # The head stays high precision in every FP8 mode (as convert_to_coat leaves it).
-    model.output = ColumnParallelLinear(model.output, region, name="output")
+    model.output = ColumnParallelLinear(model.output, region, name="output")  # an FP8 shard of an FP8 head
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # the same vocabulary rows on this rank
-    model.head = VocabParallelHead(region.group, model.head.ignore_index)
+    model.head = VocabParallelHead(region.group, model.head.ignore_index, fp8=isinstance(model.head, Fp8Head))
     return model
 
 
 class VocabParallelHead(nn.Module):
     """The GPT's head over a vocabulary split across the TP group: the loss reads the logits split, and full
-    logits are gathered only when no labels are given."""
+    logits are gathered only when no labels are given. fp8: the FP8 head's loss (megacoat.coat.head), vocab-parallel."""
 
-    def __init__(self, group, ignore_index: int):
+    def __init__(self, group, ignore_index: int, fp8: bool = False):
         super().__init__()
-        self.group, self.ignore_index = group, ignore_index
+        self.group, self.ignore_index, self.fp8 = group, ignore_index, fp8
 
     def forward(self, output: nn.Module, h, labels=None):
+        if labels is not None and self.fp8:
+            return fp8_head_loss(output, h, labels, self.ignore_index, self.group)
         logits = output(h)
         return gather_logits(logits, self.group) if labels is None else self.loss(logits, labels)
 

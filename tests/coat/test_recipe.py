@@ -14,8 +14,9 @@ def test_for_layout_resolves_auto_as_the_trainer_did():
     assert (one.grad_scaling, one.activation_scaling, one.output_layer) == ("delayed", "delayed", True)
     pipelined = RECIPES["coat"].for_layout(1, 2, 128, 64)  # a stage's histories are the one-stage run's
     assert (pipelined.grad_scaling, pipelined.activation_scaling, pipelined.output_layer) == ("delayed", "delayed", True)
-    tp = RECIPES["coat"].for_layout(2, 2, 128, 64)
-    assert (tp.grad_scaling, tp.output_layer) == ("delayed", False)
+    tp = RECIPES["coat"].for_layout(2, 2, 128, 64)  # the vocabulary-parallel FP8 head
+    assert (tp.grad_scaling, tp.output_layer) == ("delayed", True)
+    assert RECIPES["coat"].for_layout(16, 1, 128, 64).output_layer is False  # 8 rows a rank: off the GEMM alignment
     assert RECIPES["coat"].for_layout(1, 1, 120, 64).output_layer is False  # off the GEMM alignment
     plain = CoatRecipe().for_layout()
     assert (plain.grad_scaling, plain.output_layer, plain.resolved) == ("current", False, True)
@@ -25,9 +26,9 @@ def test_for_layout_resolves_auto_as_the_trainer_did():
 
 def test_for_layout_refuses_explicit_choices_the_layout_cannot_run():
     with pytest.raises(ValueError, match="--fp8-output-layer on"):
-        CoatRecipe(mode="coat", output_layer=True).for_layout(2, 1, 128, 64)
-    with pytest.raises(ValueError, match="--fp8-output-layer on: the FP8 head runs without tensor parallelism"):
-        CoatRecipe(mode="coat", output_layer=True).for_layout(2, 2, 128, 64)
+        CoatRecipe(mode="coat", output_layer=True).for_layout(1, 1, 120, 64)
+    with pytest.raises(ValueError, match="--fp8-output-layer on: the FP8 head needs each tensor-parallel rank's"):
+        CoatRecipe(mode="coat", output_layer=True).for_layout(16, 2, 128, 64)
     explicit = CoatRecipe(mode="coat", grad_scaling="delayed", activation_scaling="delayed", output_layer=True)
     assert explicit.for_layout(1, 4, 128, 64) == explicit  # pipeline parallelism takes every FP8 choice
     with pytest.raises(ValueError, match="--fp8-activation-scaling delayed applies"):

@@ -1,6 +1,6 @@
 """pretrain_gpt.py --coat-fp8 with --pipeline-model-parallel-size 2 on CPU ranks (gloo, fp32) against the one-rank
-run of the same flags: under PP the default recipe keeps delayed scaling and the FP8 head (on the last stage), and
-both give the one-stage run's numbers.
+run of the same flags: under PP the default recipe keeps delayed scaling and the FP8 head (on the last stage, and
+vocabulary-parallel under TP), and both give the one-stage run's numbers.
 
 Same data, same global batch of 4 micro-batches (a stage runs forwards ahead of its backwards), same initial
 weights. The first step's amax entries are bit for bit the one-rank run's (the same calls in the same order, same
@@ -74,6 +74,23 @@ def test_pipeline_keeps_delayed_scaling_and_the_fp8_head_of_one_stage(tmp_path, 
     each step); untied: the head's own Fp8Linear on the last stage."""
     argv = ARGV + ["--fp32"] + (["--untie-embeddings-and-output-weights"] if head == "untied" else [])
     compare_with_one_rank(tmp_path, argv)
+
+
+@pytest.mark.slow
+def test_tp2_pp2_trains_with_the_vocab_parallel_fp8_head_on_the_last_stage(tmp_path):
+    """4 ranks: the default recipe keeps delayed scaling and the FP8 head (vocabulary-parallel, tied to the first
+    stage's embedding shard) under TP=2 x PP=2. Per-shard E4M3 scales round other values than one rank's (as in
+    tests/parallel/test_tensor_parallel.py), so the losses agree within 2^-6 relative, not bit for bit."""
+    argv = ARGV[:-2] + ["--fp32", "--hidden-size", "128", "--ffn-hidden-size", "256"]  # shards: multiples of 16
+    run(tmp_path, argv, tmp_path / "one.json")
+    proc = run(tmp_path, argv + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+               tmp_path / "tp_pp.json", ranks=4, port=free_port())
+    assert "parallel: TP 2 x PP 2" in proc.stdout
+    assert "with delayed scaling" in proc.stdout and "the output layer in FP8 too" in proc.stdout
+    a, b = losses(tmp_path / "tp_pp.json"), losses(tmp_path / "one.json")
+    assert [i for i, _ in a] == [i for i, _ in b] == list(range(1, ITERS + 1))
+    for (i, x), (_, y) in zip(a, b):
+        assert x == pytest.approx(y, rel=2 ** -6), (i, x, y)
 
 
 @pytest.mark.slow

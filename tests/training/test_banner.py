@@ -61,8 +61,10 @@ def test_coat_says_why_its_head_stays_in_bf16():
         return startup_banner(parse_config(["--coat-fp8", "--zero-stage", "0", "--fp8-output-layer", "auto", *argv]),
                               state, 2, 1, bf16=True, on_cuda=True)
 
-    tp = head(["--tensor-model-parallel-size", "2"], ParallelState(tp_size=2))
-    assert "the output layer in high precision (the FP8 head runs without tensor parallelism only" in tp
+    tp = head(["--tensor-model-parallel-size", "2", "--vocab-size", "4112"], ParallelState(tp_size=2))
+    assert "the output layer in high precision (the FP8 head needs each tensor-parallel rank's vocabulary slice to " \
+           "be a multiple of 16)" in tp
+    assert "the output layer in FP8 too" in head(["--tensor-model-parallel-size", "2"], ParallelState(tp_size=2))
     assert "the output layer in high precision (the FP8 head needs vocabulary and hidden sizes that are multiples " \
            "of 16)" in head(["--vocab-size", "1000"])
     assert "the output layer in high precision (--fp8-output-layer off)" in head(["--fp8-output-layer", "off"])
