@@ -4,8 +4,8 @@ bf16 / fp8-linear / coat, AdamW or CoatAdamW, ZeRO-0/1/2/3 and TP/PP sizes; tool
 Model state is counted in bytes per parameter of this rank, as DeepSpeed holds it in a bf16 run: ZeRO-1 divides
 the master weights, moments and the step's gradient copy by the data-parallel size D, ZeRO-2 the gradients too,
 ZeRO-3 the weights too, plus what it gathers: the whole weights of two blocks (the running one and the one
-prefetched), their FP8 copies in an FP8 mode (made per use: ZeRO-3 keeps no weight cache), and one block's whole
-gradients before their reduce-scatter.
+prefetched) and their FP8 copies in an FP8 mode (made per use: ZeRO-3 keeps no weight cache), and its reduce
+bucket, which it allocates whole (reduce_bucket_size elements of the weights' dtype).
 The step's gradient copy depends on what the ZeRO patches read in place (training/deepspeed_patches.py).
 Activations are bytes saved for backward per token per layer (ACTIVATION_BYTES, COMPILED_ACTIVATION_BYTES: per
 h hidden, f FFN hidden, a heads), measured from autograd's saved tensors and re-measured by
@@ -164,7 +164,7 @@ def _zero3_estimate(cfg: ModelConfig, mode: str, params: float, dp: int, moments
     fp8_copies = block_linear_parameters(cfg) / cfg.num_layers if mode != "bf16" else 0  # E4M3, made per use
     weights = width * shard + 2 * width * block + fp8_copies
     grad_width = 4 if (not bf16 or main_grads_dtype == "fp32") else 2
-    gradients = grad_width * shard + width * block
+    gradients = grad_width * shard + width * DEEPSPEED_REDUCE_BUCKET  # its reduce bucket, allocated whole
     step = min(shard, DEEPSPEED_SUB_GROUP) * (grad_width + (4 if grad_width == 2 else 0))
     return MemoryEstimate(int(weights), int(gradients), int((4 + moments) * shard), int(activations), int(step))
 
