@@ -170,6 +170,43 @@ def test_the_norm_of_the_gathered_rows_on_cuda():
     assert torch.allclose(ref[2], got[2], rtol=2 ** -8, atol=0)  # one element of 512 one step off, at worst
 
 
+def test_the_flag_reaches_a_coat_blocks_region():
+    from megacoat.arguments import parse_config
+    from megacoat.parallel.layers import TPRegion
+    from megacoat.parallel.state import ParallelState
+    from megacoat.parallel.tensor_parallel import region_of
+
+    flags = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    assert parse_config(flags).parallel.sequence_parallel_gather == "fp8"  # the default
+    assert parse_config(flags + ["--sequence-parallel-gather", "bf16"]).parallel.sequence_parallel_gather == "bf16"
+    for gather, sp, carries in (("fp8", True, GROUP), ("bf16", True, None), ("fp8", False, None)):
+        region = region_of(ParallelState(tp_size=2, sequence_parallel=sp, sequence_parallel_gather=gather))
+        assert region.carrying_fp8(GROUP).fp8_group_size == carries
+        assert region.fp8_group_size is None  # only a COAT block's region carries FP8 (ParallelRMSNorm's does not)
+    cfg = ModelConfig(**TINY)
+    model = GPT(cfg)
+    convert_to_coat(model, replace(RECIPES["coat"], group_size=GROUP).for_layout(tensor_model_parallel_size=2))
+    block = model.layers[0]
+    block.enter_tp_region(TPRegion(None, 1, 0, sequence_parallel=True, fp8_gather=True))
+    assert block.region.fp8_group_size == GROUP
+
+
 def test_the_flag_is_checked():
     with pytest.raises(ValueError, match="--sequence-parallel-gather must be one of"):
         ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True, sequence_parallel_gather="fp16")
+
+
+@pytest.mark.slow
+def test_pretrain_gpt_trains_the_same_with_either_gather(tmp_path):
+    """pretrain_gpt.py --coat-fp8, TP=2 + SP on 2 CPU ranks (bf16): the flag reaches the blocks, and the logged
+    losses of the two gathers are equal (see the module docstring)."""
+    from tests.parallel.test_pretrain_parallel import free_port
+    from tests.training.checkpoint_runs import losses, run
+
+    argv = ["--hidden-size", "128", "--ffn-hidden-size", "256", "--bf16", "--coat-fp8", "--train-iters", "3",
+            "--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "1"]
+    logs = {}
+    for gather in ("fp8", "bf16"):
+        logs[gather] = tmp_path / f"{gather}.json"
+        run(tmp_path, argv + ["--sequence-parallel-gather", gather], logs[gather], ranks=2, port=free_port())
+    assert losses(logs["fp8"]) == losses(logs["bf16"]) and len(losses(logs["fp8"])) == 3
