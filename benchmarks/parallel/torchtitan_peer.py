@@ -118,6 +118,8 @@ def float8_summary(model: torch.nn.Module) -> str:
 def train(cfg: MegacoatConfig, recipe: str) -> None:
     t, o = cfg.training, cfg.optim
     on_cuda = torch.cuda.is_available()
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "0")):
+        os.environ.setdefault(name, value)  # started without a launcher: one rank (benchmarks/e2e/speed.py's modes)
     dist.init_process_group("nccl" if on_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")

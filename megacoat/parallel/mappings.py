@@ -64,7 +64,9 @@ def unpack_fp8_groups(packed: torch.Tensor, hidden: int, group_size: int, dtype:
     if hidden % group_size:
         values = group_dequantize(codes.contiguous(), scales, group_size)
     else:  # whole groups: a view per group, no pad (group_dequantize's layout without its copies)
-        values = fp8_to_float32(codes).reshape(rows.shape[0], -1, group_size) * scales[..., None]
+        # traced, the plain conversion (fp8_to_float32's CPU table is an eager speed-up)
+        decoded = codes.float() if torch.compiler.is_compiling() else fp8_to_float32(codes)
+        values = decoded.reshape(rows.shape[0], -1, group_size) * scales[..., None]
     return values.reshape(*packed.shape[:-1], hidden).to(dtype)
 
 

@@ -88,11 +88,14 @@ def _compiled_gather():
         out.float().square().sum().backward()
         grads.append((out.detach(), xi.grad))
     (eager, eager_grad), (compiled, compiled_grad) = grads
+    assert eager.shape[1] == 2 * x.shape[1]  # gathered from both ranks
     return torch.equal(eager, compiled), torch.equal(eager_grad, compiled_grad)
 
 
 def _gather_twice(x):
-    return mappings.gather_fp8_from_sp(x, None, GROUP) * 2
+    import torch.distributed as dist
+
+    return mappings.gather_fp8_from_sp(x, dist.group.WORLD, GROUP) * 2
 
 
 def _runs_on_rank():
