@@ -25,6 +25,7 @@ $OUT when set and the file lies elsewhere).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -175,7 +176,8 @@ def row(layout: str, mode: str, runs: list[dict], gpus: int, args, env: dict, gr
            "dp": sizes["dp"], "zero_stage": PEER_ZERO_STAGE if mode in PEERS else zero_stage(sizes, layout),
            "micro_batch_size": args.micro_batch_size,
            "global_batch_size": args.global_batch_size, "cuda_graphs": graphs, "repeats": len(windows),
-           "device": env.get("device", "cpu"), "versions": {k: env.get(k) for k in ("torch", "triton", "deepspeed")},
+           "device": env.get("device", "cpu"),
+           "versions": {k: env.get(k) for k in ("torch", "triton", "deepspeed", "torchao") if k in env},
            "command": env["command"]}
     if not windows:
         first = runs[0] if runs else {}
@@ -294,6 +296,8 @@ def main() -> None:
                       str(args.global_batch_size)]
     path = os.path.abspath(args.out or os.path.join(RESULTS, f"parallel_{args.model}_{args.gpus}gpu.json"))
     env = environment()
+    if set(args.modes) & set(PEERS) and importlib.util.find_spec("torchao") is not None:
+        env["torchao"] = importlib.metadata.version("torchao")
     out = {"environment": env, "gpus": args.gpus, "model_name": args.model, "model": " ".join(model),
            "data": "default corpus (real text)" if args.real_text else "mock tokens",
            "method": {"warmup_iterations": args.warmup, "timed_iterations": args.iters, "repeats": args.repeats,
