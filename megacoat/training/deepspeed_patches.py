@@ -8,7 +8,8 @@ attributes by name, as DeepSpeed TESTED_DEEPSPEED lays them out. Each is exact o
 - `install_device_skip` (bf16): the non-finite check and the clip run on the device without a host read. Unlike
   DeepSpeed's host check, the LR schedule and step count move on over a refused step; the trainer reads the
   refusals from the returned `SkipCounter` at its log interval and before a save.
-Each patch checks the attributes it uses and leaves DeepSpeed's own path where one is missing.
+Each patch checks the attributes it uses and leaves DeepSpeed's own path where one is missing. ZeRO-3's optimizer
+(DeepSpeedZeroOptimizer_Stage3) gets none of them: it runs as DeepSpeed ships it.
 
 On a DeepSpeed other than TESTED_DEEPSPEED nothing is patched and one warning line says so: DeepSpeed's own step
 is correct (slower, and larger by the shared master), while a patch over changed internals could be silently
