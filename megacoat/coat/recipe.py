@@ -33,7 +33,8 @@ def fp8_head_obstacle(tensor_model_parallel_size: int, pipeline_model_parallel_s
     if vocab_size % FP8_GEMM_MULTIPLE or hidden_size % FP8_GEMM_MULTIPLE:
         return f"the FP8 head needs vocabulary and hidden sizes that are multiples of {FP8_GEMM_MULTIPLE}"
     if vocab_size % (FP8_GEMM_MULTIPLE * tensor_model_parallel_size):
-        return f"the FP8 head needs each tensor-parallel rank's vocabulary slice to be a multiple of {FP8_GEMM_MULTIPLE}"
+        return (f"the FP8 head needs each tensor-parallel rank's vocabulary slice to be a multiple of "
+                f"{FP8_GEMM_MULTIPLE}")
     return None
 
 

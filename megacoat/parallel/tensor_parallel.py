@@ -7,12 +7,12 @@ torchtitan's parallelize.apply_tp). A plan per block:
     tok_embeddings                  → VocabParallelEmbedding (leaves onto sequence shards under SP)
     output                          → ColumnParallelLinear over the vocabulary (tied: the embedding's shard)
 
-FP8 is applied first (megacoat.coat.convert_to_coat, as torchtitan converts to float8 before apply_tp), and
-apply_tp shards whatever blocks it finds: the linears of an `fp8-linear` block are Fp8Linears and their shards keep
-running FP8 GEMMs; a COAT block (megacoat.coat.tensor_parallel.RegionBlock) keeps its norms, fused into its GEMMs,
-and enters the TP region it runs in. The GPT's `head` becomes a VocabParallelHead: the vocab-parallel loss (the FP8
-head's own where convert_to_coat made one), and logits gathered over the vocabulary when no labels are given. Parameter names are unchanged, so checkpoints and
-optimizer groups read the same.
+FP8 is applied first (megacoat.coat.convert_to_coat, as torchtitan converts to float8 before apply_tp), and apply_tp
+shards whatever blocks it finds: the linears of an `fp8-linear` block are Fp8Linears and their shards keep running
+FP8 GEMMs; a COAT block (megacoat.coat.tensor_parallel.RegionBlock) keeps its norms, fused into its GEMMs, and
+enters the TP region it runs in. The GPT's `head` becomes a VocabParallelHead: the vocab-parallel loss (the FP8
+head's own where convert_to_coat made one), and logits gathered over the vocabulary when no labels are given.
+Parameter names are unchanged, so checkpoints and optimizer groups read the same.
 """
 from __future__ import annotations
 

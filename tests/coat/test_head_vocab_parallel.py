@@ -3,9 +3,10 @@ a group), on two CPU ranks (gloo): each rank holds half of the vocabulary's rows
 
 Reference: float32 autograd through the whole rows of the logits the ranks' FP8 GEMMs compute (x and each rank's
 weight slice as their E4M3 codes times their scales, gathered). The loss is the cross-entropy of those logits in
-bf16 (the GEMMs' output dtype) up to the log-sum-exp's rounding (1e-5 relative), on every rank the same bits; dx (the ranks' partial sums added, as the TP region does)
-and the weight slices' gradients are its gradients within E5M2's rounding of the gradient and the E4M3 operands of
-the backward GEMMs, 2^-3 + 2^-4 norm-wise (test_head.py's bound for one rank)."""
+bf16 (the GEMMs' output dtype) up to the log-sum-exp's rounding (1e-5 relative), on every rank the same bits; dx
+(the ranks' partial sums added, as the TP region does) and the weight slices' gradients are its gradients within
+E5M2's rounding of the gradient and the E4M3 operands of the backward GEMMs, 2^-3 + 2^-4 norm-wise (test_head.py's
+bound for one rank)."""
 import pytest
 import torch
 import torch.distributed as dist
