@@ -11,7 +11,7 @@ trainer, under DeepSpeed's launcher (one process per GPU).
 
 A layout names the parallel sizes, e.g. `tp2pp2` or `tp2dp2`; a bare `tp`, `pp` or `dp` puts all GPUs on that axis.
 Sequence parallelism whenever TP > 1; ZeRO-2 when DP > 1 without a pipeline (DeepSpeed refuses ZeRO-2 there),
-ZeRO-1 otherwise, or the stage a `-z1` / `-z2` suffix names (`dp-z1`).
+ZeRO-1 otherwise, or the stage a `-z1` / `-z2` / `-z3` suffix names (`dp-z1`; ZeRO-3 runs without CUDA graphs).
 Peers (benchmarks/parallel/torchtitan_peer.py: torchtitan's float8 recipes under FSDP2) run in data-parallel
 layouts only, started by the same launcher; their rows say `zero_stage` 3 (FSDP shards weights too), and each
 megacoat row of the layout gains `speedup_vs_<peer>` and `memory_reduction_vs_<peer>`.
@@ -214,21 +214,21 @@ def zero_stage(sizes: dict[str, int], layout: str = "") -> int:
     if not named:
         return 2 if sizes["dp"] > 1 and sizes["pp"] == 1 else 1
     stage = int(named.group(1))
-    if stage not in (1, 2) or (stage == 2 and sizes["pp"] > 1):
+    if stage not in (1, 2, 3) or (stage >= 2 and sizes["pp"] > 1) or (stage == 3 and sizes["tp"] > 1):
         raise SystemExit(f"error: --layouts {layout!r}: ZeRO-{stage} is not a stage this benchmark runs "
-                         "(1, or 2 without a pipeline)")
+                         "(1, 2 without a pipeline, or 3 on data parallelism alone)")
     return stage
 
 
-def mode_flags(mode: str, sizes: dict[str, int], on_cpu: bool = False) -> tuple[list[str], bool]:
-    """A recipe's flags in a layout, and whether it keeps its CUDA graphs (not under a pipeline); on_cpu (the tiny
-    check) runs eager, without the GPU-only flags."""
+def mode_flags(mode: str, sizes: dict[str, int], on_cpu: bool = False, stage: int = 1) -> tuple[list[str], bool]:
+    """A recipe's flags in a layout, and whether it keeps its CUDA graphs (not under a pipeline nor ZeRO-3: the
+    trainer refuses them there); on_cpu (the tiny check) runs eager, without the GPU-only flags."""
     flags = RECIPES[mode][1]
     if mode in PEERS:  # the peer's own flags: no CUDA graphs, compile unless on CPU
         return [f for f in flags if not (on_cpu and f == "--compile")], False
     if on_cpu:
         return [f for f in flags if f not in (GRAPH_FLAG, "--compile")], False
-    graphs = GRAPH_FLAG in flags and sizes["pp"] == 1
+    graphs = GRAPH_FLAG in flags and sizes["pp"] == 1 and stage != 3
     return [f for f in flags if f != GRAPH_FLAG or graphs], graphs
 
 
@@ -317,7 +317,7 @@ def main() -> None:
                     if repeat == 0:
                         print(layout, mode, "skipped:", peer_missing(mode), flush=True)
                     continue
-                flags, graphs = mode_flags(mode, sizes, on_cpu=args.model == "tiny")
+                flags, graphs = mode_flags(mode, sizes, on_cpu=args.model == "tiny", stage=zero_stage(sizes, layout))
                 end = args.warmup + args.iters
                 profile = (end, end + PROFILED_STEPS) if args.profile and repeat == 0 else None
                 iters = ["--train-iters", str(end + (PROFILED_STEPS if profile else 0))]

@@ -78,8 +78,14 @@ def test_a_layout_may_name_its_zero_stage():
     assert speed.layout_sizes("dp-z2", 4) == {"tp": 1, "pp": 1, "dp": 4}
     with pytest.raises(SystemExit, match="error: --layouts 'tp2pp2-z2': ZeRO-2"):
         speed.layout_sizes("tp2pp2-z2", 4)
-    with pytest.raises(SystemExit, match="error: --layouts 'dp-z3'"):
-        speed.layout_sizes("dp-z3", 4)
+    assert speed.layout_flags("dp-z3", 4)[-2:] == ["--zero-stage", "3"]  # ZeRO-3: data parallelism alone
+    with pytest.raises(SystemExit, match="error: --layouts 'tp2dp2-z3'"):
+        speed.layout_sizes("tp2dp2-z3", 4)
+    with pytest.raises(SystemExit, match="error: --layouts 'dp-z4'"):
+        speed.layout_sizes("dp-z4", 4)
+    # the trainer refuses CUDA graphs under ZeRO-3: the recipe runs compiled without them
+    flags, graphs = speed.mode_flags("coat", {"tp": 1, "pp": 1, "dp": 4}, stage=3)
+    assert "--enable-cuda-graph" not in flags and "--compile" in flags and not graphs
 
 
 def test_peers_run_data_parallel_only_with_their_own_flags():
