@@ -84,13 +84,15 @@ def vocab_parallel_stats(logits: torch.Tensor, labels: torch.Tensor, ignore_inde
     counted = labels != ignore_index
     here = counted & (local >= 0) & (local < v)
     index = torch.where(here, local, 0)[:, None]
-    z = logits.float()
+    z = logits.to(torch.float32, copy=True)  # one float32 copy, its label column then left out in place
     z_label = z.gather(1, index)[:, 0]
-    others = z.scatter(1, index, torch.where(here, float("-inf"), z_label)[:, None])  # the label's column left out
-    maxes = torch.stack((z.amax(1), others.amax(1)))
+    top = z.amax(1)
+    z.scatter_(1, index, torch.where(here, float("-inf"), z_label)[:, None])
+    maxes = torch.stack((top, z.amax(1)))
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
     top, others_max = maxes
-    sums = torch.stack((torch.exp(z - top[:, None]).sum(1), torch.where(here, z_label, 0.0)))
+    exp_sum = torch.exp(z - top[:, None]).sum(1) + torch.where(here, torch.exp(z_label - top), 0.0)
+    sums = torch.stack((exp_sum, torch.where(here, z_label, 0.0)))
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
     lse, z_label = top + sums[0].log(), sums[1]
     row_amax = torch.maximum(1.0 - torch.exp(z_label - lse), torch.exp(others_max - lse))
