@@ -106,7 +106,7 @@ class CoatNormQKVFunction(torch.autograd.Function):
     would keep all of it alive as attention's saved v, and a copy costs a pass). w8s: the joined weight's FP8
     copies (Fp8WeightCache.get); rope: (cos, sin), [seq, head_dim / 2].
 
-    residual: x is also returned (a view), for the block's residual branch to read; the gradient that branch
+    residual: x is also returned (a view, [M, H]), for the block's residual branch to read; the gradient that branch
     sends back is then added to x's in the norm's backward kernel, instead of by autograd in a pass of its own
     (one read and one write of [M, H] less per block, and dx is rounded to BF16 once instead of twice).
     add, add_carrier (with residual): as CoatMLPFunction's, for the previous block's residual addition (its
@@ -117,7 +117,8 @@ class CoatNormQKVFunction(torch.autograd.Function):
                 residual: bool):
         w8, w8t, w_scale = w8s
         cos, sin = rope
-        x8, xs, rstd, y_scale, y8, *h = _norm_fwd(_rows(x), norm_weight, flow, scales.norm_out, _rows(add))
+        rows = _rows(x)
+        x8, xs, rstd, y_scale, y8, *h = _norm_fwd(rows, norm_weight, flow, scales.norm_out, _rows(add))
         ctx.has_add, ctx.carry = add is not None, add_carrier is not None
         sizes = [w.shape[0] for w in (wq, wk, wv)]
         # two GEMMs over row slices of the joined W8 (one scale): v is born contiguous, as attention saves it,
@@ -133,7 +134,7 @@ class CoatNormQKVFunction(torch.autograd.Function):
         ctx.rope = rope  # constants of the model, not activations
         ctx.sizes, ctx.w_dtype, ctx.x_shape = sizes, wq.dtype, x.shape
         ctx.weights = (wq, wk, wv) if w8t is None else None  # to remake W8^T in backward (no persistent cache)
-        return (q, k, v, h[0].view(x.shape) if h else x.view_as(x)) if residual else (q, k, v)
+        return (q, k, v, h[0] if h else rows.view_as(rows)) if residual else (q, k, v)
 
     @staticmethod
     def backward(ctx, dq, dk, dv, dres=None):
@@ -149,7 +150,7 @@ class CoatNormQKVFunction(torch.autograd.Function):
         dy = scaled_mm(g8, w8t.t(), g_scale, ctx.w_scale, dq.dtype)
         y8t = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, flow.group_size, transpose=True)
         dw = scaled_mm(g8t, y8t.t(), g_scale, y_scale, ctx.w_dtype)
-        dx, dnorm, *amax = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, flow.group_size, residual_grad=_rows(dres),
+        dx, dnorm, *amax = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, flow.group_size, residual_grad=dres,
                                            dx_amax=ctx.carry)
         dx = dx.view(ctx.x_shape)
         return (dx, dnorm.to(norm_weight.dtype), *_split_rows(dw, ctx.sizes), dx if ctx.has_add else None,
@@ -157,7 +158,7 @@ class CoatNormQKVFunction(torch.autograd.Function):
 
 
 class CoatMLPFunction(torch.autograd.Function):
-    """w2(silu(w1 n) * w3 n) with n = RMSNorm(x), all in the FP8 flow; x [..., H] → [..., H]. w8s: the FP8 copies of
+    """w2(silu(w1 n) * w3 n) with n = RMSNorm(x), all in the FP8 flow; x [M, H] → [M, H]. w8s: the FP8 copies of
     w1|w3 and of w2, ((W8, W8^T, scale), (W8, W8^T, scale)) as Fp8WeightCache.get gives them.
 
     residual: x is also returned (a view) for the block's residual branch, whose gradient is then added to x's in
@@ -173,20 +174,19 @@ class CoatMLPFunction(torch.autograd.Function):
     def forward(ctx, x, norm_weight, w1, w3, w2, add, add_carrier, w8s, flow: FlowSettings, scales: FlowScales,
                 residual: bool, carry_amax: bool):
         (w13_8, w13_8t, w13_scale), (w2_8, w2_8t, w2_scale) = w8s
-        x8, xs, rstd, y_scale, y8, *h = _norm_fwd(_rows(x), norm_weight, flow, scales.norm_out, _rows(add))
+        x8, xs, rstd, y_scale, y8, *h = _norm_fwd(x, norm_weight, flow, scales.norm_out, add)
         ctx.has_add, ctx.carry = add is not None, add_carrier is not None
         a13 = scaled_mm(y8, w13_8.t(), y_scale, w13_scale, x.dtype, flow.fast_accum)  # [M, 2F]: gate | up
         a1_8, s1, a3_8, s3, s_scale, s8 = _swiglu_fwd(a13, flow.group_size, scales.swiglu_out)
         del a13  # the BF16 GEMM output dies here; backward keeps its FP8 copy
-        out = scaled_mm(s8, w2_8.t(), s_scale, w2_scale, x.dtype, flow.fast_accum).view(x.shape)
+        out = scaled_mm(s8, w2_8.t(), s_scale, w2_scale, x.dtype, flow.fast_accum)
         ctx.save_for_backward(x8, xs, rstd, y_scale, a1_8, s1, a3_8, s3, s_scale, norm_weight)
         ctx.w13_8t, ctx.w13_scale, ctx.w2_8t, ctx.w2_scale = w13_8t, w13_scale, w2_8t, w2_scale
         ctx.w13 = (w1, w3) if w13_8t is None else None  # to remake W8^T in backward (no persistent cache)
         ctx.w2 = (w2,) if w2_8t is None else None
         ctx.flow, ctx.grad_scale = flow, scales.grad  # the history: state (written by backward), not an activation
-        ctx.w_dtype, ctx.ffn, ctx.x_shape = w1.dtype, w1.shape[0], x.shape
-        # h: a new tensor, x: an input (a view)
-        outs = (out, h[0].view(x.shape) if h else x.view_as(x)) if residual else (out,)
+        ctx.w_dtype, ctx.ffn = w1.dtype, w1.shape[0]
+        outs = (out, h[0] if h else x.view_as(x)) if residual else (out,)  # h: a new tensor, x: an input (a view)
         ctx.residual, ctx.carry_out = residual, carry_amax
         if not carry_amax:
             return outs if residual else out
@@ -202,7 +202,6 @@ class CoatMLPFunction(torch.autograd.Function):
         if grad_out is None:  # (with a carrier, no gradient materialized) out unused: a zero gradient
             grad_out, grad_amax = torch.zeros(ctx.out_meta[0], dtype=ctx.out_meta[1], device=x8.device), None
         flow, grad_scale, g = ctx.flow, ctx.grad_scale, ctx.flow.group_size
-        grad_out = _rows(grad_out)
         g8, g8t, g_scale = quantize_grad(grad_out, flow.grad_dtype, amax=grad_amax)
         w2_8t = fp8_weight_t(ctx.w2_8t, ctx.w2)
         ds = scaled_mm(g8, w2_8t.t(), g_scale, ctx.w2_scale, grad_out.dtype)  # [M, F]
@@ -221,9 +220,7 @@ class CoatMLPFunction(torch.autograd.Function):
         del w13_8t
         y8t = rmsnorm_fp8_out(x8, xs, rstd, norm_weight, y_scale, g, transpose=True)
         dw13 = scaled_mm(da8t, y8t.t(), da_scale, y_scale, ctx.w_dtype)
-        dx, dnorm, *amax = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, g, residual_grad=_rows(dres),
-                                           dx_amax=ctx.carry)
-        dx = dx.view(ctx.x_shape)
+        dx, dnorm, *amax = rmsnorm_fp8_bwd(dy, x8, xs, rstd, norm_weight, g, residual_grad=dres, dx_amax=ctx.carry)
         dw1, dw3 = _split_rows(dw13, [ctx.ffn, ctx.ffn])
         return (dx, dnorm.to(norm_weight.dtype), dw1, dw3, dw2, dx if ctx.has_add else None,
                 amax[0] if ctx.carry else None, None, None, None, None, None)
@@ -242,8 +239,9 @@ def coat_norm_qkv(x, norm_weight, weights, cache: Fp8WeightCache, flow: FlowSett
     grad = torch.is_grad_enabled()
     if grad:
         check_gemm_dims(tokens_per_micro_batch=x.shape[0] * x.shape[1])  # wgrad contracts over the tokens
-    return CoatNormQKVFunction.apply(x, norm_weight, *weights, add, add_carrier, cache.get(weights), (cos, sin),
-                                     flow, sites.for_call(grad), residual)
+    out = CoatNormQKVFunction.apply(x, norm_weight, *weights, add, add_carrier, cache.get(weights), (cos, sin), flow,
+                                    sites.for_call(grad), residual)
+    return (*out[:3], out[3].view(x.shape)) if residual else out
 
 
 def _check_add(residual: bool, add, add_carrier) -> None:
@@ -271,8 +269,11 @@ def coat_mlp(x, norm_weight, weights, caches: tuple[Fp8WeightCache, Fp8WeightCac
     w1, w3, w2 = weights
     cache13, cache2 = caches
     w8s = (cache13.get((w1, w3)), cache2.get((w2,)))
-    return CoatMLPFunction.apply(x, norm_weight, w1, w3, w2, add, add_carrier, w8s, flow, sites.for_call(grad),
-                                 residual, carry_amax)
+    out = CoatMLPFunction.apply(_rows(x), norm_weight, w1, w3, w2, _rows(add), add_carrier, w8s, flow,
+                                sites.for_call(grad), residual, carry_amax)
+    if not (residual or carry_amax):  # views made here: a view made inside the function could not be written in place
+        return out.view(x.shape)
+    return (*(t.view(x.shape) for t in out[:1 + residual]), *out[1 + residual:])
 
 
 class CoatTransformerBlock(RegionBlock):
