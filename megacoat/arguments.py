@@ -14,7 +14,7 @@ from megacoat.coat.recipe import (ACTIVATION_MODES, ACTIVATION_SCALINGS, AUTO, D
                                   GRAD_SCALINGS, OUTPUT_LAYER_CHOICES, RECIPES, WEIGHT_CACHES, CoatRecipe)
 from megacoat.model.config import ModelConfig
 from megacoat.optim.config import DECAY_STYLES, MAIN_GRADS_DTYPES, MAIN_PARAMS_DTYPES, OptimizerConfig
-from megacoat.parallel.config import SEQUENCE_PARALLEL_GATHERS, ParallelConfig
+from megacoat.parallel.config import SEQUENCE_PARALLEL_GATHERS, ZERO3_WEIGHT_GATHERS, ParallelConfig
 
 # A negative number, scientific notation included (-1e-3, -.5, -2E+4): a value, never a flag. argparse's own
 # pattern (`^-\d+$|^-\d*\.\d+$`) misses exponents and takes `--lr -1e-3` for a missing argument.
@@ -198,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what a COAT block's sequence-parallel all-gather carries: its input's 1xG E4M3 groups, or bf16")
     g.add_argument("--zero-stage", type=int, default=pc.zero_stage, choices=(0, 1, 2, 3),
                    help="DeepSpeed ZeRO: 1 partitions optimizer states, 2 also gradients, 3 also weights")
+    g.add_argument("--zero3-weight-gather", default=pc.zero3_weight_gather, choices=ZERO3_WEIGHT_GATHERS,
+                   help="what ZeRO-3's all-gather of the COAT blocks' GEMM weights carries: E4M3 codes, or bf16")
 
     dc = DataConfig()
     g = p.add_argument_group("data")
@@ -258,6 +260,7 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
     parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                               pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                               sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage,
+                              zero3_weight_gather=args.zero3_weight_gather,
                               sequence_parallel_gather=args.sequence_parallel_gather)
     precision = "bf16" if args.bf16 else "fp32" if args.fp32 else "auto"
     training = TrainingConfig(

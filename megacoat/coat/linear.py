@@ -121,6 +121,9 @@ class Fp8WeightCache:
         persistent (backward calls fp8_weight_t)."""
         compiling = torch.compiler.is_compiling()
         if not self.persistent:
+            gathered = gathered_fp8(weights)
+            if gathered is not None:
+                return gathered[0], None, gathered[1]
             if not compiling:
                 self.builds += 1
             with torch.no_grad():
@@ -135,6 +138,17 @@ class Fp8WeightCache:
         return self.w8, (self.w8t if self.transposed else self.w8.t()), self.scale
 
 
+def gathered_fp8(weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(W8 joined along the output dim, scale) when every weight carries the whole FP8 copy that ZeRO-3's FP8
+    all-gather left on it (`fp8_gathered`: its codes and the scale the joined weights share,
+    megacoat.training.zero3_fp8_gather); None otherwise (quantize the weights themselves)."""
+    copies = [getattr(w, "fp8_gathered", None) for w in weights]
+    if not copies or any(c is None for c in copies):
+        return None
+    w8 = copies[0][0] if len(copies) == 1 else torch.cat([c[0].view(torch.uint8) for c in copies]).view(E4M3.dtype)
+    return w8, copies[0][1]
+
+
 def _joined(weights: Sequence[torch.Tensor]) -> torch.Tensor:
     return weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
 
@@ -145,6 +159,9 @@ def fp8_weight_t(w8t: torch.Tensor | None, weights: Sequence[torch.Tensor]) -> t
     which have not changed since forward: the same amax, hence the same scale and bytes as a cached copy."""
     if w8t is not None:
         return w8t if w8t.is_contiguous() else transpose_fp8(w8t.t())
+    gathered = gathered_fp8(weights)
+    if gathered is not None:  # the codes forward read, gathered again for backward
+        return transpose_fp8(gathered[0])
     with torch.no_grad():
         return quantize_transpose(_joined(weights), E4M3.dtype, rowwise=False, transpose=True)[1]
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 # what a COAT block's sequence-parallel all-gather carries: the 1xG E4M3 groups its fused norm rounds its input to
 # (codes and scales, megacoat.parallel.mappings.gather_fp8_from_sp), or the input in the run's dtype
 SEQUENCE_PARALLEL_GATHERS = ("fp8", "bf16")
+# what ZeRO-3's all-gather of a COAT block's GEMM weights carries: E4M3 codes and one scale, or the weights' dtype
+ZERO3_WEIGHT_GATHERS = ("fp8", "bf16")
 
 
 @dataclass
@@ -15,6 +17,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     zero_stage: int = 1
     sequence_parallel_gather: str = "fp8"  # SEQUENCE_PARALLEL_GATHERS
+    zero3_weight_gather: str = "fp8"  # ZERO3_WEIGHT_GATHERS
 
     def __post_init__(self):
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
@@ -23,6 +26,9 @@ class ParallelConfig:
             raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if self.zero3_weight_gather not in ZERO3_WEIGHT_GATHERS:
+            raise ValueError(f"--zero3-weight-gather must be one of {ZERO3_WEIGHT_GATHERS}, "
+                             f"got {self.zero3_weight_gather!r}")
         if self.sequence_parallel_gather not in SEQUENCE_PARALLEL_GATHERS:
             raise ValueError(f"--sequence-parallel-gather must be one of {SEQUENCE_PARALLEL_GATHERS}, "
                              f"got {self.sequence_parallel_gather!r}")

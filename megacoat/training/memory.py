@@ -4,8 +4,9 @@ bf16 / fp8-linear / coat, AdamW or CoatAdamW, ZeRO-0/1/2/3 and TP/PP sizes; tool
 Model state is counted in bytes per parameter of this rank, as DeepSpeed holds it in a bf16 run: ZeRO-1 divides
 the master weights, moments and the step's gradient copy by the data-parallel size D, ZeRO-2 the gradients too,
 ZeRO-3 the weights too, plus what it gathers: the whole weights of two blocks (the running one and the one
-prefetched) and their FP8 copies in an FP8 mode (made per use: ZeRO-3 keeps no weight cache), and its reduce
-bucket, which it allocates whole (reduce_bucket_size elements of the weights' dtype).
+prefetched; in coat mode their GEMM weights as E4M3, training/zero3_fp8_gather.py), the FP8 copy of one block's
+GEMM weights made per use (ZeRO-3 keeps no weight cache), and its reduce bucket, which it allocates whole
+(reduce_bucket_size elements of the weights' dtype).
 The step's gradient copy depends on what the ZeRO patches read in place (training/deepspeed_patches.py).
 Activations are bytes saved for backward per token per layer (ACTIVATION_BYTES, COMPILED_ACTIVATION_BYTES: per
 h hidden, f FFN hidden, a heads), measured from autograd's saved tensors and re-measured by
@@ -78,11 +79,13 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
                     pipeline_parallel_size: int = 1, fp8_optimizer: bool = False, fp8_group_size: int = 128,
                     bf16: bool = True, fp8_weight_cache: str = DEFAULT_WEIGHT_CACHE, main_grads_dtype: str = "bf16",
                     main_params_dtype: str = "fp32", compiled: bool = False,
-                    graphed_accumulation: bool = False, fp8_output_layer: bool = False) -> MemoryEstimate:
+                    graphed_accumulation: bool = False, fp8_output_layer: bool = False,
+                    zero3_weight_gather: str = "fp8") -> MemoryEstimate:
     """Bytes on the busiest GPU (the first pipeline stage for activations, the last for the head). compiled:
     --compile (also --enable-cuda-graph), whose blocks and loss save less (see the module docstring).
     graphed_accumulation: --enable-cuda-graph with more than one micro-batch a step (gradients laid flat).
-    fp8_output_layer: --fp8-output-layer (the head an FP8 linear too)."""
+    fp8_output_layer: --fp8-output-layer (the head an FP8 linear too). zero3_weight_gather: --zero3-weight-gather
+    (ZeRO-3 in coat mode: the blocks' GEMM weights gathered as E4M3, fp8, or in the weights' dtype)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if main_grads_dtype not in MAIN_GRADS_DTYPES or main_params_dtype not in MAIN_PARAMS_DTYPES:
@@ -117,7 +120,7 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
             raise ValueError("zero_stage 3 runs without tensor and pipeline parallelism")
         activations = estimate_activations(cfg, mode, micro_batch_size, seq, tp, pp, compiled, fp8_output_layer)
         return _zero3_estimate(cfg, mode, params, dp, moments_bytes(fp8_optimizer, fp8_group_size), bf16,
-                               main_grads_dtype, activations)
+                               main_grads_dtype, activations, zero3_weight_gather == "fp8")
     moments = moments_bytes(fp8_optimizer, fp8_group_size)
     if bf16:
         weights = 2 * params
@@ -153,7 +156,7 @@ def moments_bytes(fp8_optimizer: bool, fp8_group_size: int) -> float:
 
 
 def _zero3_estimate(cfg: ModelConfig, mode: str, params: float, dp: int, moments: float, bf16: bool,
-                    main_grads_dtype: str, activations: float) -> MemoryEstimate:
+                    main_grads_dtype: str, activations: float, fp8_gather: bool) -> MemoryEstimate:
     """ZeRO-3 (module docstring): every part of the model state over D, plus the gathered blocks. DeepSpeed keeps
     an fp32 master partition even in fp32 runs (a clone), and its step turns each sub-group's gradient partition
     into one flat fp32 copy (a flatten, then a cast where the gradients are bf16)."""
@@ -161,8 +164,13 @@ def _zero3_estimate(cfg: ModelConfig, mode: str, params: float, dp: int, moments
     width = 2 if bf16 else 4
     embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
     block = (cfg.num_parameters() - embed) / cfg.num_layers
-    fp8_copies = block_linear_parameters(cfg) / cfg.num_layers if mode != "bf16" else 0  # E4M3, made per use
-    weights = width * shard + 2 * width * block + fp8_copies
+    linears = block_linear_parameters(cfg) / cfg.num_layers
+    if mode == "coat" and fp8_gather:  # the GEMM weights gathered as E4M3, then joined per GEMM (wq|wk|wv, w1|w3),
+        # from the E4M3 codes of this rank's shards, kept from one step to the next
+        weights = (width * shard + 2 * (linears + width * (block - linears)) + linears
+                   + block_linear_parameters(cfg) / dp)
+    else:  # gathered in the weights' dtype, and in an FP8 mode quantized per use
+        weights = width * shard + 2 * width * block + (linears if mode != "bf16" else 0)
     grad_width = 4 if (not bf16 or main_grads_dtype == "fp32") else 2
     gradients = grad_width * shard + width * DEEPSPEED_REDUCE_BUCKET  # its reduce bucket, allocated whole
     step = min(shard, DEEPSPEED_SUB_GROUP) * (grad_width + (4 if grad_width == 2 else 0))

@@ -36,6 +36,7 @@ from megacoat.training.profiling import StepProfiler, annotate_engine
 from megacoat.training.runtime import apply_cublas_workspace, default_allocator_settings
 from megacoat.training.signals import ExitConditions
 from megacoat.training.stability import StabilityGuard, clear_skip_flag, skip_fp32_step
+from megacoat.training.zero3_fp8_gather import install_fp8_weight_gather
 
 
 def check_data_paths(cfg: MegacoatConfig) -> None:
@@ -155,8 +156,11 @@ class Trainer:
         model = build_model(cfg, self.device, self.parallel, model_converter)
         self.engine, self.scheduler = build_engine(cfg, model, self.ds_config, self.device, self.parallel)
         # FP8 upkeep after each optimizer step and load; as one CUDA graph under --enable-cuda-graph
-        self.after_optimizer_step = functools.partial(after_optimizer_step, self.engine.module, self.parallel.dp_group,
-                                                      self.dp_size, t.enable_cuda_graph)
+        upkeep = functools.partial(after_optimizer_step, self.engine.module, self.parallel.dp_group, self.dp_size,
+                                   t.enable_cuda_graph)
+        # ZeRO-3: the blocks' weights all-gathered in FP8, their shards quantized after each step (zero3_fp8_gather.py)
+        gather = install_fp8_weight_gather(self.engine, cfg.parallel.zero_stage, cfg.parallel.zero3_weight_gather)
+        self.after_optimizer_step = upkeep if gather is None else lambda: (gather.refresh(), upkeep())
         self.after_optimizer_step()  # FP8 weight copies of the weights as the engine holds them
         # The optimizer's groups are fixed once the engine exists: found once, not at every step's copy
         self.grad_groups = gradient_groups(self.engine) if t.enable_cuda_graph else None

@@ -313,8 +313,8 @@ def test_estimate_within_15_percent_of_measured_peak_on_gpu(tmp_path):
 
 def test_zero3_divides_the_weights_too_and_adds_the_gathered_blocks():
     """ZeRO-3 (megacoat.training.memory): weights, gradients and optimizer state over D; the whole weights of two
-    blocks (running and prefetched) gathered, and DeepSpeed's whole reduce bucket; in an FP8 mode the running
-    block's E4M3 weights made per use (no cache); the step's flat fp32 gradient copy of the partition (a flatten
+    blocks (running and prefetched) gathered (in coat mode their GEMM weights as E4M3), and DeepSpeed's whole
+    reduce bucket; in an FP8 mode the running block's E4M3 weights made (or joined) per use (no cache); the step's flat fp32 gradient copy of the partition (a flatten
     and a cast of bf16 gradients: 6 bytes). On one H200 (4 layers, hidden 512, bf16, coat, compiled) ZeRO-3 peaked
     0.96 GiB above ZeRO-1: the bucket (0.93 GiB) and the fp32 master instead of the remainders."""
     cfg = ModelConfig(num_layers=4, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, vocab_size=1000)
@@ -327,7 +327,12 @@ def test_zero3_divides_the_weights_too_and_adds_the_gathered_blocks():
     assert bf16.optimizer == int(12 * p / d) and bf16.step_gradients == int(6 * p / d)
     coat = estimate_memory(cfg, "coat", data_parallel_size=d, zero_stage=3, fp8_optimizer=True,
                            fp8_weight_cache="none")
-    assert coat.weights == int(2 * p / d + 4 * block + linears)
+    # the GEMM weights of the two gathered blocks as E4M3 (--zero3-weight-gather fp8), one block's joined per use,
+    # and the E4M3 codes of this rank's shards
+    assert coat.weights == int(2 * p / d + 2 * (linears + 2 * (block - linears)) + linears + 4 * linears / d)
+    bf16_gather = estimate_memory(cfg, "coat", data_parallel_size=d, zero_stage=3, fp8_optimizer=True,
+                                  fp8_weight_cache="none", zero3_weight_gather="bf16")
+    assert bf16_gather.weights == int(2 * p / d + 4 * block + linears)
     assert coat.optimizer == int((4 + 2 * (1 + 6 / 128)) * p / d)
     z2 = estimate_memory(cfg, "bf16", data_parallel_size=d, zero_stage=2)
     assert bf16.weights < z2.weights and bf16.activations == z2.activations

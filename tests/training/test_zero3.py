@@ -15,6 +15,7 @@ Every parameter is partitioned: the DeepSpeed config sets stage3_param_persisten
 parameters under 100k elements whole on every rank, which would be all of the tiny model's).
 """
 import json
+import os
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from megacoat.coat import RECIPES, convert_to_coat
 from megacoat.training.deepspeed_config import build_deepspeed_config
 from megacoat.training.zero3 import weights_read_outside_their_module
 from tests.parallel.test_pretrain_parallel import free_port
-from tests.training.checkpoint_runs import losses, run, same_sequence
+from tests.training.checkpoint_runs import ROOT, losses, run, same_sequence
 from tests.training.test_checkpoint_reshard import report, within_fp8_moment_error
 
 ITERS, SAVE_AT = 20, 10
@@ -43,7 +44,7 @@ def _zero3(tmp):
 # --- flags -----------------------------------------------------------------------------------------------------
 def test_zero3_takes_no_fp8_weight_copies_and_writes_stage_3():
     cfg = parse_config(["--coat-fp8", "--zero-stage", "3"])
-    assert cfg.fp8.weight_cache == "none"
+    assert cfg.fp8.weight_cache == "none" and cfg.parallel.zero3_weight_gather == "fp8"
     assert build_deepspeed_config(cfg, 2, on_cuda=False)["zero_optimization"]["stage"] == 3
     assert cfg.optim.main_params_dtype is None or cfg.optim.main_params_dtype == "fp32"
     assert parse_config(["--coat-fp8", "--zero-stage", "1"]).fp8.weight_cache == "rowwise"
@@ -135,3 +136,29 @@ def test_zero3_checkpoints_resume_on_zero1_and_back(runs, tmp_path, source, targ
     got = losses(tmp_path / "log.json")
     assert [i for i, _ in got] == list(range(SAVE_AT + 1, ITERS + 1))
     assert within_fp8_moment_error(got, ref), report(got, ref)
+
+
+@pytest.mark.slow
+def test_fp8_weight_gather_sends_one_byte_a_weight_and_trains_as_the_bf16_gather(tmp_path):
+    """--zero3-weight-gather fp8 (the default) against bf16, 6 steps on 2 ranks, every all-gather's bytes counted
+    (tests/training/count_gathers.py). The losses are the same bit for bit: each shard's E4M3 codes, made with the
+    whole GEMM's agreed amax, are the codes the bf16 gather's weight cache makes from the gathered weight. Every
+    element of a block GEMM weight that the bf16 gather sent as 4 bytes (these runs are fp32) the FP8 gather sends
+    as 1; the rest (norms, embedding) is gathered as before; and the FP8 bytes are whole gathers of this rank's
+    shards of those weights."""
+    counter = (os.path.join(ROOT, "tests", "training", "count_gathers.py"),)
+    sent, logs = {}, {}
+    for gather in ("fp8", "bf16"):
+        out = tmp_path / gather
+        out.mkdir()
+        argv = ["--train-iters", "6", "--fp32", "--coat-fp8", *_zero3(tmp_path), "--zero3-weight-gather", gather]
+        run(out, argv, out / "log.json", ranks=2, port=free_port(), script=counter, GATHER_COUNT_DIR=str(out))
+        sent[gather] = [json.loads((out / f"gathers_rank{r}.json").read_text()) for r in range(2)]
+        logs[gather] = losses(out / "log.json")
+    assert same_sequence(logs["fp8"], logs["bf16"]), logs
+    # this rank's shard of the block GEMM weights: ceil(n / 2) elements of each (2 layers of the tiny model)
+    shard = 2 * sum(-(-n // 2) for n in (64 * 64,) * 4 + (128 * 64,) * 3)
+    for fp8, bf16 in zip(sent["fp8"], sent["bf16"]):
+        assert set(bf16) == {"float32"} and fp8["uint8"] > 0
+        assert bf16["float32"] - fp8["float32"] == 4 * fp8["uint8"]
+        assert fp8["uint8"] % shard == 0
