@@ -106,9 +106,9 @@ class CoatNormQKVFunction(torch.autograd.Function):
     would keep all of it alive as attention's saved v, and a copy costs a pass). w8s: the joined weight's FP8
     copies (Fp8WeightCache.get); rope: (cos, sin), [seq, head_dim / 2].
 
-    residual: x is also returned (a view, [M, H]), for the block's residual branch to read; the gradient that branch
-    sends back is then added to x's in the norm's backward kernel, instead of by autograd in a pass of its own
-    (one read and one write of [M, H] less per block, and dx is rounded to BF16 once instead of twice).
+    residual: x is also returned, as rows [M, H] (M = batch x seq), for the block's residual branch to read; the
+    gradient that branch sends back is then added to x's in the norm's backward kernel, instead of by autograd in a
+    pass of its own (one read and one write of [M, H] less per block, and dx is rounded to BF16 once, not twice).
     add, add_carrier (with residual): as CoatMLPFunction's, for the previous block's residual addition (its
     output h + out made here, and the amax of its gradient carried back to that block's w2)."""
 
