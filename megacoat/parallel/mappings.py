@@ -42,32 +42,32 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _all_gather_fp8(x: torch.Tensor, dim: int, group, group_size: int) -> torch.Tensor:
-    """_all_gather of x quantized in 1xG E4M3 groups along its last dim (pack_fp8_groups), one collective;
-    every group keeps its own scale, so no scale has to agree across ranks. Returns the gathered values in x's
-    dtype (unpack_fp8_groups)."""
-    gathered = _all_gather(pack_fp8_groups(x, group_size), dim, group)
-    return unpack_fp8_groups(gathered, x.shape[-1], group_size, x.dtype)
+    """_all_gather of x quantized in 1xG E4M3 groups along its last dim: the codes (as bytes: gloo has no float8
+    type) and the float32 group scales, each in a collective of its own, since a bitcast between types of different
+    sizes (one packed buffer) does not compile on CUDA. Every group keeps its own scale, so no scale has to agree
+    across ranks. Returns the gathered values in x's dtype."""
+    codes, scales = quantize_groups(x, group_size)
+    return dequantize_groups(_all_gather(codes, dim, group), _all_gather(scales, dim, group), group_size, x.dtype)
 
 
-def pack_fp8_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """x [..., H] → uint8 [..., H + 4 * ceil(H / G)]: each row's E4M3 codes, then its float32 group scales'
-    bytes (megacoat.ops.numerics.group_quantize; bytes, since gloo has no float8 type)."""
+def quantize_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H] → (uint8 codes [..., H], float32 scales [..., ceil(H / G)]): E4M3 with one scale per 1xG group
+    (megacoat.ops.numerics.group_quantize)."""
     codes, scales = group_quantize(x.reshape(-1, x.shape[-1]), group_size, E4M3)
-    packed = torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)], dim=1)
-    return packed.view(*x.shape[:-1], packed.shape[-1])
+    return codes.view(torch.uint8).view(x.shape), scales.reshape(*x.shape[:-1], -1)
 
 
-def unpack_fp8_groups(packed: torch.Tensor, hidden: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """pack_fp8_groups' rows → their values [..., hidden] in dtype."""
-    rows = packed.view(-1, packed.shape[-1])
-    codes, scales = rows[:, :hidden].view(E4M3), rows[:, hidden:].contiguous().view(torch.float32)
+def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """quantize_groups' codes and scales → their values [..., H] in dtype."""
+    hidden = codes.shape[-1]
+    rows, row_scales = codes.reshape(-1, hidden).view(E4M3), scales.reshape(-1, scales.shape[-1])
     if hidden % group_size:
-        values = group_dequantize(codes.contiguous(), scales, group_size)
+        values = group_dequantize(rows.contiguous(), row_scales.contiguous(), group_size)
     else:  # whole groups: a view per group, no pad (group_dequantize's layout without its copies)
         # traced, the plain conversion (fp8_to_float32's CPU table is an eager speed-up)
-        decoded = codes.float() if torch.compiler.is_compiling() else fp8_to_float32(codes)
-        values = decoded.reshape(rows.shape[0], -1, group_size) * scales[..., None]
-    return values.reshape(*packed.shape[:-1], hidden).to(dtype)
+        decoded = rows.float() if torch.compiler.is_compiling() else fp8_to_float32(rows)
+        values = decoded.reshape(rows.shape[0], -1, group_size) * row_scales[..., None]
+    return values.reshape(codes.shape).to(dtype)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -46,8 +46,9 @@ def histories(save_dir, pipelined: bool) -> dict[str, torch.Tensor]:
     return found
 
 
-def compare_with_one_rank(tmp_path, argv, rel=1e-5, first_step_rel=0.0, loss_rel=1e-5):
-    """PP=2 against one rank: amax entries within rel, the first step's within first_step_rel, losses loss_rel."""
+def compare_with_one_rank(tmp_path, argv, rel=1e-5, first_step_rel=0.0, loss_rel=1e-5, first_step_grad_rel=None):
+    """PP=2 against one rank: amax entries within rel, the first step's within first_step_rel (gradient sites':
+    first_step_grad_rel, if given), losses loss_rel."""
     one = run(tmp_path, argv + ["--save", str(tmp_path / "one")], tmp_path / "one.json")
     pp = run(tmp_path, argv + ["--save", str(tmp_path / "pp"), "--pipeline-model-parallel-size", "2"],
              tmp_path / "pp.json", ranks=2, port=free_port())
@@ -63,8 +64,10 @@ def compare_with_one_rank(tmp_path, argv, rel=1e-5, first_step_rel=0.0, loss_rel
     first_step = slice((ITERS - 1) * MICRO_BATCHES, ITERS * MICRO_BATCHES)  # most recent first
     for name, h in h_one.items():
         assert h[:ITERS * MICRO_BATCHES].gt(0).all(), name  # one entry per micro-batch
-        torch.testing.assert_close(h_pp[name][first_step], h[first_step], rtol=first_step_rel, atol=0, msg=name)
-        torch.testing.assert_close(h_pp[name], h, rtol=rel, atol=0, msg=name)
+        first = first_step_grad_rel if first_step_grad_rel is not None and "_grad_" in name else first_step_rel
+        torch.testing.assert_close(h_pp[name][first_step], h[first_step], rtol=first, atol=0,
+                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(h_pp[name], h, rtol=rel, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.slow
@@ -108,10 +111,12 @@ def test_a_micro_batch_the_fp8_gemms_cannot_take_is_one_error_line_on_every_stag
 @pytest.mark.multigpu
 def test_gpu_pipeline_histories_equal_one_stage_in_bf16(tmp_path):
     """Two GPUs, bf16, NCCL: PP=2 against one GPU. The first step's entries differ only by the order of GPU sums
-    (attention's backward, the tied gradient): 2^-7 relative, two bf16 roundings. After a step Adam can turn a
+    (attention's backward, the tied gradient): 2^-7 relative, two bf16 roundings, at the activation sites. A
+    gradient site's amax is that of a GEMM of an E5M2 gradient, where one bf16 rounding apart can flip a code by a
+    quarter (two mantissa bits): 2^-4 there. After a step Adam can turn a
     flipped bf16 rounding of a near-zero gradient into a full update of that weight: 5% on later entries and 1% on
     the losses, far below what a misplaced entry moves (a step's amaxes differ by tens of percent)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     compare_with_one_rank(tmp_path, ARGV + ["--bf16", "--main-params-dtype", "fp32"], rel=5e-2, first_step_rel=2 ** -7,
-                          loss_rel=1e-2)
+                          loss_rel=1e-2, first_step_grad_rel=2 ** -4)

@@ -126,25 +126,26 @@ def test_fp8_gather_sends_one_byte_an_element_plus_group_scales(runs):
     blocks = 2 * TINY["num_layers"]
     for rank in runs:
         assert rank["bf16"][2] == [(torch.bfloat16, shard * 2)] * (blocks + 1)
-        assert rank["fp8"][2] == [(torch.uint8, shard + shard // GROUP * 4)] * blocks + [(torch.bfloat16, shard * 2)]
+        assert rank["fp8"][2] == ([(torch.uint8, shard), (torch.float32, shard // GROUP * 4)] * blocks
+                                  + [(torch.bfloat16, shard * 2)])
 
 
 @pytest.mark.slow
 def test_fp8_gather_compiles_whole_to_the_eager_result(runs):
-    """torch.compile(fullgraph=True) traces the autograd function, the uint8 packing and the collectives."""
+    """torch.compile(fullgraph=True) traces the autograd function, the byte view of the codes and the collectives."""
     assert all(rank["compiled"] == (True, True) for rank in runs)
 
 
 def _norm_of_gathered_rows(device: str, dtype: torch.dtype, group: int):
     """The fused norm's forward (its saved codes and scales, rstd, output scale and codes) on x and on what the FP8
-    gather delivers of x (pack, then unpack: the collective moves bytes)."""
+    gather delivers of x (quantized, then dequantized: the collectives move the codes and scales)."""
     from megacoat.ops.rmsnorm import rmsnorm_fp8_fwd
 
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(256, 512, generator=g) * torch.logspace(-4, 4, 256)[:, None]).to(device, dtype)
     x[7, :group] = 0  # an all-zero group (its scale from the amax floor)
     weight = torch.rand(512, generator=g).to(device, dtype) + 0.5
-    delivered = mappings.unpack_fp8_groups(mappings.pack_fp8_groups(x, group), 512, group, dtype)
+    delivered = mappings.dequantize_groups(*mappings.quantize_groups(x, group), group, dtype)
     return rmsnorm_fp8_fwd(x, weight, 1e-5, group), rmsnorm_fp8_fwd(delivered, weight, 1e-5, group)
 
 
