@@ -258,7 +258,9 @@ def test_cli_prints_all_modes_and_rejects_bad_input(capsys):
     (["--fp8-output-layer", "auto"], {"coat"}),
     (["--fp8-output-layer"], {"fp8-linear", "coat"}),  # the flag alone: on, in every FP8 mode's rows
     (["--fp8-output-layer", "off"], set()),
-    (["--fp8-output-layer", "auto", "--tensor-model-parallel-size", "2"], set()),  # auto under TP: the BF16 head
+    (["--fp8-output-layer", "auto", "--tensor-model-parallel-size", "2"], {"coat"}),  # vocabulary-parallel FP8 head
+    (["--vocab-size", "1008"], {"coat"}),
+    (["--vocab-size", "1008", "--tensor-model-parallel-size", "2"], set()),  # a slice of 504: off the alignment
     (["--fp8-output-layer", "auto", "--vocab-size", "1000"], set()),  # auto off the FP8 GEMM alignment
 ])
 def test_cli_resolves_the_output_layer_as_training_does(capsys, argv, fp8_head_modes):
