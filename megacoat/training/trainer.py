@@ -159,7 +159,8 @@ class Trainer:
         upkeep = functools.partial(after_optimizer_step, self.engine.module, self.parallel.dp_group, self.dp_size,
                                    t.enable_cuda_graph)
         # ZeRO-3: the blocks' weights all-gathered in FP8, their shards quantized after each step (zero3_fp8_gather.py)
-        gather = install_fp8_weight_gather(self.engine, cfg.parallel.zero_stage, cfg.parallel.zero3_weight_gather)
+        gather = install_fp8_weight_gather(self.engine, cfg.parallel.zero_stage, cfg.parallel.zero3_weight_gather,
+                                           log=self.logger.info)
         self.after_optimizer_step = upkeep if gather is None else lambda: (gather.refresh(), upkeep())
         self.after_optimizer_step()  # FP8 weight copies of the weights as the engine holds them
         # The optimizer's groups are fixed once the engine exists: found once, not at every step's copy

@@ -23,6 +23,7 @@ from torch import nn
 from megacoat.coat.flow import CoatTransformerBlock
 from megacoat.ops.cast_transpose import cast_from_amax
 from megacoat.ops.formats import E4M3
+from megacoat.training.deepspeed_patches import TESTED_DEEPSPEED, deepspeed_version_problem
 
 
 def fp8_gemm_weights(model: nn.Module) -> list[tuple[nn.Parameter, ...]]:
@@ -89,9 +90,18 @@ def _drop_copy_and_release(param, release, *args, **kwargs):
     return release(*args, **kwargs)
 
 
-def install_fp8_weight_gather(engine, zero_stage: int, weight_gather: str) -> Fp8WeightGather | None:
-    """The FP8 gather on a ZeRO-3 engine's COAT blocks when --zero3-weight-gather is fp8; None elsewhere."""
+def install_fp8_weight_gather(engine, zero_stage: int, weight_gather: str, log=print,
+                              version: str | None = None) -> Fp8WeightGather | None:
+    """The FP8 gather on a ZeRO-3 engine's COAT blocks when --zero3-weight-gather is fp8; None elsewhere. It
+    replaces DeepSpeed's per-parameter gather, so on a DeepSpeed other than TESTED_DEEPSPEED it is not installed
+    and one warning line says the weights are gathered in bf16."""
     if zero_stage != 3 or weight_gather != "fp8":
+        return None
+    if deepspeed_version_problem(version) is not None:
+        import deepspeed
+
+        log(f"warning: deepspeed {version or deepspeed.__version__} is not the version megacoat's ZeRO-3 FP8 weight "
+            f"gather was written for ({', '.join(TESTED_DEEPSPEED)}): the weights are gathered in bf16")
         return None
     gather = Fp8WeightGather(engine.module)
     return gather if gather.groups else None

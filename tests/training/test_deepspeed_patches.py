@@ -561,3 +561,18 @@ def test_the_tested_deepspeed_installs_the_patches_that_apply():
     assert patch_zero_optimizer(engine, share_master=False, device_skip=True, log=said.append,
                                 version=TESTED_DEEPSPEED[0]) is None
     assert said == [] and "found_inf" not in vars(opt)
+
+
+def test_another_deepspeed_gets_no_zero3_fp8_gather_and_one_line():
+    """ZeRO-3's FP8 weight gather replaces DeepSpeed's per-parameter gather: on an untested DeepSpeed the engine is
+    not touched and the weights are gathered in bf16, said in one line."""
+    from megacoat.training.zero3_fp8_gather import install_fp8_weight_gather
+
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"read {name}")
+
+    said = []
+    assert install_fp8_weight_gather(Untouchable(), 3, "fp8", log=said.append, version="0.99.0") is None
+    assert len(said) == 1 and said[0].startswith("warning: deepspeed 0.99.0 ") and "bf16" in said[0]
+    assert install_fp8_weight_gather(Untouchable(), 1, "fp8", log=said.append) is None and len(said) == 1
