@@ -16,8 +16,8 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     "bf16": (TRAINER, ["--compile"]),
     # the trainer's default FP8 recipe: delayed scaling, the FP8 head wherever it runs (`auto`)
     "coat": (TRAINER, ["--coat-fp8", "--compile", "--enable-cuda-graph"]),
-    # the default with its sequence-parallel all-gathers in bf16 (the FP8 gather's A/B under TP)
-    "coat-bf16-gather": (TRAINER, ["--coat-fp8", "--sequence-parallel-gather", "bf16", "--compile",
+    # the default with its sequence-parallel all-gathers in FP8 (the FP8 gather's A/B under TP)
+    "coat-fp8-gather": (TRAINER, ["--coat-fp8", "--sequence-parallel-gather", "fp8", "--compile",
                                    "--enable-cuda-graph"]),
     # COAT's own just-in-time (current) scaling at every site
     "coat-current": (TRAINER, ["--coat-fp8", "--fp8-grad-scaling", "current", "--fp8-activation-scaling", "current",
@@ -122,7 +122,7 @@ SUITE: list[Run] = [
     Run("parallel-7b-tp4-gather-mb1", "7 B model on 4 GPUs, micro-batch 1, TP=4 with SP: the default's FP8 "
         "all-gathers against the same run gathering bf16", PARALLEL,
         ["--gpus", "4", "--model", "7b", "--layouts", "tp4", "--micro-batch-size", "1", "--modes", "coat",
-         "coat-bf16-gather", *PARALLEL_METHOD], out="parallel_7b_tp4_gather_mb1.json", gpus=4),
+         "coat-fp8-gather", *PARALLEL_METHOD], out="parallel_7b_tp4_gather_mb1.json", gpus=4),
     *[Run(f"sp-gather-{n}gpu", f"the sequence-parallel all-gather alone on {n} GPUs (7 B's hidden size, sequence "
           "2048, compiled): bf16 against E4M3 codes with 1x128 scales", "benchmarks.parallel.sp_gather",
           ["--gpus", str(n), "--hidden-size", "4096", "--seq-length", "2048", "--micro-batch-size", "1", "2",

@@ -195,11 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=pc.pipeline_model_parallel_size)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--sequence-parallel-gather", default=pc.sequence_parallel_gather, choices=SEQUENCE_PARALLEL_GATHERS,
-                   help="what a COAT block's sequence-parallel all-gather carries: its input's 1xG E4M3 groups, or bf16")
+                   help="what a COAT block's sequence-parallel all-gather carries: bf16, or its input's 1xG E4M3 groups")
     g.add_argument("--zero-stage", type=int, default=pc.zero_stage, choices=(0, 1, 2, 3),
                    help="DeepSpeed ZeRO: 1 partitions optimizer states, 2 also gradients, 3 also weights")
     g.add_argument("--zero3-weight-gather", default=pc.zero3_weight_gather, choices=ZERO3_WEIGHT_GATHERS,
-                   help="what ZeRO-3's all-gather of the COAT blocks' GEMM weights carries: E4M3 codes, or bf16")
+                   help="what ZeRO-3's all-gather of the COAT blocks' GEMM weights carries: bf16, or E4M3 codes")
 
     dc = DataConfig()
     g = p.add_argument_group("data")

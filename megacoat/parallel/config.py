@@ -16,8 +16,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
     zero_stage: int = 1
-    sequence_parallel_gather: str = "fp8"  # SEQUENCE_PARALLEL_GATHERS
-    zero3_weight_gather: str = "fp8"  # ZERO3_WEIGHT_GATHERS
+    # bf16 by default until the FP8 gathers are measured on several GPUs (the CPU tests hold them bit for bit)
+    sequence_parallel_gather: str = "bf16"  # SEQUENCE_PARALLEL_GATHERS
+    zero3_weight_gather: str = "bf16"  # ZERO3_WEIGHT_GATHERS
 
     def __post_init__(self):
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:

@@ -49,7 +49,7 @@ class ParallelState:
     pp_size: int = 1
     dp_size: int = 1
     sequence_parallel: bool = False
-    sequence_parallel_gather: str = "fp8"  # ParallelConfig's
+    sequence_parallel_gather: str = "bf16"  # ParallelConfig's
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0

@@ -80,7 +80,7 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
                     bf16: bool = True, fp8_weight_cache: str = DEFAULT_WEIGHT_CACHE, main_grads_dtype: str = "bf16",
                     main_params_dtype: str = "fp32", compiled: bool = False,
                     graphed_accumulation: bool = False, fp8_output_layer: bool = False,
-                    zero3_weight_gather: str = "fp8") -> MemoryEstimate:
+                    zero3_weight_gather: str = "bf16") -> MemoryEstimate:
     """Bytes on the busiest GPU (the first pipeline stage for activations, the last for the head). compiled:
     --compile (also --enable-cuda-graph), whose blocks and loss save less (see the module docstring).
     graphed_accumulation: --enable-cuda-graph with more than one micro-batch a step (gradients laid flat).

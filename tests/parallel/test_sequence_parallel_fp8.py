@@ -181,8 +181,8 @@ def test_the_flag_reaches_a_coat_blocks_region():
     from megacoat.parallel.tensor_parallel import region_of
 
     flags = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    assert parse_config(flags).parallel.sequence_parallel_gather == "fp8"  # the default
-    assert parse_config(flags + ["--sequence-parallel-gather", "bf16"]).parallel.sequence_parallel_gather == "bf16"
+    assert parse_config(flags).parallel.sequence_parallel_gather == "bf16"  # the default
+    assert parse_config(flags + ["--sequence-parallel-gather", "fp8"]).parallel.sequence_parallel_gather == "fp8"
     for gather, sp, carries in (("fp8", True, GROUP), ("bf16", True, None), ("fp8", False, None)):
         region = region_of(ParallelState(tp_size=2, sequence_parallel=sp, sequence_parallel_gather=gather))
         assert region.carrying_fp8(GROUP).fp8_group_size == carries

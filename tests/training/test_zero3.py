@@ -44,7 +44,7 @@ def _zero3(tmp):
 # --- flags -----------------------------------------------------------------------------------------------------
 def test_zero3_takes_no_fp8_weight_copies_and_writes_stage_3():
     cfg = parse_config(["--coat-fp8", "--zero-stage", "3"])
-    assert cfg.fp8.weight_cache == "none" and cfg.parallel.zero3_weight_gather == "fp8"
+    assert cfg.fp8.weight_cache == "none" and cfg.parallel.zero3_weight_gather == "bf16"
     assert build_deepspeed_config(cfg, 2, on_cuda=False)["zero_optimization"]["stage"] == 3
     assert cfg.optim.main_params_dtype is None or cfg.optim.main_params_dtype == "fp32"
     assert parse_config(["--coat-fp8", "--zero-stage", "1"]).fp8.weight_cache == "rowwise"
@@ -140,7 +140,7 @@ def test_zero3_checkpoints_resume_on_zero1_and_back(runs, tmp_path, source, targ
 
 @pytest.mark.slow
 def test_fp8_weight_gather_sends_one_byte_a_weight_and_trains_as_the_bf16_gather(tmp_path):
-    """--zero3-weight-gather fp8 (the default) against bf16, 6 steps on 2 ranks, every all-gather's bytes counted
+    """--zero3-weight-gather fp8 against bf16 (the default), 6 steps on 2 ranks, every all-gather's bytes counted
     (tests/training/count_gathers.py). The losses are the same bit for bit: each shard's E4M3 codes, made with the
     whole GEMM's agreed amax, are the codes the bf16 gather's weight cache makes from the gathered weight. Every
     element of a block GEMM weight that the bf16 gather sent as 4 bytes (these runs are fp32) the FP8 gather sends
