@@ -38,7 +38,7 @@ setup(
         # transformers: tests/tools/test_convert_to_hf.py loads the export with LlamaForCausalLM (CPU is enough).
         "dev": ["pytest", "pytest-timeout", "matplotlib", "tensorboard", "safetensors", "transformers"],
         "wandb": ["wandb"],
-        # benchmark-only: bench_e2e.py's torchao-float8 mode (the peer FP8 training, measured in the same run)
+        # benchmark-only: the torchao float8 peers (benchmarks/e2e/torchao_pretrain.py, benchmarks/parallel/torchtitan_peer.py)
         "bench": ["torchao>=0.18"],
     },
 )
