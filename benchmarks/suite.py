@@ -127,8 +127,14 @@ SUITE: list[Run] = [
           "2048, compiled): bf16 against E4M3 codes with 1x128 scales", "benchmarks.parallel.sp_gather",
           ["--gpus", str(n), "--hidden-size", "4096", "--seq-length", "2048", "--micro-batch-size", "1", "2",
            "--compile"], out=f"sp_gather_{n}gpu.json", gpus=n, limit_s=300) for n in (2, 4)],
-    Run("parallel-7b-4gpu-pp", "7 B model on 4 GPUs, micro-batch 1: TP=2 x PP=2 (no CUDA graphs under PP)",
-        PARALLEL, ["--gpus", "4", "--model", "7b", "--layouts", "tp2pp2", "--micro-batch-size", "1",
-                   *PARALLEL_METHOD], out="parallel_7b_4gpu_pp_mb1.json", gpus=4),
+    # pipelines (issue targets): the default with its per-slot stage graphs against compiled bf16
+    Run("parallel-1p3b-pp2-mb4", "1.3 B model on 2 GPUs, micro-batch 4: PP=2", PARALLEL,
+        ["--gpus", "2", "--model", "1.3b", "--layouts", "pp", "--micro-batch-size", "4", *PARALLEL_METHOD],
+        out="parallel_1p3b_pp2_mb4.json", gpus=2),
+    *[Run(f"parallel-7b-{layout}-mb{mb}", f"7 B model on 4 GPUs, micro-batch {mb}: {about}", PARALLEL,
+          ["--gpus", "4", "--model", "7b", "--layouts", layout, "--micro-batch-size", str(mb), *PARALLEL_METHOD],
+          out=f"parallel_7b_{layout}_mb{mb}.json", gpus=4)
+      for layout, about in (("tp2pp2", "TP=2 with SP x PP=2"), ("pp", "PP=4"))
+      for mb in (1, 2)],
 ]
 BY_NAME = {run.name: run for run in SUITE}

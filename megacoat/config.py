@@ -122,12 +122,9 @@ class MegacoatConfig:
 
 def check_cuda_graph(parallel: ParallelConfig, cuda_available: bool | None = None) -> None:
     """Raise ValueError naming the flag for a setting --enable-cuda-graph cannot run with: no CUDA device, or
-    DeepSpeed's pipeline schedule, which the capture does not cover."""
+    ZeRO-3. Pipeline stages are captured per micro-batch slot (megacoat.parallel.stage_graphs)."""
     if not (torch.cuda.is_available() if cuda_available is None else cuda_available):
         raise ValueError("--enable-cuda-graph needs a CUDA device (CUDA graphs replay GPU work; none is available)")
-    if parallel.pipeline_model_parallel_size > 1:
-        raise ValueError("--enable-cuda-graph does not support --pipeline-model-parallel-size > 1 (DeepSpeed's "
-                         f"pipeline schedule is not captured), got {parallel.pipeline_model_parallel_size}")
     if parallel.zero_stage == 3:
         raise ValueError("--enable-cuda-graph does not support --zero-stage 3 (each block all-gathers its weights "
                          "into new memory on every call; a CUDA graph replays fixed addresses)")

@@ -17,10 +17,10 @@ def test_no_cuda_device_is_refused_with_one_error_line(capsys):
     assert "error: --enable-cuda-graph needs a CUDA device" in err and "Traceback" not in err
 
 
-def test_pipeline_parallelism_is_refused():
-    with pytest.raises(ValueError, match="--enable-cuda-graph does not support --pipeline-model-parallel-size"):
-        check_cuda_graph(ParallelConfig(pipeline_model_parallel_size=2), cuda_available=True)
-    check_cuda_graph(ParallelConfig(tensor_model_parallel_size=2), cuda_available=True)  # TP is fine
+def test_pipeline_and_tensor_parallelism_are_accepted():
+    """A pipeline stage is captured per micro-batch slot (megacoat/parallel/stage_graphs.py): no refusal."""
+    check_cuda_graph(ParallelConfig(pipeline_model_parallel_size=2), cuda_available=True)
+    check_cuda_graph(ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), cuda_available=True)
 
 
 def test_cuda_graph_needs_the_compiled_blocks():

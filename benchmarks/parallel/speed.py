@@ -15,8 +15,8 @@ ZeRO-1 otherwise, or the stage a `-z1` / `-z2` / `-z3` suffix names (`dp-z1`; Ze
 Peers (benchmarks/parallel/torchtitan_peer.py: torchtitan's float8 recipes under FSDP2) run in data-parallel
 layouts only, started by the same launcher; their rows say `zero_stage` 3 (FSDP shards weights too), and each
 megacoat row of the layout gains `speedup_vs_<peer>` and `memory_reduction_vs_<peer>`.
-Recipes come from benchmarks/suite.py; under PP > 1, where the trainer refuses CUDA graphs, a
-recipe runs without --enable-cuda-graph (the row says so). Each (layout, mode) runs --repeats times, interleaved
+Recipes come from benchmarks/suite.py; under ZeRO-3, where the trainer refuses CUDA graphs, a recipe runs
+without --enable-cuda-graph (the row says so). Each (layout, mode) runs --repeats times, interleaved
 with the other modes; a run trains --warmup iterations, then --iters timed ones, and a row reports the median of
 the timed log intervals of its repeats. With --profile, each rank's GPU-busy fraction and communication time. Memory is the largest rank's torch.cuda.max_memory_allocated. Ratios are
 against bf16 of the same layout in the same invocation. The JSON is rewritten after every run (and copied into
@@ -221,14 +221,15 @@ def zero_stage(sizes: dict[str, int], layout: str = "") -> int:
 
 
 def mode_flags(mode: str, sizes: dict[str, int], on_cpu: bool = False, stage: int = 1) -> tuple[list[str], bool]:
-    """A recipe's flags in a layout, and whether it keeps its CUDA graphs (not under a pipeline nor ZeRO-3: the
-    trainer refuses them there); on_cpu (the tiny check) runs eager, without the GPU-only flags."""
+    """A recipe's flags in a layout, and whether it keeps its CUDA graphs (not under ZeRO-3: the trainer refuses
+    them there; a pipeline stage captures per micro-batch slot); on_cpu (the tiny check) runs eager, without the
+    GPU-only flags."""
     flags = RECIPES[mode][1]
     if mode in PEERS:  # the peer's own flags: no CUDA graphs, compile unless on CPU
         return [f for f in flags if not (on_cpu and f == "--compile")], False
     if on_cpu:
         return [f for f in flags if f not in (GRAPH_FLAG, "--compile")], False
-    graphs = GRAPH_FLAG in flags and sizes["pp"] == 1 and stage != 3
+    graphs = GRAPH_FLAG in flags and stage != 3
     return [f for f in flags if f != GRAPH_FLAG or graphs], graphs
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megacoat.parallel.stage_graphs import GraphedBlock, StageGraphs
 from megacoat.parallel.state import ParallelState
 
 
@@ -45,19 +46,27 @@ def pass_through(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
 
 
 class BlockPipe(nn.Module):
-    """One transformer block with its rotary tables (stages only pass the hidden state)."""
+    """One transformer block with its rotary tables (stages only pass the hidden state); with `graphs`, run
+    through the stage's per-slot CUDA graphs (megacoat.parallel.stage_graphs)."""
 
-    def __init__(self, block: nn.Module, rope: tuple[torch.Tensor, torch.Tensor]):
+    def __init__(self, block: nn.Module, rope: tuple[torch.Tensor, torch.Tensor], graphs: StageGraphs | None = None):
         super().__init__()
         self.block = block
         self._rope_cpu = rope  # plain attributes, not buffers: fp32 whatever the model's dtype (as in GPT)
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # in a tuple: not a submodule (it holds no state of its own; the block's parameters stay the block's)
+        self._graphed = () if graphs is None else (GraphedBlock(block, self.rope, graphs),)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self._graphed:
+            return self._graphed[0](h)
+        return self.block(h, *self.rope(h))
+
+    def rope(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) on h's device."""
         if h.device not in self._rope_cache:
             self._rope_cache[h.device] = tuple(t.to(h.device) for t in self._rope_cpu)
-        cos, sin = self._rope_cache[h.device]
-        return self.block(h, cos, sin)
+        return self._rope_cache[h.device]
 
 
 class HeadPipe(nn.Module):
@@ -72,9 +81,11 @@ class HeadPipe(nn.Module):
         return h
 
 
-def build_pipeline(model: nn.Module, state: ParallelState):
+def build_pipeline(model: nn.Module, state: ParallelState, micro_batches: int = 1, cuda_graph: bool = False):
     """A deepspeed PipelineModule over `model`'s modules, on DeepSpeed's topology for `state`'s sizes. Only this
-    stage's layers move to the device; the others are dropped with `model`."""
+    stage's layers move to the device; the others are dropped with `model`. cuda_graph: the stage's blocks run
+    through per-slot CUDA graphs, one slot per micro-batch the 1F1B schedule holds in flight on this stage
+    (pp - stage, at most `micro_batches`, the micro-batches a step)."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
     if model.cfg.num_layers % state.pp_size:
@@ -88,7 +99,8 @@ def build_pipeline(model: nn.Module, state: ParallelState):
                                     tied_weight_attr=["tok_embeddings.weight"]))
     else:
         layers.append(LayerSpec(EmbeddingPipe, model.tok_embeddings))
-    layers += [LayerSpec(BlockPipe, block, rope) for block in model.layers]
+    graphs = StageGraphs() if cuda_graph else None
+    layers += [LayerSpec(BlockPipe, block, rope, graphs) for block in model.layers]
     layers.append(model.norm)  # a module: a stage holds it as is (ParallelRMSNorm enters the TP region)
     if tied:
         layers.append(TiedLayerSpec("embed", EmbeddingPipe, model.tok_embeddings, forward_fn=pass_through,
@@ -102,6 +114,8 @@ def build_pipeline(model: nn.Module, state: ParallelState):
 
     pipe = PipelineModule(layers=layers, topology=state.grid.topology(), loss_fn=head_loss,
                           partition_method="parameters")
+    if graphs is not None:
+        graphs.set_slots(min(pipe.num_stages - pipe.stage_id, micro_batches))
     if tied and pipe.stage_id == pipe.num_stages - 1:
         pipe.tied_modules["embed"].serve_head(output)
     return pipe

@@ -42,12 +42,14 @@ def build_model(cfg: MegacoatConfig, device: torch.device, state: ParallelState 
         model = model_converter(model)
     if cfg.parallel.zero_stage == 3:
         register_read_weights(model)  # gathered by the modules that read them (training/zero3.py)
-    if cfg.training.compile:
-        apply_compile(model, cuda_graph=cfg.training.enable_cuda_graph)
+    graphed = cfg.training.enable_cuda_graph
+    if cfg.training.compile:  # a pipeline stage captures its compiled blocks itself (per micro-batch slot)
+        apply_compile(model, cuda_graph=graphed and not pipelined)
     if pipelined:
         from megacoat.parallel.pipeline import build_pipeline
 
-        return build_pipeline(model, state)
+        micro_batches = cfg.training.gradient_accumulation_steps(state.dp_size)
+        return build_pipeline(model, state, micro_batches, cuda_graph=graphed)
     return model.to(device)
 
 
@@ -62,8 +64,10 @@ def apply_compile(model: nn.Module, cuda_graph: bool = False) -> None:
     them: call megacoat.coat.linear.refresh_fp8_weights(model) once the weights are final (the trainer does, after
     building the engine, after each optimizer step and after loading a checkpoint).
 
-    cuda_graph (--enable-cuda-graph): the blocks compile in mode "reduce-overhead" (cudagraph trees, see
-    megacoat.training.cuda_graph); the loss stays in the default mode."""
+    cuda_graph (--enable-cuda-graph without a pipeline): the blocks compile in mode "reduce-overhead" (cudagraph
+    trees, see megacoat.training.cuda_graph); the loss stays in the default mode. A pipeline stage's schedule holds
+    several micro-batches in flight, which one graph per block cannot serve: its compiled blocks are captured per
+    micro-batch slot instead (megacoat.parallel.stage_graphs)."""
     for block in model.layers:
         block.compile(mode="reduce-overhead" if cuda_graph else None)
     if type(getattr(model, "norm", None)) is RMSNorm:  # the final norm (under TP, ParallelRMSNorm stays eager)

@@ -19,10 +19,12 @@ def test_layouts_and_zero_stages():
         speed.layout_sizes("tp3", 4)
 
 
-def test_the_default_keeps_its_graphs_but_under_a_pipeline():
+def test_the_default_keeps_its_graphs_in_every_layout_but_zero3():
     flags, graphs = speed.mode_flags("coat", {"tp": 2, "pp": 1, "dp": 2})
     assert graphs and "--enable-cuda-graph" in flags and "--compile" in flags
-    flags, graphs = speed.mode_flags("coat", {"tp": 2, "pp": 2, "dp": 1})
+    flags, graphs = speed.mode_flags("coat", {"tp": 2, "pp": 2, "dp": 1})  # per-slot stage graphs
+    assert graphs and "--enable-cuda-graph" in flags and "--compile" in flags
+    flags, graphs = speed.mode_flags("coat", {"tp": 1, "pp": 1, "dp": 4}, stage=3)
     assert not graphs and "--enable-cuda-graph" not in flags and "--compile" in flags
     assert speed.mode_flags("bf16", {"tp": 1, "pp": 1, "dp": 4}) == (["--compile"], False)
 
