@@ -146,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block (as torchtitan does); first steps are slower")
     g.add_argument("--enable-cuda-graph", action="store_true",
-                   help="--compile with CUDA graphs (mode reduce-overhead: each block's forward and backward "
-                        "replayed); CUDA only, no pipeline parallelism")
+                   help="--compile with CUDA graphs (each block's forward and backward replayed; under pipeline "
+                        "parallelism once per micro-batch slot); CUDA only, not with --zero-stage 3")
     g.add_argument("--cublas-workspace", choices=CUBLAS_WORKSPACES, default=t.cublas_workspace,
                    help="none: cuBLAS without a workspace; default: torch's workspace; auto: none where FP8 GEMMs run, "
                         "unless CUBLASLT_WORKSPACE_SIZE or CUBLAS_WORKSPACE_CONFIG is set (auto is the default)")
