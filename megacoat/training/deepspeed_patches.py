@@ -251,7 +251,11 @@ def _wait_instead_of_synchronize(zo) -> None:
     def epilogue(self):
         from deepspeed.accelerator import get_accelerator
 
-        get_accelerator().current_stream().wait_stream(self.reduction_stream)
+        compute = get_accelerator().current_stream()
+        compute.wait_stream(self.reduction_stream)
+        for bucket in getattr(self, "ipg_buckets", {}).values():  # the last bucket's copies, if made on other streams
+            for producer in getattr(bucket, "copy_streams", ()):
+                compute.wait_stream(producer)
         self.overlap_comm = False  # DeepSpeed's epilogue: no synchronize, the last bucket on the compute stream
         try:
             own(self)
