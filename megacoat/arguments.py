@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what a COAT block's sequence-parallel all-gather carries: bf16, or its input's 1xG E4M3 groups")
     g.add_argument("--zero-stage", type=int, default=pc.zero_stage, choices=(0, 1, 2, 3),
                    help="DeepSpeed ZeRO: 1 partitions optimizer states, 2 also gradients, 3 also weights")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="ZeRO-1/2: reduce each gradient bucket on a side stream as soon as backward has made it, "
+                        "overlapping the rest of backward (off until measured on several GPUs)")
     g.add_argument("--zero3-weight-gather", default=pc.zero3_weight_gather, choices=ZERO3_WEIGHT_GATHERS,
                    help="what ZeRO-3's all-gather of the COAT blocks' GEMM weights carries: bf16, or E4M3 codes")
 
@@ -261,6 +264,7 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
                               pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                               sequence_parallel=args.sequence_parallel, zero_stage=args.zero_stage,
                               zero3_weight_gather=args.zero3_weight_gather,
+                              overlap_grad_reduce=args.overlap_grad_reduce,
                               sequence_parallel_gather=args.sequence_parallel_gather)
     precision = "bf16" if args.bf16 else "fp32" if args.fp32 else "auto"
     training = TrainingConfig(
@@ -283,6 +287,10 @@ def config_from_args(args: argparse.Namespace) -> MegacoatConfig:
     if optim.main_grads_dtype == "fp32" and precision != "fp32" and parallel.zero_stage == 0:
         raise ValueError("--main-grads-dtype fp32 in a bf16 run needs --zero-stage 1 or 2 (DeepSpeed accumulates bf16 "
                          "gradients in fp32 only in its ZeRO optimizers)")
+    if parallel.overlap_grad_reduce and parallel.zero_stage == 1 and optim.main_grads_dtype == "fp32" \
+            and precision != "fp32":
+        raise ValueError("--overlap-grad-reduce does not support --main-grads-dtype fp32 with --zero-stage 1 in a bf16 "
+                         "run (DeepSpeed then runs its BF16_Optimizer, which reduces after backward)")
     if optim.main_params_dtype == "bf16-remainder":
         if parallel.zero_stage not in (1, 2):
             raise ValueError("--main-params-dtype bf16-remainder needs --zero-stage 1 or 2 (DeepSpeed leaves the master "

@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--enable-cuda-graph runs with more than one micro-batch a step (their gradients are copied out "
                         "of the graph pool after the first micro-batch and lie flat: ZeRO-1 on one rank reads them "
                         "in place)")
+    p.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="as training: DeepSpeed's two smaller reduction buckets instead of its one")
     p.add_argument("--fp8-output-layer", nargs="?", const="on", default=DEFAULT_OUTPUT_LAYER,
                    choices=OUTPUT_LAYER_CHOICES,
                    help="the output layer in FP8 too (its input saved as E4M3, its weight cached like the block "
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                                       main_grads_dtype=args.main_grads_dtype,
                                       main_params_dtype=master, compiled=args.compile,
                                       graphed_accumulation=args.graphed_accumulation,
+                                      overlap_grad_reduce=args.overlap_grad_reduce,
                                       fp8_output_layer=fp8_head)
                 rows.append({"mode": mode, "optimizer_class": "CoatAdamW" if fp8_opt else "AdamW",
                              "main_params_dtype": master, "fp8_output_layer": fp8_head, **est.as_dict()})

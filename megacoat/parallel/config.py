@@ -19,6 +19,9 @@ class ParallelConfig:
     # bf16 by default until the FP8 gathers are measured on several GPUs (the CPU tests hold them bit for bit)
     sequence_parallel_gather: str = "bf16"  # SEQUENCE_PARALLEL_GATHERS
     zero3_weight_gather: str = "bf16"  # ZERO3_WEIGHT_GATHERS
+    # ZeRO-1/2: each gradient bucket reduced as soon as backward has made it, overlapping the rest of backward
+    # (DeepSpeed's overlap_comm; Megatron's --overlap-grad-reduce). Off until measured on several GPUs.
+    overlap_grad_reduce: bool = False
 
     def __post_init__(self):
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
@@ -30,6 +33,13 @@ class ParallelConfig:
         if self.zero3_weight_gather not in ZERO3_WEIGHT_GATHERS:
             raise ValueError(f"--zero3-weight-gather must be one of {ZERO3_WEIGHT_GATHERS}, "
                              f"got {self.zero3_weight_gather!r}")
+        if self.overlap_grad_reduce and self.zero_stage not in (1, 2):
+            raise ValueError(f"--overlap-grad-reduce needs --zero-stage 1 or 2 (DeepSpeed's ZeRO-1/2 optimizer reduces "
+                             f"the buckets; ZeRO-3 overlaps its own), got {self.zero_stage}")
+        if self.overlap_grad_reduce and self.pipeline_model_parallel_size > 1:
+            raise ValueError("--overlap-grad-reduce does not support --pipeline-model-parallel-size > 1 (DeepSpeed's "
+                             "pipeline engine reduces after its schedule), got "
+                             f"{self.pipeline_model_parallel_size}")
         if self.sequence_parallel_gather not in SEQUENCE_PARALLEL_GATHERS:
             raise ValueError(f"--sequence-parallel-gather must be one of {SEQUENCE_PARALLEL_GATHERS}, "
                              f"got {self.sequence_parallel_gather!r}")

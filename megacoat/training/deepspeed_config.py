@@ -10,6 +10,26 @@ from megacoat.config import MegacoatConfig
 from megacoat.optim.config import default_main_params_dtype
 
 UNTESTED_OPTIMIZER_WARNING = "You are using ZeRO with an untested optimizer"
+# --overlap-grad-reduce: Megatron-LM's default bucket (elements), max(40 M, 1 M x the data-parallel size); DeepSpeed's
+# own (5e8) is too coarse for overlap at megacoat's model sizes (docs/design.md, section 10)
+OVERLAP_BUCKET_ELEMENTS = 40_000_000
+
+
+def overlap_bucket_size(data_parallel_size: int) -> int:
+    """reduce_bucket_size under --overlap-grad-reduce: elements of one of DeepSpeed's two gradient buckets."""
+    return max(OVERLAP_BUCKET_ELEMENTS, 1_000_000 * data_parallel_size)
+
+
+def zero_settings(cfg: MegacoatConfig, data_parallel_size: int) -> dict:
+    """DeepSpeed's `zero_optimization`: the stage, and under --overlap-grad-reduce (ZeRO-1/2) `overlap_comm` with
+    Megatron's bucket size. With overlap_comm DeepSpeed's gradient hooks copy each gradient into one of two
+    buckets as autograd makes it (ZeRO-1: on the step's last micro-batch only; ZeRO-2: on every one) and reduce a
+    full bucket on its reduction stream while backward goes on; without it ZeRO-1 reduces every bucket after
+    backward, and ZeRO-2 reduces in the hooks on the compute stream."""
+    zero: dict = {"stage": cfg.parallel.zero_stage}
+    if cfg.parallel.overlap_grad_reduce:
+        zero.update(overlap_comm=True, reduce_bucket_size=overlap_bucket_size(data_parallel_size))
+    return zero
 
 
 def quiet_tested_optimizer_warning(record: logging.LogRecord) -> bool:
@@ -72,7 +92,7 @@ def build_deepspeed_config(cfg: MegacoatConfig, data_parallel_size: int, on_cuda
         "gradient_accumulation_steps": gas,
         "gradient_clipping": cfg.optim.clip_grad,
         "bf16": {"enabled": bf16},
-        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "zero_optimization": zero_settings(cfg, data_parallel_size),
         # megacoat hands DeepSpeed its own optimizer object (AdamW or CoatAdamW): allow it under ZeRO.
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,  # megacoat logs; keep DeepSpeed's own step printing out of the way
@@ -108,6 +128,9 @@ def build_deepspeed_config(cfg: MegacoatConfig, data_parallel_size: int, on_cuda
     if stage is not None and stage != cfg.parallel.zero_stage:
         raise ValueError(f"--deepspeed_config {t.deepspeed_config}: zero stage {stage} disagrees with "
                          f"--zero-stage {cfg.parallel.zero_stage}")
+    if cfg.parallel.overlap_grad_reduce and user.get("zero_optimization", {}).get("overlap_comm") is False:
+        raise ValueError(f"--deepspeed_config {t.deepspeed_config}: overlap_comm false disagrees with "
+                         "--overlap-grad-reduce")
     merged = dict(ds)
     merged.update(user)  # the user's file wins for everything else (e.g. communication tuning)
     merged["zero_optimization"] = {**ds["zero_optimization"], **user.get("zero_optimization", {})}

@@ -5,6 +5,9 @@ attributes by name, as DeepSpeed TESTED_DEEPSPEED lays them out. Each is exact o
 - `share_master_partitions` (--main-params-dtype bf16-remainder): the bf16 "master" partition is the model's slice;
 - `install_flat_grad_partition`: the step reads its gradient partition in place instead of flattening a copy;
 - `skip_single_rank_reduction`: ZeRO-1 with one data-parallel rank skips the identity reduction and its buckets;
+- `install_overlapped_reduction` (DeepSpeed's overlap_comm, --overlap-grad-reduce): ZeRO-1's reduced gradients
+  laid in parameter order, and the end of backward waiting for the reduction stream on the device instead of a
+  device-wide synchronize from the host;
 - `install_device_skip` (bf16): the non-finite check and the clip run on the device without a host read. Unlike
   DeepSpeed's host check, the LR schedule and step count move on over a refused step; the trainer reads the
   refusals from the returned `SkipCounter` at its log interval and before a save.
@@ -55,6 +58,7 @@ def patch_zero_optimizer(engine, *, share_master: bool, device_skip: bool,
         share_master_partitions(engine.optimizer)
     install_flat_grad_partition(engine.optimizer)
     skip_single_rank_reduction(engine.optimizer)
+    install_overlapped_reduction(engine.optimizer)
     counter = install_device_skip(engine) if device_skip else None
     if counter is not None:
         log(DEVICE_SKIP_LINE)
@@ -177,6 +181,88 @@ def skip_single_rank_reduction(zero_optimizer) -> bool:
 
         zo.setup_buckets = types.MethodType(setup_empty_buckets, zo)
     return True
+
+
+# --- the overlapped reduction (DeepSpeed's overlap_comm, --overlap-grad-reduce) ----------------------------------
+# Settings under which DeepSpeed's epilogue or reduction does more than the bucketed all-reduce read here: CPU
+# offload (its own streams and events), ZenFlow, DeepSpeed's MoE expert groups, ZeRO-1's separate fp32 accumulator.
+_OVERLAP_MUST_BE_OFF = ("cpu_offload", "zenflow", "has_moe_layers", "use_grad_accum_attribute")
+_OVERLAP_ATTRS = ("independent_gradient_partition_epilogue", "copy_grads_in_partition", "params_in_partition",
+                  "grads_in_partition", "grads_in_partition_offset", "reduction_stream", "contiguous_gradients",
+                  "use_multi_rank_bucket_allreduce", "partition_gradients", "bit16_groups")
+
+
+def install_overlapped_reduction(zero_optimizer) -> bool:
+    """Under overlap_comm DeepSpeed's gradient hooks copy each gradient into one of two buckets as autograd makes
+    it and reduce a full bucket on its reduction stream while backward goes on (ZeRO-1: on the step's last
+    micro-batch). Two changes, each keeping DeepSpeed's values; returns whether they were installed:
+
+    - ZeRO-1 lays the reduced gradients of its partition in parameter order, as the boundary reduction does,
+      instead of in the order backward makes them: the step then reads them in place (`install_flat_grad_partition`)
+      and the norm sums them in the same order as without overlap;
+    - on a device with a reduction stream, the end of backward waits for that stream on the device instead of
+      DeepSpeed's device-wide synchronize, which made the host wait for the GPU's whole queue (and the GPU then
+      idle while the host launched the step). The wait is enqueued on the compute stream before the epilogue, so
+      every later use of a gradient, a partition or a bucket buffer the epilogue frees comes after the earlier
+      buckets' reductions; the last bucket, with no backward left to overlap, reduces on the compute stream.
+
+    Not installed without overlap_comm, nor where the reduction takes another path (DeepSpeed's non-contiguous or
+    per-rank fallbacks, which synchronize by themselves)."""
+    zo = zero_optimizer
+    if type(zo).__name__ != "DeepSpeedZeroOptimizer" or not getattr(zo, "overlap_comm", False):
+        return False
+    if any(not hasattr(zo, a) for a in _OVERLAP_ATTRS) or any(getattr(zo, a, True) for a in _OVERLAP_MUST_BE_OFF):
+        return False
+    if not (zo.contiguous_gradients and zo.use_multi_rank_bucket_allreduce):
+        return False
+    if not zo.partition_gradients:
+        _copy_in_parameter_order(zo)
+    if zo.reduction_stream is not None:  # None on a synchronized device (CPU), whose epilogue does not synchronize
+        _wait_instead_of_synchronize(zo)
+    return True
+
+
+def _copy_in_parameter_order(zo) -> None:
+    """ZeRO-1's `copy_grads_in_partition` puts each reduced gradient of this rank's partition at the next free
+    offset of its buffer; here at the offset it takes when the gradients come in parameter order."""
+    offsets, total = {}, 0
+    for group in zo.params_in_partition:
+        for p in group:
+            offsets[id(p)] = total
+            total += p.numel()
+    own = type(zo).copy_grads_in_partition
+
+    def copy_grads_in_partition(self, param, group_idx=None):
+        if id(param) in offsets:
+            if self.grads_in_partition is None:  # DeepSpeed's allocation (it would restart the offset at 0)
+                from deepspeed.accelerator import get_accelerator
+
+                self.grads_in_partition = torch.empty(total, dtype=self.dtype,
+                                                      device=get_accelerator().current_device_name())
+            self.grads_in_partition_offset = offsets[id(param)]
+        return own(self, param, group_idx)
+
+    zo.copy_grads_in_partition = types.MethodType(copy_grads_in_partition, zo)
+
+
+def _wait_instead_of_synchronize(zo) -> None:
+    own = type(zo).independent_gradient_partition_epilogue
+
+    def epilogue(self):
+        from deepspeed.accelerator import get_accelerator
+
+        compute = get_accelerator().current_stream()
+        compute.wait_stream(self.reduction_stream)
+        for bucket in getattr(self, "ipg_buckets", {}).values():  # the last bucket's copies, if made on other streams
+            for producer in getattr(bucket, "copy_streams", ()):
+                compute.wait_stream(producer)
+        self.overlap_comm = False  # DeepSpeed's epilogue: no synchronize, the last bucket on the compute stream
+        try:
+            own(self)
+        finally:
+            self.overlap_comm = True
+
+    zo.independent_gradient_partition_epilogue = types.MethodType(epilogue, zo)
 
 
 # --- the non-finite check on the device (bf16) -------------------------------------------------------------------

@@ -14,7 +14,8 @@ tests/tools/test_memory_estimator.py; the head's logits and their gradient are a
 
 Peak = weights + gradients + optimizer + the larger of: the activations of the micro-batches in flight (with
 1F1B the first stage holds `pp` of them) plus the head, or the step's gradient copy. Allocator fragmentation is
-not modelled, nor DeepSpeed's communication buckets outside the copy out of a CUDA graph's pool; under
+not modelled, nor DeepSpeed's communication buckets outside the copy out of a CUDA graph's pool (there ZeRO-1's
+bucket is one of reduce_bucket_size elements, or under --overlap-grad-reduce two smaller ones); under
 --enable-cuda-graph torch.cuda.max_memory_allocated undercounts the graph pool, so measured peaks are a lower
 bound there.
 """
@@ -24,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 from megacoat.coat.recipe import DEFAULT_WEIGHT_CACHE, WEIGHT_CACHES
 from megacoat.model.config import ModelConfig
+from megacoat.training.deepspeed_config import overlap_bucket_size
 
 MODES = ("bf16", "fp8-linear", "coat")
 MAIN_GRADS_DTYPES = ("fp32", "bf16")
@@ -80,12 +82,13 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
                     bf16: bool = True, fp8_weight_cache: str = DEFAULT_WEIGHT_CACHE, main_grads_dtype: str = "bf16",
                     main_params_dtype: str = "fp32", compiled: bool = False,
                     graphed_accumulation: bool = False, fp8_output_layer: bool = False,
-                    zero3_weight_gather: str = "bf16") -> MemoryEstimate:
+                    zero3_weight_gather: str = "bf16", overlap_grad_reduce: bool = False) -> MemoryEstimate:
     """Bytes on the busiest GPU (the first pipeline stage for activations, the last for the head). compiled:
     --compile (also --enable-cuda-graph), whose blocks and loss save less (see the module docstring).
     graphed_accumulation: --enable-cuda-graph with more than one micro-batch a step (gradients laid flat).
     fp8_output_layer: --fp8-output-layer (the head an FP8 linear too). zero3_weight_gather: --zero3-weight-gather
-    (ZeRO-3 in coat mode: the blocks' GEMM weights gathered as E4M3, fp8, or in the weights' dtype)."""
+    (ZeRO-3 in coat mode: the blocks' GEMM weights gathered as E4M3, fp8, or in the weights' dtype).
+    overlap_grad_reduce: --overlap-grad-reduce (DeepSpeed's two reduction buckets of Megatron's size)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if main_grads_dtype not in MAIN_GRADS_DTYPES or main_params_dtype not in MAIN_PARAMS_DTYPES:
@@ -134,7 +137,8 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
             step_gradients = (flat + (0 if remainders else 4)) * params / zero_div_master
         optimizer = ((2 if remainders else 4) + moments) * params / zero_div_master
         if graphed_accumulation:  # the copy out of the graph pool: both copies, and ZeRO-1's reduction bucket
-            bucket = 2 * DEEPSPEED_REDUCE_BUCKET if zero_stage == 1 and dp > 1 and main_grads_dtype == "bf16" else 0
+            elements = 2 * overlap_bucket_size(dp) if overlap_grad_reduce else DEEPSPEED_REDUCE_BUCKET
+            bucket = 2 * elements if zero_stage == 1 and dp > 1 and main_grads_dtype == "bf16" else 0
             step_gradients = max(step_gradients, 2 * params + bucket)
     else:
         weights = 4 * params

@@ -170,6 +170,9 @@ def test_model_state_matches_a_hand_count():
     assert estimate_memory(cfg, "coat", **one, graphed_accumulation=True).step_gradients == 2 * p
     assert estimate_memory(cfg, "coat", **one, data_parallel_size=2, graphed_accumulation=True).step_gradients == (
         2 * p + 2 * DEEPSPEED_REDUCE_BUCKET)
+    # --overlap-grad-reduce: two buckets of Megatron's size (elements) take turns instead of DeepSpeed's one
+    assert estimate_memory(cfg, "coat", **one, data_parallel_size=2, graphed_accumulation=True,
+                           overlap_grad_reduce=True).step_gradients == 2 * p + 2 * 2 * 40_000_000
     assert estimate_memory(cfg, "coat", **{**one, "zero_stage": 2}, graphed_accumulation=True).step_gradients == 2 * p
     linears = 2 * (4 * 128 * 128 + 3 * 128 * 256)
     assert coat.weights == 2 * p + linears  # + the E4M3 weight cache, by default W only (rowwise)
