@@ -40,6 +40,16 @@ def environment() -> dict:
     return env
 
 
+def free_port() -> int:
+    """A TCP port free on this host now, for a launcher's rendezvous (a fixed one may still be held by an earlier
+    run in TIME_WAIT)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def load_tool(name: str):
     """A script of tools/ (a folder of scripts, not a package) by its file name, loaded once."""
     module_name = f"_tools_{name}"

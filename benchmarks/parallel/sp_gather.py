@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import RESULTS, environment, write_json
+from benchmarks.common import RESULTS, environment, free_port, write_json
 
 VARIANTS = ("bf16", "fp8")
 
@@ -121,19 +120,13 @@ def _rank(rank: int, args: argparse.Namespace, port: int, rows: dict) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if torch.cuda.is_available() and torch.cuda.device_count() < args.gpus:
         raise SystemExit(f"error: --gpus {args.gpus}: this machine has {torch.cuda.device_count()}")
     with mp.Manager() as manager:
         rows = manager.dict()
-        mp.spawn(_rank, args=(args, _free_port(), rows), nprocs=args.gpus)
+        mp.spawn(_rank, args=(args, free_port(), rows), nprocs=args.gpus)
         rows = dict(rows)
     for mb in args.micro_batch_size:
         fp8, bf16 = rows[f"mb{mb}/fp8"], rows[f"mb{mb}/bf16"]

@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import RESULTS, ROOT, environment, write_json
+from benchmarks.common import RESULTS, ROOT, environment, free_port, write_json
 from benchmarks.e2e.speed import failure, timed_window
 from benchmarks.suite import GRAPH_FLAG, MODELS, PEER, RECIPES, TRAINER
 
@@ -305,13 +305,12 @@ def main() -> None:
                       "statistic": "median of the timed log intervals of all repeats",
                       "tflops": "the trainer's count (Megatron's: matmuls, attention included)"},
            "rows": {}}
-    port = 29700
     for layout in args.layouts:
         sizes = layout_sizes(layout, args.gpus)
         runs = {mode: [] for mode in args.modes}
         for repeat in range(args.repeats):
             for mode in args.modes:
-                port += 1
+                port = free_port()
                 if mode in PEERS and peer_missing(mode):
                     out["rows"][f"{layout}/{mode}"] = {"layout": layout, "mode": mode, "ok": False,
                                                        "skipped": peer_missing(mode)}
