@@ -85,7 +85,8 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
                     zero3_weight_gather: str = "bf16", overlap_grad_reduce: bool = False) -> MemoryEstimate:
     """Bytes on the busiest GPU (the first pipeline stage for activations, the last for the head). compiled:
     --compile (also --enable-cuda-graph), whose blocks and loss save less (see the module docstring).
-    graphed_accumulation: --enable-cuda-graph with more than one micro-batch a step (gradients laid flat).
+    graphed_accumulation: --enable-cuda-graph with more than one micro-batch a step (gradients laid flat; not
+    under pipeline parallelism).
     fp8_output_layer: --fp8-output-layer (the head an FP8 linear too). zero3_weight_gather: --zero3-weight-gather
     (ZeRO-3 in coat mode: the blocks' GEMM weights gathered as E4M3, fp8, or in the weights' dtype).
     overlap_grad_reduce: --overlap-grad-reduce (DeepSpeed's two reduction buckets of Megatron's size)."""
@@ -125,6 +126,8 @@ def estimate_memory(cfg: ModelConfig, mode: str = "bf16", *, micro_batch_size: i
         return _zero3_estimate(cfg, mode, params, dp, moments_bytes(fp8_optimizer, fp8_group_size), bf16,
                                main_grads_dtype, activations, zero3_weight_gather == "fp8")
     moments = moments_bytes(fp8_optimizer, fp8_group_size)
+    # a pipeline stage's graphs hand each gradient out of the pool as it is made (parallel/stage_graphs.py): no copy
+    graphed_accumulation = graphed_accumulation and pp == 1
     if bf16:
         weights = 2 * params
         step_gradients = 0.0

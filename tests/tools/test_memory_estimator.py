@@ -174,6 +174,9 @@ def test_model_state_matches_a_hand_count():
     assert estimate_memory(cfg, "coat", **one, data_parallel_size=2, graphed_accumulation=True,
                            overlap_grad_reduce=True).step_gradients == 2 * p + 2 * 2 * 40_000_000
     assert estimate_memory(cfg, "coat", **{**one, "zero_stage": 2}, graphed_accumulation=True).step_gradients == 2 * p
+    # a pipeline stage's graphs hand each gradient out as it is made: no second copy
+    staged = dict(fp8_optimizer=True, zero_stage=1, data_parallel_size=2, pipeline_parallel_size=2)
+    assert estimate_memory(cfg, "coat", **staged, graphed_accumulation=True) == estimate_memory(cfg, "coat", **staged)
     linears = 2 * (4 * 128 * 128 + 3 * 128 * 256)
     assert coat.weights == 2 * p + linears  # + the E4M3 weight cache, by default W only (rowwise)
     assert estimate_memory(cfg, "coat", fp8_weight_cache="step").weights == 2 * p + 2 * linears  # W and W^T
