@@ -26,8 +26,7 @@ OUTPUT_LAYER_CHOICES = (AUTO, "on", "off")
 DEFAULT_OUTPUT_LAYER = AUTO
 
 
-def fp8_head_obstacle(tensor_model_parallel_size: int, pipeline_model_parallel_size: int, vocab_size: int,
-                      hidden_size: int) -> str | None:
+def fp8_head_obstacle(tensor_model_parallel_size: int, vocab_size: int, hidden_size: int) -> str | None:
     """Why the FP8 head cannot run in this layout, in words for the banner, or None where it can (under pipeline
     parallelism it runs on the last stage, under tensor parallelism over vocabulary slices: megacoat.coat.head)."""
     if vocab_size % FP8_GEMM_MULTIPLE or hidden_size % FP8_GEMM_MULTIPLE:
@@ -105,7 +104,7 @@ class CoatRecipe:
         ValueError naming the flag). Delayed scaling runs in every layout (a pipeline stage's histories are the
         one-stage run's: megacoat.coat.delayed_scaling); the FP8 head where fp8_head_obstacle finds none."""
         tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-        obstacle = fp8_head_obstacle(tp, pp, FP8_GEMM_MULTIPLE if vocab_size is None else vocab_size,
+        obstacle = fp8_head_obstacle(tp, FP8_GEMM_MULTIPLE if vocab_size is None else vocab_size,
                                      FP8_GEMM_MULTIPLE if hidden_size is None else hidden_size)
         if self.output_layer is True and obstacle:
             raise ValueError(f"--fp8-output-layer on: {obstacle} (got --vocab-size {vocab_size}, --hidden-size "

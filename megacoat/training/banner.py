@@ -25,7 +25,7 @@ def _bf16_head_reason(cfg: MegacoatConfig) -> str:
     if cfg.fp8.mode != "coat":
         return ""
     m, p = cfg.model, cfg.parallel
-    why = fp8_head_obstacle(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, m.vocab_size, m.hidden_size)
+    why = fp8_head_obstacle(p.tensor_model_parallel_size, m.vocab_size, m.hidden_size)
     return f" ({why or '--fp8-output-layer off'})"
 
 
