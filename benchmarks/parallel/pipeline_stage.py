@@ -51,41 +51,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build(args, mode: str, device: torch.device):
-    """(forward over the stage's blocks, the blocks' parameters) for a mode; the same weights for every mode."""
+def build_stage(cfg, recipe: str, device: torch.device, compiled: bool, slots: int | None = None,
+                warmup: int | None = None):
+    """cfg's blocks as one pipeline stage (BlockPipe, compiled as the trainer compiles them under PP when
+    `compiled`), through per-slot CUDA graphs when `slots` is given (after `warmup` eager calls a block, the
+    library's default when None). The same weights on every call. Returns (forward over the stage, the model,
+    the stage's BlockPipes)."""
     from megacoat.coat.convert import after_optimizer_step, convert_to_coat
     from megacoat.coat.recipe import RECIPES
     from megacoat.model import GPT
-    from megacoat.model.config import ModelConfig
     from megacoat.parallel.pipeline import BlockPipe
     from megacoat.parallel.stage_graphs import StageGraphs
 
-    recipe, how = mode.split("-")
-    cfg = ModelConfig(num_layers=args.layers, **MODELS[args.model])
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT(cfg)
-    if recipe == "coat":
-        model = convert_to_coat(model, RECIPES["coat"].for_layout(1, 2, cfg.vocab_size, cfg.hidden_size))
+    if recipe != "bf16":
+        model = convert_to_coat(model, RECIPES[recipe].for_layout(1, 2, cfg.vocab_size, cfg.hidden_size))
     model = model.to(device).to(torch.bfloat16)
-    after_optimizer_step(model)
-    if how != "eager":
+    after_optimizer_step(model)  # the FP8 weight copies
+    if compiled:
         for block in model.layers:
             block.compile()
     graphs = None
-    if how == "graphed":
-        graphs = StageGraphs()
-        graphs.set_slots(min(args.in_flight, args.micro_batches))
+    if slots is not None:
+        graphs = StageGraphs() if warmup is None else StageGraphs(warmup=warmup)
+        graphs.set_slots(slots)
     pipes = [BlockPipe(block, model._rope_cpu, graphs) for block in model.layers]
 
     def forward(x):
         for pipe in pipes:
             x = pipe(x)
         return x
+    return forward, model, pipes
+
+
+def build(args, mode: str, device: torch.device):
+    """(forward over the stage's blocks, the blocks' parameters) for a mode."""
+    from megacoat.model.config import ModelConfig
+
+    recipe, how = mode.split("-")
+    slots = min(args.in_flight, args.micro_batches) if how == "graphed" else None
+    forward, model, _ = build_stage(ModelConfig(num_layers=args.layers, **MODELS[args.model]), recipe, device,
+                                    compiled=how != "eager", slots=slots)
     return forward, list(model.layers.parameters())
 
 
 def one_f_one_b(micro_batches: int, ahead: int) -> list[tuple[str, int]]:
+    """A stage's order of forwards (F) and backwards (B) of micro-batches under 1F1B with `ahead` in flight."""
     order, f = [("F", i) for i in range(min(ahead, micro_batches))], min(ahead, micro_batches)
     for b in range(micro_batches):
         order.append(("B", b))
@@ -96,6 +109,8 @@ def one_f_one_b(micro_batches: int, ahead: int) -> list[tuple[str, int]]:
 
 
 def step(forward, params, xs, gys, ahead):
+    """One step: every micro-batch through the stage in 1F1B order, the parameters' gradients cleared first;
+    returns the inputs' gradients."""
     for p in params:
         p.grad = None  # as the optimizer's zero_grad(set_to_none=True)
     live, dxs = {}, [None] * len(xs)

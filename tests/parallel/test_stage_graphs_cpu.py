@@ -9,13 +9,10 @@ import contextlib
 import pytest
 import torch
 
-from megacoat.coat.convert import after_optimizer_step, convert_to_coat
-from megacoat.coat.recipe import RECIPES
-from megacoat.model import GPT
+from benchmarks.parallel.pipeline_stage import build_stage
 from megacoat.model.config import ModelConfig
 from megacoat.parallel import stage_graphs
-from megacoat.parallel.pipeline import BlockPipe
-from megacoat.parallel.stage_graphs import SlotBusyError, StageGraphs
+from megacoat.parallel.stage_graphs import SlotBusyError
 
 CFG = ModelConfig(num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4, seq_length=128,
                   vocab_size=512)
@@ -34,23 +31,8 @@ def eager_capture(monkeypatch):
 
 
 def stage(slots: int | None, recipe: str = "coat"):
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    if recipe != "bf16":
-        model = convert_to_coat(model, RECIPES[recipe].for_layout(1, 2, CFG.vocab_size, CFG.hidden_size))
-    model = model.to(torch.bfloat16)
-    after_optimizer_step(model)
-    graphs = None
-    if slots is not None:
-        graphs = StageGraphs(warmup=1)
-        graphs.set_slots(slots)
-    pipes = [BlockPipe(block, model._rope_cpu, graphs) for block in model.layers]
-
-    def forward(x):
-        for pipe in pipes:
-            x = pipe(x)
-        return x
-    return forward, model, pipes
+    """CFG's blocks as one eager stage, through the stand-in graphs when slots is given (one warm-up call)."""
+    return build_stage(CFG, recipe, torch.device("cpu"), compiled=False, slots=slots, warmup=1)
 
 
 def run(forward, xs, order):
