@@ -149,17 +149,14 @@ def _static_like(t: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
     """The graph's input: the tensor itself where it already is another graph's static output (a block's output
     feeding the next block of the same slot, no copy at replay), else a copy."""
     static = t.detach() if getattr(t, "_megacoat_static", False) else t.detach().clone()
-    static._megacoat_static = True
-    return static.requires_grad_(requires_grad)
+    return _marked(static).requires_grad_(requires_grad)
 
 
 class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, block: GraphedBlock, entry: _SlotEntry, x: torch.Tensor, *params):
         ctx.block, ctx.entry = block, entry
-        y = block._forward_replay(entry, x)
-        y._megacoat_static = True
-        return y
+        return _marked(block._forward_replay(entry, x))
 
     @staticmethod
     def backward(ctx, gy):
@@ -177,5 +174,6 @@ class _Replay(torch.autograd.Function):
 
 
 def _marked(t: torch.Tensor) -> torch.Tensor:
+    """t, marked as a graph's static memory (read in place by the next graph of the slot)."""
     t._megacoat_static = True
     return t
